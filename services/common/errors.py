@@ -1,0 +1,81 @@
+"""Domain errors shared by every service, and their one mapping to gRPC status codes.
+
+Domain modules (engine, store, forecaster) raise these and never import ``grpc``; the
+servicers translate them with :func:`services.common.grpc_util.status_for` (STYLE.md
+"Follow" 6). Every message must tell a person what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class PLoRAError(Exception):
+    """Base class of every error P-LoRA maps to a gRPC status (default INTERNAL)."""
+
+    #: Name of the ``grpc.StatusCode`` member this error maps to.
+    status_code_name = "INTERNAL"
+
+
+class InvalidRequestError(PLoRAError):
+    """A request field is out of range or missing (INVALID_ARGUMENT)."""
+
+    status_code_name = "INVALID_ARGUMENT"
+
+
+class InvalidAdapterError(PLoRAError):
+    """An adapter directory is malformed or uses a feature we refuse (INVALID_ARGUMENT)."""
+
+    status_code_name = "INVALID_ARGUMENT"
+
+
+class IncompatibleAdapterError(PLoRAError):
+    """An adapter does not fit the served base model's modules or shapes (FAILED_PRECONDITION)."""
+
+    status_code_name = "FAILED_PRECONDITION"
+
+
+class AdapterNotFoundError(PLoRAError):
+    """No adapter with that id is registered (NOT_FOUND)."""
+
+    status_code_name = "NOT_FOUND"
+
+
+class AdapterPermissionError(PLoRAError):
+    """The adapter belongs to another tenant (PERMISSION_DENIED)."""
+
+    status_code_name = "PERMISSION_DENIED"
+
+
+class PoolExhaustedError(PLoRAError):
+    """The device pool cannot hold the adapter now or ever (RESOURCE_EXHAUSTED)."""
+
+    status_code_name = "RESOURCE_EXHAUSTED"
+
+
+class OverloadedError(PLoRAError):
+    """A queue is full; the client should back off and retry (RESOURCE_EXHAUSTED)."""
+
+    status_code_name = "RESOURCE_EXHAUSTED"
+
+
+class NoHealthyWorkerError(PLoRAError):
+    """No worker is healthy or reachable (UNAVAILABLE)."""
+
+    status_code_name = "UNAVAILABLE"
+
+
+class RequestCancelledError(PLoRAError):
+    """The client cancelled the request (CANCELLED)."""
+
+    status_code_name = "CANCELLED"
+
+
+class DeadlineExceededError(PLoRAError):
+    """A bounded wait (adapter load, queue) ran out (DEADLINE_EXCEEDED)."""
+
+    status_code_name = "DEADLINE_EXCEEDED"
+
+
+class ConfigError(PLoRAError):
+    """A configuration value is invalid; raised at start-up, before serving."""
+
+    status_code_name = "INVALID_ARGUMENT"

@@ -1,0 +1,141 @@
+"""Types shared by the worker's layers: the base model's shape and host-side LoRA weights.
+
+The layering follows vLLM's ``lora/`` package (STYLE.md "Follow" 7): ``ModelSpec`` describes
+the served base; ``LoRAWeights`` holds one adapter's tensors as PEFT defines them; the store
+(``store.py``) places them in the paged device pool; the engine applies them in batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: Projection names of a Llama-family decoder layer, in PEFT/transformers naming.
+ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+PROJECTION_MODULES: tuple[str, ...] = ATTN_MODULES + MLP_MODULES
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a Llama-family base model, as read from its config.
+
+    Attributes:
+        name: Display name of the model (e.g. ``"SmolLM2-135M-Instruct"``).
+        num_layers: Decoder layers (``num_hidden_layers``).
+        hidden_size: Model width d.
+        intermediate_size: MLP width.
+        num_heads: Attention (query) heads.
+        num_kv_heads: Key/value heads (grouped-query attention when < num_heads).
+        head_dim: Per-head width (hidden_size // num_heads unless the config says otherwise).
+        vocab_size: Embedding rows.
+        max_position_embeddings: Context window in tokens.
+        rope_theta: RoPE base.
+        rms_norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: Whether lm_head shares the embedding matrix.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """Return ``(in_features, out_features)`` of one projection of a decoder layer.
+
+        Raises:
+            KeyError: ``module`` is not one of :data:`PROJECTION_MODULES`.
+        """
+        d, q, kv, m = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
+        shapes = {
+            "q_proj": (d, q),
+            "k_proj": (d, kv),
+            "v_proj": (d, kv),
+            "o_proj": (q, d),
+            "gate_proj": (d, m),
+            "up_proj": (d, m),
+            "down_proj": (m, d),
+        }
+        return shapes[module]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready dict (published in Redis so the gateway can validate adapters)."""
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ModelSpec:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored."""
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in data.items() if k in names})  # type: ignore[arg-type]
+
+
+@dataclass
+class LoRAModuleWeights:
+    """LoRA weights of one (layer, projection) module, PEFT convention.
+
+    The module's output becomes ``y = W x + scaling * B (A x)``.
+
+    Attributes:
+        lora_a: ``[r, in_features]`` (PEFT ``lora_A.weight``).
+        lora_b: ``[out_features, r]`` (PEFT ``lora_B.weight``).
+        scaling: ``alpha / r`` or, with rsLoRA, ``alpha / sqrt(r)``, with ``r`` and ``alpha``
+            resolved per module through ``rank_pattern`` / ``alpha_pattern``.
+    """
+
+    lora_a: torch.Tensor  # [r, in_features]
+    lora_b: torch.Tensor  # [out_features, r]
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        """LoRA rank r of this module (from the tensor shapes)."""
+        return int(self.lora_a.shape[0])
+
+
+@dataclass
+class LoRAWeights:
+    """All LoRA weights of one adapter version, on the host, in the serving dtype.
+
+    Attributes:
+        adapter_id: Registry id.
+        version: Registry version (bumps on re-registration; stale versions must never serve).
+        modules: ``(layer_index, projection_name) -> LoRAModuleWeights``.
+        alpha: ``lora_alpha`` of the config (informational; scaling is per module).
+        use_rslora: Whether scaling is ``alpha / sqrt(r)``.
+        sha256: sha256 of the safetensors file the weights came from.
+    """
+
+    adapter_id: str
+    version: int
+    modules: dict[tuple[int, str], LoRAModuleWeights]
+    alpha: float = 0.0
+    use_rslora: bool = False
+    sha256: str = ""
+    target_modules: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def rank(self) -> int:
+        """Largest rank over the adapter's modules."""
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every A and B tensor together (the device pool's live bytes)."""
+        return sum(
+            m.lora_a.numel() * m.lora_a.element_size() + m.lora_b.numel() * m.lora_b.element_size()
+            for m in self.modules.values()
+        )
