@@ -1,0 +1,101 @@
+"""The contract between the continuous-batching engine and the adapter store.
+
+The engine never loads files itself: for each request naming an adapter it asks an
+:class:`AdapterProvider` for a lease, keeps the request waiting (while other requests keep
+running) until the lease is ready, computes from the lease's weights (views into the device
+pool, never a per-request copy), and releases the lease when the request finishes or is
+cancelled. While a lease is held the adapter is never evicted or moved; compaction takes
+``compute_guard()`` exclusively so no forward step reads memory being moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common.types import LoRAModuleWeights
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """What a worker needs to load one adapter version.
+
+    Attributes:
+        adapter_id: Registry id.
+        version: Registry version; a lease for version v never serves bytes of another version.
+        source: Directory in PEFT layout.
+        size_bytes: Bytes in the serving dtype (from the registry), for admission checks.
+        sha256: sha256 of ``adapter_model.safetensors`` at registration.
+    """
+
+    adapter_id: str
+    version: int
+    source: str
+    size_bytes: int = 0
+    sha256: str = ""
+
+
+class AdapterLease(Protocol):
+    """A reference-counted claim on one resident (or loading) adapter."""
+
+    @property
+    def ref(self) -> AdapterRef: ...
+
+    def ready(self) -> bool:
+        """True once the weights are resident in the device pool (or the load failed)."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ready or ``timeout`` seconds pass; returns :meth:`ready`."""
+        ...
+
+    def error(self) -> Exception | None:
+        """The domain error of a failed load (then :meth:`weights` raises it)."""
+        ...
+
+    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
+        """``(layer, projection) -> weights``; tensors are views of device-pool memory.
+
+        Valid only while the lease is held and inside ``compute_guard()``: compaction may
+        re-point them between steps, so the engine re-reads them every step.
+        """
+        ...
+
+    @property
+    def cold(self) -> bool:
+        """True when the adapter was not resident when the lease was taken (a cold start)."""
+        ...
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds from lease creation until ready (0 for a warm lease)."""
+        ...
+
+    def release(self) -> None:
+        """Drop the claim (idempotent); the adapter becomes evictable when no lease is held."""
+        ...
+
+
+class AdapterProvider(Protocol):
+    """The worker's adapter store as the engine sees it."""
+
+    def acquire(self, ref: AdapterRef) -> AdapterLease:
+        """Take a lease on ``ref``, starting a high-priority load if it is not resident.
+
+        Never blocks on I/O. Raises the domain errors of ``services.common.errors`` for an
+        adapter that can never be served (``PoolExhaustedError`` when it is bigger than the
+        pool, ``InvalidAdapterError``/``IncompatibleAdapterError`` for bad files).
+        """
+        ...
+
+    def compute_guard(self) -> contextlib.AbstractContextManager[None]:
+        """Held by the engine around each forward step; compaction holds it exclusively."""
+        ...
+
+
+@contextlib.contextmanager
+def no_guard() -> Iterator[None]:
+    """A guard that guards nothing: for providers whose memory never moves."""
+    yield
