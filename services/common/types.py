@@ -72,6 +72,35 @@ class ModelSpec:
         }
         return shapes[module]
 
+    @classmethod
+    def from_hf_config(cls, config: dict[str, object], name: str = "") -> ModelSpec:
+        """Build from a Hugging Face Llama-family ``config.json`` dict.
+
+        Reads ``rope_theta`` at the top level or inside ``rope_parameters`` (transformers >= 5).
+
+        Raises:
+            KeyError: a required field (``hidden_size``, ``num_hidden_layers``, ...) is missing.
+        """
+        c = config
+        heads = int(c["num_attention_heads"])  # type: ignore[arg-type]
+        hidden = int(c["hidden_size"])  # type: ignore[arg-type]
+        rope = c.get("rope_parameters") or {}
+        theta = c.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None)
+        return cls(
+            name=name or str(c.get("_name_or_path") or c.get("model_type") or "llama"),
+            num_layers=int(c["num_hidden_layers"]),  # type: ignore[arg-type]
+            hidden_size=hidden,
+            intermediate_size=int(c["intermediate_size"]),  # type: ignore[arg-type]
+            num_heads=heads,
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),  # type: ignore[arg-type]
+            head_dim=int(c.get("head_dim") or hidden // heads),  # type: ignore[arg-type]
+            vocab_size=int(c["vocab_size"]),  # type: ignore[arg-type]
+            max_position_embeddings=int(c.get("max_position_embeddings") or 2048),  # type: ignore[arg-type]
+            rope_theta=float(theta or 10000.0),  # type: ignore[arg-type]
+            rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),  # type: ignore[arg-type]
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict (published in Redis so the gateway can validate adapters)."""
         return dict(self.__dict__)
