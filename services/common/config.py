@@ -1,0 +1,82 @@
+"""Helpers for the per-service config dataclasses: documented ``PLORA_*`` environment fallbacks.
+
+Each service has one frozen config dataclass (``services/<svc>/config.py``) built from CLI flags;
+a flag left unset falls back to its ``PLORA_*`` environment variable, then to the default. This
+module is the only place that reads ``os.environ`` for configuration (STYLE.md "Follow" 5).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from services.common.errors import ConfigError
+
+#: Default Redis URL when neither --redis-url nor PLORA_REDIS_URL is given.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def env_or(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """Return the environment variable ``name`` if set and non-empty, else ``default``."""
+    value = (os.environ if env is None else env).get(name)
+    return value if value not in (None, "") else default
+
+
+def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
+    """Integer environment fallback.
+
+    Raises:
+        ConfigError: the variable is set but is not an integer.
+    """
+    raw = env_or(name, None, env)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+
+def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """Float environment fallback.
+
+    Raises:
+        ConfigError: the variable is set but is not a number.
+    """
+    raw = env_or(name, None, env)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}={raw!r} is not a number") from exc
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte size such as ``"512MiB"``, ``"4M"``, ``"1GiB"`` or ``"1048576"``.
+
+    Binary units (KiB/MiB/GiB and K/M/G) are powers of 1024; KB/MB/GB are powers of 1000.
+
+    Raises:
+        ConfigError: the text is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    s = text.strip()
+    units = {
+        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+        "k": 1 << 10, "m": 1 << 20, "g": 1 << 30,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1,
+    }
+    lower = s.lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if lower.endswith(unit):
+            number = lower[: -len(unit)].strip()
+            try:
+                return int(float(number) * units[unit])
+            except ValueError:
+                break
+    try:
+        return int(s)
+    except ValueError as exc:
+        raise ConfigError(f"{text!r} is not a byte size (examples: 512MiB, 4M, 1048576)") from exc

@@ -1,0 +1,66 @@
+"""Conversions between registry records, engine types and ``plora.v1`` messages."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from plora.v1 import gateway_pb2
+from services.common.registry import AdapterRecord, WorkerRecord
+from services.worker.adapter_api import AdapterRef
+
+
+def adapter_info(record: AdapterRecord) -> gateway_pb2.AdapterInfo:
+    """``AdapterRecord`` -> ``plora.v1.AdapterInfo``."""
+    return gateway_pb2.AdapterInfo(**asdict(record))
+
+
+def adapter_record(info: gateway_pb2.AdapterInfo) -> AdapterRecord:
+    """``plora.v1.AdapterInfo`` -> ``AdapterRecord``."""
+    return AdapterRecord(
+        adapter_id=info.adapter_id,
+        source=info.source,
+        tenant_id=info.tenant_id,
+        rank=info.rank,
+        alpha=info.alpha,
+        target_modules=list(info.target_modules),
+        size_bytes=info.size_bytes,
+        sha256=info.sha256,
+        version=info.version,
+        use_rslora=info.use_rslora,
+        created_unix_ms=info.created_unix_ms,
+        num_modules=info.num_modules,
+    )
+
+
+def adapter_ref(info: gateway_pb2.AdapterInfo) -> AdapterRef:
+    """``plora.v1.AdapterInfo`` -> the engine/store's ``AdapterRef``."""
+    return AdapterRef(
+        adapter_id=info.adapter_id,
+        version=int(info.version),
+        source=info.source,
+        size_bytes=int(info.size_bytes),
+        sha256=info.sha256,
+    )
+
+
+def pool_stats(pool: dict[str, Any]) -> gateway_pb2.PoolStats:
+    """A worker's pool-stats dict (heartbeat JSON) -> ``plora.v1.PoolStats`` (unknown keys dropped)."""
+    fields = gateway_pb2.PoolStats.DESCRIPTOR.fields_by_name
+    return gateway_pb2.PoolStats(**{k: v for k, v in pool.items() if k in fields})
+
+
+def worker_status(record: WorkerRecord) -> gateway_pb2.WorkerStatus:
+    """``WorkerRecord`` -> ``plora.v1.WorkerStatus``."""
+    return gateway_pb2.WorkerStatus(
+        worker_id=record.worker_id,
+        address=record.address,
+        healthy=record.healthy,
+        heartbeat_age_seconds=record.heartbeat_age_seconds,
+        queue_length=record.queue_length,
+        running=record.running,
+        resident_adapters=sorted(record.resident),
+        pool=pool_stats(record.pool),
+        device=record.device,
+        metrics_url=record.metrics_url,
+    )

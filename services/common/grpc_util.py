@@ -1,0 +1,168 @@
+"""gRPC plumbing shared by every service: the server factory, error mapping, health waits.
+
+The server factory follows gRPC's ``examples/python`` (STYLE.md "Follow" 4): it binds a port
+(0 = any free port, used by the tests), registers the standard health service and server
+reflection, and returns the real port. Domain errors (``services.common.errors``) are mapped to
+status codes here and nowhere else (STYLE.md "Follow" 6).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import PLoRAError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Options for every channel and server: large messages are not expected, keepalive is.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """Map a domain error to its gRPC status code; anything else is INTERNAL."""
+    if isinstance(exc, PLoRAError):
+        return getattr(grpc.StatusCode, exc.status_code_name)
+    return grpc.StatusCode.INTERNAL
+
+
+def abort(context: grpc.ServicerContext, exc: BaseException, request_id: str = "") -> None:
+    """Abort an RPC with the status for ``exc`` and a message a person can act on.
+
+    Unknown exceptions are logged with their stack and reported as INTERNAL with a reference id,
+    never with the stack itself.
+    """
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, PLoRAError):
+        ref = request_id or uuid.uuid4().hex[:12]
+        logger.exception("internal error (ref %s)", ref, exc_info=exc)
+        context.abort(code, f"internal error (ref {ref}); see the server log")
+    context.abort(code, str(exc) or type(exc).__name__)
+
+
+def map_errors(method: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a unary servicer method so domain errors become their status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> T:
+        try:
+            return method(self, request, context)
+        except PLoRAError as exc:
+            abort(context, exc)
+        except Exception as exc:  # noqa: BLE001 - mapped to INTERNAL with a reference id
+            if already_aborted(context):
+                raise
+            abort(context, exc)
+        raise AssertionError("unreachable")  # context.abort always raises
+
+    return wrapper
+
+
+def map_stream_errors(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+    """Like :func:`map_errors`, for server-streaming methods (generators)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[T]:
+        try:
+            yield from method(self, request, context)
+        except PLoRAError as exc:
+            abort(context, exc)
+        except Exception as exc:  # noqa: BLE001
+            if already_aborted(context):
+                raise
+            abort(context, exc)
+
+    return wrapper
+
+
+def already_aborted(context: grpc.ServicerContext) -> bool:
+    """True once ``context.abort`` ran: it raises a bare ``Exception`` that must propagate."""
+    code = context.code()
+    return code is not None and code is not grpc.StatusCode.OK
+
+
+def create_server(
+    register: Callable[[grpc.Server], Iterable[str]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 32,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build a started-ready (not yet started) gRPC server with health and reflection.
+
+    Args:
+        register: Adds the service's servicers to the server and returns their full service
+            names (``"plora.v1.Gateway"``), which are advertised by reflection and health.
+        host: Interface to bind (``0.0.0.0`` in containers, loopback otherwise).
+        port: TCP port; 0 picks a free port.
+        max_workers: Threads serving RPCs (each streaming RPC holds one while it runs).
+
+    Returns:
+        ``(server, bound_port, health_servicer)``; statuses start NOT_SERVING: call
+        :func:`set_serving` once the service is ready.
+
+    Raises:
+        OSError: the port could not be bound.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS
+    )
+    names = list(register(server))
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC port {host}:{port} (in use?)")
+    return server, bound, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool) -> None:
+    """Set the health status of the overall server ("") and each named service."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ["", *names]:
+        health_servicer.set(name, status)
+
+
+def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+    """Block until the server at ``address`` reports SERVING, or raise TimeoutError.
+
+    Watches the standard health service under one deadline (no sleep-polling of ports).
+    """
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        last = "no answer"
+        try:
+            for resp in stub.Watch(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, wait_for_ready=True
+            ):
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.RpcError as exc:
+            last = f"{exc.code().name} after {last}"
+    raise TimeoutError(f"{address} not healthy after {timeout:.0f}s (last: {last})")

@@ -1,0 +1,299 @@
+"""The Redis metadata registry: adapters, workers (heartbeats with TTL), placement, forecast.
+
+Key layout (prefix ``plora`` by default; every value is JSON unless noted):
+
+* ``{p}:adapters`` - set of registered adapter ids.
+* ``{p}:adapter:{id}`` - :class:`AdapterRecord`.
+* ``{p}:adapter_version:{id}`` - integer counter; never reset, so a re-registered id (even after
+  a delete) always gets a higher version and stale copies are recognisable in every tier.
+* ``{p}:workers`` - set of worker ids that have ever registered (pruned on graceful stop).
+* ``{p}:worker:{id}`` - :class:`WorkerRecord` (last heartbeat, kept without TTL).
+* ``{p}:worker_alive:{id}`` - liveness key with the heartbeat TTL: healthy while it exists.
+* ``{p}:model`` - the served base model's :class:`~services.common.types.ModelSpec`.
+* ``{p}:placement`` - ``{adapter_id: [worker_id, ...]}`` from the predictor.
+* ``{p}:forecast`` - ``{"made_unix", "horizon_seconds", "model", "expected": {id: count}}``.
+* ``{p}:predictor_state`` - bytes: the predictor's model and recent counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis
+
+from services.common.errors import AdapterNotFoundError, ConfigError, PLoRAError
+from services.common.types import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+class RegistryUnavailableError(PLoRAError):
+    """Redis cannot be reached (UNAVAILABLE)."""
+
+    status_code_name = "UNAVAILABLE"
+
+
+@dataclass
+class AdapterRecord:
+    """Registry entry of one adapter version (mirrors ``plora.v1.AdapterInfo``).
+
+    Attributes:
+        adapter_id: Registry id.
+        source: Directory in PEFT layout.
+        tenant_id: Owner; empty = shared.
+        rank: Largest LoRA rank over the modules.
+        alpha: ``lora_alpha``.
+        target_modules: Projection names present.
+        size_bytes: Weights' bytes in the serving dtype.
+        sha256: sha256 of ``adapter_model.safetensors``.
+        version: Registry version (monotonic per id).
+        use_rslora: rsLoRA scaling.
+        created_unix_ms: Registration time.
+        num_modules: (layer, projection) modules carrying LoRA.
+    """
+
+    adapter_id: str
+    source: str
+    tenant_id: str = ""
+    rank: int = 0
+    alpha: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+    size_bytes: int = 0
+    sha256: str = ""
+    version: int = 0
+    use_rslora: bool = False
+    created_unix_ms: int = 0
+    num_modules: int = 0
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> AdapterRecord:
+        data = json.loads(raw)
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class WorkerRecord:
+    """A worker's last heartbeat.
+
+    Attributes:
+        worker_id: Stable id (``worker-0``).
+        address: ``host:port`` of its gRPC server, as reachable by the gateway.
+        metrics_url: Its Prometheus endpoint.
+        device: ``cpu`` / ``cuda:0``.
+        heartbeat_unix: Wall-clock time of the heartbeat.
+        queue_length: Requests waiting to join the batch.
+        running: Requests in the running batch.
+        resident: Adapter ids resident in the device pool.
+        pool: Pool statistics (keys of ``plora.v1.PoolStats``).
+        healthy: Filled in by :meth:`Registry.list_workers` from the liveness key.
+    """
+
+    worker_id: str
+    address: str
+    metrics_url: str = ""
+    device: str = "cpu"
+    heartbeat_unix: float = 0.0
+    queue_length: int = 0
+    running: int = 0
+    resident: list[str] = field(default_factory=list)
+    pool: dict[str, Any] = field(default_factory=dict)
+    healthy: bool = False
+
+    @property
+    def heartbeat_age_seconds(self) -> float:
+        """Seconds since the last heartbeat (wall clock)."""
+        return max(0.0, time.time() - self.heartbeat_unix)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerRecord:
+        data = json.loads(raw)
+        names = cls.__dataclass_fields__.keys()
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def connect(url: str, timeout: float = 5.0) -> redis.Redis:
+    """Open a Redis client and check it answers.
+
+    Args:
+        url: ``redis://host:port/db`` or ``unix:///path/to/socket``.
+        timeout: Socket connect/read timeout in seconds.
+
+    Raises:
+        RegistryUnavailableError: Redis does not answer PING, with the URL and what to do.
+        ConfigError: the URL is malformed.
+    """
+    try:
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout, socket_timeout=timeout, health_check_interval=30
+        )
+    except ValueError as exc:
+        raise ConfigError(f"invalid Redis URL {url!r}: {exc}") from exc
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RegistryUnavailableError(
+            f"cannot reach Redis at {url} ({exc}); start Redis or set PLORA_REDIS_URL / "
+            "--redis-url to a reachable server"
+        ) from exc
+    return client
+
+
+class Registry:
+    """Typed access to the keys above. Thread-safe (redis-py pools connections)."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "plora") -> None:
+        self.client = client
+        self.prefix = prefix
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def next_adapter_version(self, adapter_id: str) -> int:
+        """Reserve the next version number of ``adapter_id`` (monotonic, never reused)."""
+        return int(self.client.incr(self._k("adapter_version", adapter_id)))
+
+    def put_adapter(self, record: AdapterRecord) -> None:
+        """Write (or replace) an adapter record and index it, atomically."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self._k("adapter", record.adapter_id), json.dumps(asdict(record)))
+        pipe.sadd(self._k("adapters"), record.adapter_id)
+        pipe.execute()
+
+    def get_adapter(self, adapter_id: str) -> AdapterRecord:
+        """Return the current record.
+
+        Raises:
+            AdapterNotFoundError: no adapter with that id is registered.
+        """
+        raw = self.client.get(self._k("adapter", adapter_id))
+        if raw is None:
+            raise AdapterNotFoundError(
+                f"adapter {adapter_id!r} is not registered; register it with RegisterAdapter "
+                "(plora adapters register) or check ListAdapters"
+            )
+        return AdapterRecord.from_json(raw)
+
+    def list_adapters(self) -> list[AdapterRecord]:
+        """Every registered adapter, sorted by id."""
+        ids = sorted(x.decode() for x in self.client.smembers(self._k("adapters")))
+        if not ids:
+            return []
+        raws = self.client.mget([self._k("adapter", i) for i in ids])
+        return [AdapterRecord.from_json(r) for r in raws if r is not None]
+
+    def delete_adapter(self, adapter_id: str) -> AdapterRecord:
+        """Remove an adapter (its version counter stays).
+
+        Raises:
+            AdapterNotFoundError: not registered.
+        """
+        record = self.get_adapter(adapter_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._k("adapter", adapter_id))
+        pipe.srem(self._k("adapters"), adapter_id)
+        pipe.hdel(self._k("placement"), adapter_id)
+        pipe.execute()
+        return record
+
+    # -- workers --------------------------------------------------------------------------
+
+    def heartbeat(self, record: WorkerRecord, ttl_seconds: float) -> None:
+        """Publish a worker's status and refresh its liveness key (TTL)."""
+        record.heartbeat_unix = time.time()
+        data = asdict(record)
+        data.pop("healthy", None)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self._k("worker", record.worker_id), json.dumps(data))
+        pipe.set(self._k("worker_alive", record.worker_id), "1", px=int(ttl_seconds * 1000))
+        pipe.sadd(self._k("workers"), record.worker_id)
+        pipe.execute()
+
+    def deregister_worker(self, worker_id: str) -> None:
+        """Remove a worker on graceful stop."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._k("worker", worker_id), self._k("worker_alive", worker_id))
+        pipe.srem(self._k("workers"), worker_id)
+        pipe.execute()
+
+    def list_workers(self) -> list[WorkerRecord]:
+        """Every known worker with ``healthy`` set from its liveness key, sorted by id."""
+        ids = sorted(x.decode() for x in self.client.smembers(self._k("workers")))
+        if not ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for i in ids:
+            pipe.get(self._k("worker", i))
+            pipe.exists(self._k("worker_alive", i))
+        out = pipe.execute()
+        workers = []
+        for n, _ in enumerate(ids):
+            raw, alive = out[2 * n], out[2 * n + 1]
+            if raw is None:
+                continue
+            rec = WorkerRecord.from_json(raw)
+            rec.healthy = bool(alive)
+            workers.append(rec)
+        return workers
+
+    # -- model, placement, forecast, predictor state ---------------------------------------
+
+    def set_model_spec(self, spec: ModelSpec, serving_dtype: str) -> None:
+        """Publish the served base model's shape and the workers' serving dtype (``float32``).
+
+        The gateway validates adapters against the shape and sizes them in that dtype.
+        """
+        payload = {**spec.to_dict(), "serving_dtype": serving_dtype}
+        self.client.set(self._k("model"), json.dumps(payload))
+
+    def get_model_spec(self) -> tuple[ModelSpec, str] | None:
+        """``(spec, serving_dtype)`` of the served base model, or None before any worker started."""
+        raw = self.client.get(self._k("model"))
+        if raw is None:
+            return None
+        data = json.loads(raw)
+        return ModelSpec.from_dict(data), str(data.get("serving_dtype", "float32"))
+
+    def set_placement(self, placement: dict[str, list[str]]) -> None:
+        """Replace the placement map ``adapter_id -> [worker_id, ...]``."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self._k("placement"))
+        if placement:
+            pipe.hset(self._k("placement"), mapping={k: json.dumps(v) for k, v in placement.items()})
+        pipe.execute()
+
+    def get_placement(self) -> dict[str, list[str]]:
+        """The placement map (empty when no predictor has published one)."""
+        raw = self.client.hgetall(self._k("placement"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def set_forecast(
+        self, expected: dict[str, float], horizon_seconds: float, model: str, ttl_seconds: float = 30
+    ) -> None:
+        """Publish the latest forecast (expires so a dead predictor's forecast is not used)."""
+        payload = {
+            "made_unix": time.time(),
+            "horizon_seconds": horizon_seconds,
+            "model": model,
+            "expected": expected,
+        }
+        self.client.set(self._k("forecast"), json.dumps(payload), px=int(ttl_seconds * 1000))
+
+    def get_forecast(self) -> dict[str, Any] | None:
+        """The latest forecast payload, or None (no predictor, or it stopped publishing)."""
+        raw = self.client.get(self._k("forecast"))
+        return None if raw is None else json.loads(raw)
+
+    def save_predictor_state(self, blob: bytes) -> None:
+        """Persist the predictor's model and recent counts."""
+        self.client.set(self._k("predictor_state"), blob)
+
+    def load_predictor_state(self) -> bytes | None:
+        """The persisted predictor state, or None."""
+        return self.client.get(self._k("predictor_state"))
