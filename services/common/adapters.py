@@ -1,0 +1,903 @@
+"""Parse, validate and load PEFT LoRA adapters (``adapter_config.json`` + safetensors).
+
+Two entry points share one validation path:
+
+- :func:`inspect_adapter` reads the config and only the safetensors *header* (names, dtypes,
+  shapes), checks the adapter against the served base model's :class:`ModelSpec`, and returns an
+  :class:`AdapterManifest` (rank, per-module scaling, bytes in the serving dtype, sha256). The
+  gateway runs it at registration; it never reads tensor data beyond hashing the file.
+- :func:`load_lora_weights` repeats the same checks on the bytes it loads and returns
+  :class:`LoRAWeights` (A ``[r, in]``, B ``[out, r]``, per-module scaling) cast to the serving
+  dtype. The worker's store runs it.
+
+PEFT conventions followed exactly (peft 0.21, ``tuners/lora/model.py`` ``_create_and_replace``,
+``tuners/lora/layer.py`` ``update_layer``, ``tuners/tuners_utils.py``
+``check_target_module_exists``, ``utils/other.py`` ``get_pattern_key`` /
+``match_target_against_key``, ``utils/save_and_load.py``):
+
+- scaling = ``alpha / r``, or ``alpha / sqrt(r)`` with ``use_rslora``; ``r`` and ``alpha`` are
+  resolved *separately* per module through ``rank_pattern`` / ``alpha_pattern``: the first
+  pattern key ``k`` (in file order) with ``re.match(rf"(.*\\.)?({k})$", module_name)`` wins, so
+  full names (``model.layers.0.self_attn.q_proj``), suffixes (``q_proj``,
+  ``layers.3.mlp.up_proj``) and regexes all work as in PEFT.
+- ``target_modules``: a list selects a module whose name equals an entry or ends with
+  ``"." + entry``; a string is a regex that must ``re.fullmatch`` the module name;
+  ``"all-linear"`` selects every projection (a Llama model's linear layers minus ``lm_head``).
+  ``exclude_modules``, ``layers_to_transform`` and ``layers_pattern`` apply as in PEFT.
+- Module names are the ones PEFT sees on a ``LlamaForCausalLM``:
+  ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` / ``model.layers.{i}.mlp.{gate,up,down}_proj``.
+- Tensor keys may carry the ``base_model.model.`` prefix or not, and the adapter-name segment
+  (``.lora_A.default.weight``) or not (``.lora_A.weight``, what ``save_pretrained`` writes).
+
+Errors: :class:`InvalidAdapterError` (INVALID_ARGUMENT) for malformed adapters or features
+that change the math we serve (DoRA, biases, modules_to_save, ...);
+:class:`IncompatibleAdapterError` (FAILED_PRECONDITION) when the tensors do not fit the base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.errors import IncompatibleAdapterError, InvalidAdapterError
+from services.common.types import (
+    ATTN_MODULES,
+    PROJECTION_MODULES,
+    LoRAModuleWeights,
+    LoRAWeights,
+    ModelSpec,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"
+
+#: PEFT's default LoRA targets for ``model_type == "llama"`` when a config has none
+#: (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["llama"]``).
+LLAMA_DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "v_proj")
+ALL_LINEAR = "all-linear"
+
+#: safetensors dtype strings of floating-point tensors we accept, with their torch dtype.
+_ST_FLOAT_DTYPES: dict[str, torch.dtype] = {
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+#: Largest safetensors header we read (the format's own limit is 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+#: ``init_lora_weights`` values whose training changed the *base* weights (the adapter only
+#: works on that modified base unless converted with ``path_initial_model_for_weight_conversion``).
+_BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+#: Config fields that switch on a LoRA variant with a different forward pass (PEFT tags them
+#: ``is_lora_variant``) or structure we do not serve; truthy values are refused.
+_UNSUPPORTED_FEATURES: dict[str, str] = {
+    "use_dora": "DoRA (use_dora: true) adds a per-module magnitude vector",
+    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) activates only after invocation tokens",
+    "use_qalora": "QA-LoRA (use_qalora: true) pools the input before lora_A",
+    "velora_config": "VeLoRA (velora_config) changes the forward pass",
+    "monteclora_config": "MonteCLoRA (monteclora_config) samples the LoRA weights",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) changes the tensor layout",
+    "arrow_config": "Arrow routing (arrow_config) mixes several adapters per token",
+    "kasa_config": "KaSA (kasa_config) adds a singular-value vector",
+    "lora_bias": "lora_bias: true adds a bias to lora_B",
+    "layer_replication": "layer_replication changes the base model's layer stack",
+    "target_parameters": "target_parameters puts LoRA on raw parameters (e.g. MoE experts)",
+    "trainable_token_indices": "trainable_token_indices changes embedding rows",
+}
+
+# Tensor keys: optional "base_model.model." prefix, module path, lora_A/lora_B, optional
+# adapter name, ".weight". Other LoRA tensors (DoRA magnitude, embedding LoRA, biases) are
+# recognized so the refusal can say what they are.
+_LORA_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?P<kind>lora_A|lora_B)"
+    r"(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$"
+)
+_OTHER_LORA_RE = re.compile(r"lora_magnitude_vector|lora_embedding_[AB]|lora_diag|lora_[A-Z]\b")
+#: Modules of a Llama model that exist but cannot carry LoRA here.
+_LLAMA_NON_PROJECTIONS = frozenset(
+    {
+        "embed_tokens",
+        "lm_head",
+        "norm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "rotary_emb",
+        "act_fn",
+        "self_attn",
+        "mlp",
+    }
+)
+# A Llama decoder projection. Anything before "layers." is accepted as the model trunk
+# ("model.", "model.language_model.", none), matching PEFT's suffix semantics.
+_LLAMA_MODULE_RE = re.compile(
+    r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\.(?P<proj>[A-Za-z0-9_]+)$"
+)
+
+
+# ----------------------------------------------------------------------------------------
+# Config parsing (pure)
+
+
+@dataclass(frozen=True)
+class LoraAdapterConfig:
+    """The fields of a PEFT ``LoraConfig`` that change what we serve.
+
+    Every other field a PEFT version writes is ignored (after the refusals in
+    :func:`parse_adapter_config`).
+
+    Attributes:
+        r: Default rank.
+        lora_alpha: Default alpha.
+        use_rslora: Scaling ``alpha / sqrt(r)`` instead of ``alpha / r``.
+        target_modules: List of names/suffixes, a regex string, or ``"all-linear"``.
+        exclude_modules: Same forms as ``target_modules``; ``None`` when absent.
+        rank_pattern: Ordered ``pattern -> r``.
+        alpha_pattern: Ordered ``pattern -> alpha``.
+        layers_to_transform: Layer index or indexes (list ``target_modules`` only).
+        layers_pattern: Name(s) of the layer list (``"layers"``), used with the above.
+        base_model_name_or_path: What the adapter was trained on (informational).
+        peft_version: PEFT version that wrote the file, when recorded.
+    """
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    target_modules: tuple[str, ...] | str = LLAMA_DEFAULT_TARGETS
+    exclude_modules: tuple[str, ...] | str | None = None
+    rank_pattern: Mapping[str, int] = field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = field(default_factory=dict)
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] | None = None
+    base_model_name_or_path: str = ""
+    peft_version: str = ""
+
+    def resolve(self, module_name: str) -> tuple[int, float]:
+        """``(r, alpha)`` of one module, each resolved through its pattern as PEFT does."""
+        r_key = get_pattern_key(self.rank_pattern.keys(), module_name)
+        a_key = get_pattern_key(self.alpha_pattern.keys(), module_name)
+        return int(self.rank_pattern.get(r_key, self.r)), float(
+            self.alpha_pattern.get(a_key, self.lora_alpha)
+        )
+
+    def scaling(self, module_name: str, r: int | None = None) -> float:
+        """LoRA scaling of one module: ``alpha / r`` or ``alpha / sqrt(r)`` (rsLoRA)."""
+        r_cfg, alpha = self.resolve(module_name)
+        r = r_cfg if r is None else r
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def targets(self, module_name: str) -> bool:
+        """Whether PEFT would put this adapter's LoRA on ``module_name``.
+
+        A port of ``check_target_module_exists`` (modules_to_save is refused earlier).
+        """
+        ex = self.exclude_modules
+        if ex:
+            if isinstance(ex, str):
+                if re.fullmatch(ex, module_name):
+                    return False
+            elif module_name in ex or any(module_name.endswith(f".{k}") for k in ex):
+                return False
+        tm = self.target_modules
+        if isinstance(tm, str):
+            if tm == ALL_LINEAR:
+                tm = PROJECTION_MODULES
+            else:
+                return re.fullmatch(tm, module_name) is not None
+        if module_name in tm:
+            return True
+        found = any(module_name.endswith(f".{k}") for k in tm)
+        if found and self.layers_to_transform:
+            if not self.layers_pattern:
+                m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
+            else:
+                m = None
+                for pattern in self.layers_pattern:
+                    m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_name)
+                    if m is not None:
+                        break
+            if m is None:
+                return False
+            return int(m.group("idx")) in self.layers_to_transform
+        return found
+
+
+def get_pattern_key(pattern_keys: Sequence[str] | Any, key_to_match: str) -> str:
+    """PEFT's ``get_pattern_key``: the first pattern ``k`` with ``(.*\\.)?(k)$`` matching.
+
+    Returns ``key_to_match`` itself when no pattern matches (so ``dict.get(.., default)``
+    falls back to the config's default), exactly as PEFT does.
+    """
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", key_to_match):
+            return str(key)
+    return key_to_match
+
+
+def _truthy(value: object) -> bool:
+    if value is None or value is False:
+        return False
+    return not (isinstance(value, (list, tuple, dict, str)) and len(value) == 0)
+
+
+def _str_list(value: object, name: str) -> tuple[str, ...] | str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise InvalidAdapterError(f"{CONFIG_NAME}: {name} {value!r} is not a valid regex: {e}")
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise InvalidAdapterError(
+        f"{CONFIG_NAME}: {name} must be a list of module names or a regex string, got {value!r}"
+    )
+
+
+def _number(cfg: Mapping[str, object], name: str, default: float | None) -> float:
+    value = cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidAdapterError(f"{CONFIG_NAME}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _pattern(cfg: Mapping[str, object], name: str) -> dict[str, float]:
+    value = cfg.get(name) or {}
+    if not isinstance(value, dict):
+        raise InvalidAdapterError(f"{CONFIG_NAME}: {name} must be an object, got {value!r}")
+    out: dict[str, float] = {}
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise InvalidAdapterError(
+                f"{CONFIG_NAME}: {name}[{k!r}] must be a positive number, got {v!r}"
+            )
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise InvalidAdapterError(f"{CONFIG_NAME}: {name} key {k!r} is not a valid regex: {e}")
+        out[str(k)] = v
+    return out
+
+
+def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
+    """Validate a PEFT ``adapter_config.json`` dict and keep what changes the math.
+
+    Unknown fields (written by newer PEFT versions) are ignored. Refused, each with
+    :class:`InvalidAdapterError`: ``peft_type`` other than ``LORA``; non-empty
+    ``modules_to_save``; ``bias`` other than ``"none"``; DoRA and the other LoRA variants with
+    a different forward pass (:data:`_UNSUPPORTED_FEATURES`); ``init_lora_weights`` of a method
+    that modified the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) and was not converted;
+    a missing or non-positive ``r`` / ``lora_alpha``.
+
+    Args:
+        cfg: The parsed JSON object.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        InvalidAdapterError: see above; the message names the field and what to do.
+    """
+    if not isinstance(cfg, Mapping):
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME} must hold a JSON object, got {type(cfg).__name__}"
+        )
+    peft_type = cfg.get("peft_type")
+    if peft_type != "LORA":
+        raise InvalidAdapterError(
+            f'{CONFIG_NAME}: peft_type is {peft_type!r}; only LoRA adapters (peft_type "LORA") '
+            "can be served"
+        )
+    if _truthy(cfg.get("modules_to_save")):
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: modules_to_save={cfg.get('modules_to_save')!r} replaces whole base "
+            "modules, which a shared base model cannot serve per adapter; retrain without "
+            "modules_to_save (or merge the adapter into its own model)"
+        )
+    bias = cfg.get("bias", "none")
+    if bias not in (None, "none"):
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: bias={bias!r} trains base-model biases, which a shared base model "
+            'cannot serve per adapter; only bias "none" is supported'
+        )
+    for name, what in _UNSUPPORTED_FEATURES.items():
+        if _truthy(cfg.get(name)):
+            raise InvalidAdapterError(
+                f"{CONFIG_NAME}: {what}, which this server does not implement; "
+                f"retrain as a plain LoRA adapter ({name} unset) or merge it into the base model"
+            )
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: init_lora_weights={init!r} modified the base weights during "
+            "training; save the adapter with save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA"
+        )
+
+    r = _number(cfg, "r", None)
+    if r != int(r) or r < 1:
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: r must be a positive integer, got {cfg.get('r')!r}"
+        )
+    alpha = _number(cfg, "lora_alpha", 8)
+    rank_pattern = _pattern(cfg, "rank_pattern")
+    for k, v in rank_pattern.items():
+        if v != int(v):
+            raise InvalidAdapterError(
+                f"{CONFIG_NAME}: rank_pattern[{k!r}] must be an integer, got {v!r}"
+            )
+
+    target = _str_list(cfg.get("target_modules"), "target_modules")
+    if target is None:
+        target = LLAMA_DEFAULT_TARGETS  # PEFT's default for model_type "llama"
+    exclude = _str_list(cfg.get("exclude_modules"), "exclude_modules")
+
+    ltt = cfg.get("layers_to_transform")
+    layers: tuple[int, ...] | None
+    if ltt is None or ltt == []:
+        layers = None
+    elif isinstance(ltt, int) and not isinstance(ltt, bool):
+        layers = (ltt,)
+    elif isinstance(ltt, list) and all(isinstance(i, int) for i in ltt):
+        layers = tuple(ltt)
+    else:
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: layers_to_transform must be an int or a list of ints, got {ltt!r}"
+        )
+    lp = cfg.get("layers_pattern")
+    layers_pattern: tuple[str, ...] | None
+    if isinstance(lp, str):
+        layers_pattern = (lp,) if lp else None
+    elif isinstance(lp, list) and all(isinstance(x, str) for x in lp):
+        layers_pattern = tuple(lp) or None
+    elif lp is None:
+        layers_pattern = None
+    else:
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: layers_pattern must be a string or a list of strings, got {lp!r}"
+        )
+    if isinstance(target, str) and layers is not None:
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME}: layers_to_transform cannot be used when target_modules is a regex "
+            "string (PEFT refuses this too)"
+        )
+
+    return LoraAdapterConfig(
+        r=int(r),
+        lora_alpha=alpha,
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        target_modules=target,
+        exclude_modules=exclude,
+        rank_pattern={k: int(v) for k, v in rank_pattern.items()},
+        alpha_pattern=dict(_pattern(cfg, "alpha_pattern")),
+        layers_to_transform=layers,
+        layers_pattern=layers_pattern,
+        base_model_name_or_path=str(cfg.get("base_model_name_or_path") or ""),
+        peft_version=str(cfg.get("peft_version") or ""),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Tensor key parsing (pure)
+
+
+def canonical_module_name(layer: int, projection: str) -> str:
+    """The module's name in a ``LlamaForCausalLM`` (what PEFT matches patterns against)."""
+    group = "self_attn" if projection in ATTN_MODULES else "mlp"
+    return f"model.layers.{layer}.{group}.{projection}"
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    key: str
+    dtype: str  # safetensors dtype string, e.g. "F32"
+    shape: tuple[int, ...]
+
+
+def parse_tensor_key(key: str) -> tuple[int, str, str, str | None]:
+    """Map a PEFT LoRA tensor key onto ``(layer, projection, "lora_A"|"lora_B", adapter_name)``.
+
+    Examples: ``base_model.model.model.layers.3.mlp.up_proj.lora_B.weight`` ->
+    ``(3, "up_proj", "lora_B", None)``; ``model.layers.0.self_attn.q_proj.lora_A.default.weight``
+    -> ``(0, "q_proj", "lora_A", "default")``.
+
+    Raises:
+        InvalidAdapterError: the key is not a LoRA A/B weight (DoRA magnitude, a bias, embedding
+            LoRA, a full module weight) or puts LoRA on a module other than the 7 projections
+            (``embed_tokens``, ``lm_head``, norms).
+        IncompatibleAdapterError: the module path is not a Llama decoder projection at all
+            (another architecture's naming, e.g. ``transformer.h.0.attn.c_attn``).
+    """
+    m = _LORA_KEY_RE.match(key)
+    if m is None:
+        if _OTHER_LORA_RE.search(key):
+            what = (
+                "a DoRA magnitude vector (use_dora)"
+                if "magnitude" in key
+                else "a LoRA tensor kind this server does not serve"
+            )
+            raise InvalidAdapterError(
+                f"{WEIGHTS_NAME}: tensor {key!r} is {what}; only plain LoRA lora_A/lora_B "
+                "weights can be served"
+            )
+        raise InvalidAdapterError(
+            f"{WEIGHTS_NAME}: tensor {key!r} is not a LoRA lora_A/lora_B weight (full module "
+            "weights such as modules_to_save cannot be served per adapter); remove it"
+        )
+    if m.group("param") == "bias":
+        raise InvalidAdapterError(
+            f"{WEIGHTS_NAME}: tensor {key!r} is a LoRA bias (lora_bias), which this server "
+            "does not implement; retrain without lora_bias"
+        )
+    module = m.group("module")
+    last = module.rsplit(".", 1)[-1]
+    mm = _LLAMA_MODULE_RE.match(module)
+    if last in _LLAMA_NON_PROJECTIONS or (
+        mm is not None and mm.group("proj") not in PROJECTION_MODULES
+    ):
+        raise InvalidAdapterError(
+            f"{WEIGHTS_NAME}: tensor {key!r} puts LoRA on {module!r}; only the decoder "
+            f"projections {', '.join(PROJECTION_MODULES)} can carry LoRA here (retrain with "
+            "target_modules limited to them)"
+        )
+    if mm is None:
+        raise IncompatibleAdapterError(
+            f"{WEIGHTS_NAME}: tensor {key!r} names module {module!r}, which is no module of the "
+            "Llama-family base model served here (expected model.layers.<i>.self_attn.<q|k|v|o>_proj "
+            "or model.layers.<i>.mlp.<gate|up|down>_proj); this adapter was trained for another "
+            "architecture"
+        )
+    proj, group = mm.group("proj"), mm.group("group")
+    if (group == "self_attn") != (proj in ATTN_MODULES):
+        raise IncompatibleAdapterError(
+            f"{WEIGHTS_NAME}: tensor {key!r} names {group}.{proj}, which a Llama decoder layer "
+            "does not have; this adapter was trained for another architecture"
+        )
+    return int(mm.group("layer")), proj, m.group("kind"), m.group("adapter")
+
+
+# ----------------------------------------------------------------------------------------
+# Files
+
+
+def _adapter_dir(source: str | os.PathLike[str]) -> Path:
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise InvalidAdapterError(f"adapter directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise InvalidAdapterError(
+            f"adapter source {str(path)!r} is not a directory; pass the directory that holds "
+            f"{CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
+    return path
+
+
+def read_adapter_config(path: Path) -> LoraAdapterConfig:
+    """Read and parse ``<path>/adapter_config.json``.
+
+    Raises:
+        InvalidAdapterError: missing file, invalid JSON, or a refused config.
+    """
+    cfg_path = path / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise InvalidAdapterError(
+            f"{str(path)!r} has no {CONFIG_NAME}; a PEFT adapter directory holds {CONFIG_NAME} "
+            f"and {WEIGHTS_NAME} (what PeftModel.save_pretrained writes)"
+        )
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidAdapterError(f"{cfg_path} is not valid JSON: {e}") from None
+    return parse_adapter_config(raw)
+
+
+def _weights_path(path: Path) -> Path:
+    w = path / WEIGHTS_NAME
+    if w.is_file():
+        return w
+    if (path / PICKLE_WEIGHTS_NAME).is_file():
+        raise InvalidAdapterError(
+            f"{str(path)!r} holds only {PICKLE_WEIGHTS_NAME}: pickle .bin weights can execute "
+            "arbitrary code when loaded, so they are refused; convert them to safetensors "
+            "(e.g. PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True))"
+        )
+    raise InvalidAdapterError(f"{str(path)!r} has no {WEIGHTS_NAME}")
+
+
+def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> dict[str, _TensorInfo]:
+    """Parse a safetensors header: ``u64 little-endian N`` then ``N`` bytes of JSON.
+
+    Args:
+        raw: At least the first ``8 + N`` bytes of the file.
+        file_size: Size of the whole file in bytes (to detect truncation).
+        where: File name for messages.
+
+    Returns:
+        Tensor name -> dtype string and shape (the ``__metadata__`` entry is skipped).
+
+    Raises:
+        InvalidAdapterError: not a safetensors file, truncated, or a non-float tensor.
+    """
+    if len(raw) < 8:
+        raise InvalidAdapterError(f"{where} is not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > _MAX_HEADER_BYTES or 8 + n > file_size or len(raw) < 8 + n:
+        raise InvalidAdapterError(f"{where} is not a valid safetensors file (bad header length)")
+    try:
+        header = json.loads(raw[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidAdapterError(f"{where} has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise InvalidAdapterError(f"{where} has a corrupt safetensors header")
+    data_len = file_size - 8 - n
+    out: dict[str, _TensorInfo] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise InvalidAdapterError(f"{where}: header entry {key!r} is malformed") from None
+        if dtype not in _ST_FLOAT_DTYPES:
+            raise InvalidAdapterError(
+                f"{where}: tensor {key!r} has dtype {dtype}; LoRA weights must be F16, BF16, F32 "
+                "or F64 (quantized adapters are not supported)"
+            )
+        if not (0 <= start <= end <= data_len):
+            raise InvalidAdapterError(
+                f"{where}: tensor {key!r} lies outside the file (truncated download?)"
+            )
+        out[key] = _TensorInfo(key, dtype, tuple(int(s) for s in shape))
+    return out
+
+
+def _read_header(weights: Path) -> dict[str, _TensorInfo]:
+    size = weights.stat().st_size
+    with weights.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise InvalidAdapterError(f"{weights} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        body = f.read(min(n, _MAX_HEADER_BYTES))
+    return parse_safetensors_header(head + body, size, str(weights))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, streamed in ``chunk``-byte pieces."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------
+# Validation against the base model (pure, over header information)
+
+
+@dataclass(frozen=True)
+class _ModulePlan:
+    layer: int
+    projection: str
+    key_a: str
+    key_b: str
+    r: int
+    in_features: int
+    out_features: int
+    scaling: float
+
+
+def plan_modules(
+    cfg: LoraAdapterConfig, tensors: Mapping[str, _TensorInfo], spec: ModelSpec, where: str = ""
+) -> dict[tuple[int, str], _ModulePlan]:
+    """Pair lora_A/lora_B tensors per module and check them against the config and the base.
+
+    Args:
+        cfg: Parsed config.
+        tensors: Header entries of the safetensors file.
+        spec: Served base model.
+        where: Adapter directory, for messages.
+
+    Returns:
+        ``(layer, projection) -> plan`` (rank from the tensor shapes, PEFT scaling).
+
+    Raises:
+        InvalidAdapterError: unpaired A/B, several adapter names in one file, wrong tensor rank,
+            A/B rank mismatch, config ``r`` (after ``rank_pattern``) disagreeing with the
+            tensors, tensors for modules the config does not target, no tensors at all.
+        IncompatibleAdapterError: layer index >= ``spec.num_layers``, shapes that do not fit
+            the base projections (``spec.module_shape``), module names foreign to the base.
+    """
+    prefix = f"{where}: " if where else ""
+    pairs: dict[tuple[int, str], dict[str, _TensorInfo]] = {}
+    adapter_names: set[str | None] = set()
+    for key, info in tensors.items():
+        layer, proj, kind, adapter = parse_tensor_key(key)
+        adapter_names.add(adapter)
+        slot = pairs.setdefault((layer, proj), {})
+        if kind in slot:
+            raise InvalidAdapterError(
+                f"{prefix}{WEIGHTS_NAME} holds two {kind} tensors for "
+                f"{canonical_module_name(layer, proj)} ({slot[kind].key!r} and {key!r}); "
+                "save one adapter per directory"
+            )
+        slot[kind] = info
+    if len(adapter_names) > 1:
+        raise InvalidAdapterError(
+            f"{prefix}{WEIGHTS_NAME} mixes tensors of several adapter names "
+            f"{sorted(str(a) for a in adapter_names)}; save one adapter per directory"
+        )
+    if not pairs:
+        raise InvalidAdapterError(f"{prefix}{WEIGHTS_NAME} holds no LoRA tensors")
+
+    plans: dict[tuple[int, str], _ModulePlan] = {}
+    for (layer, proj), slot in sorted(
+        pairs.items(), key=lambda kv: (kv[0][0], PROJECTION_MODULES.index(kv[0][1]))
+    ):
+        name = canonical_module_name(layer, proj)
+        if "lora_A" not in slot or "lora_B" not in slot:
+            have, miss = ("lora_A", "lora_B") if "lora_A" in slot else ("lora_B", "lora_A")
+            raise InvalidAdapterError(
+                f"{prefix}{name} has {have} ({slot[have].key!r}) but no {miss}; "
+                "the adapter file is incomplete"
+            )
+        a, b = slot["lora_A"], slot["lora_B"]
+        if len(a.shape) != 2 or len(b.shape) != 2:
+            raise InvalidAdapterError(
+                f"{prefix}{name}: lora_A {list(a.shape)} and lora_B {list(b.shape)} must both be "
+                "2-D (Linear weights)"
+            )
+        r, in_features = a.shape
+        out_features, r_b = b.shape
+        if r != r_b or r < 1:
+            raise InvalidAdapterError(
+                f"{prefix}{name}: lora_A is {list(a.shape)} ([r, in]) but lora_B is "
+                f"{list(b.shape)} ([out, r]); their ranks differ"
+            )
+        if not cfg.targets(name):
+            raise InvalidAdapterError(
+                f"{prefix}{WEIGHTS_NAME} has weights for {name}, which target_modules="
+                f"{_fmt_targets(cfg.target_modules)} in {CONFIG_NAME} does not select (PEFT would "
+                "silently ignore them); fix target_modules or remove those tensors"
+            )
+        if layer >= spec.num_layers:
+            raise IncompatibleAdapterError(
+                f"{prefix}{name}: layer index {layer} does not exist in base model {spec.name!r}, "
+                f"which has {spec.num_layers} layers; this adapter was trained for another model"
+            )
+        exp_in, exp_out = spec.module_shape(proj)
+        if (in_features, out_features) != (exp_in, exp_out):
+            raise IncompatibleAdapterError(
+                f"{prefix}{name}: adapter shapes lora_A {list(a.shape)} / lora_B {list(b.shape)} "
+                f"mean in={in_features}, out={out_features}, but base model {spec.name!r} has "
+                f"in={exp_in}, out={exp_out} (lora_A [r, {exp_in}], lora_B [{exp_out}, r]); "
+                f"this adapter was trained for another model "
+                f"({cfg.base_model_name_or_path or 'unknown base'})"
+            )
+        r_cfg, _ = cfg.resolve(name)
+        if r_cfg != r:
+            raise InvalidAdapterError(
+                f"{prefix}{name}: {CONFIG_NAME} gives r={r_cfg} (r / rank_pattern) but the "
+                f"tensors have rank {r} (lora_A {list(a.shape)}); the config does not belong to "
+                "these weights — fix r / rank_pattern"
+            )
+        plans[(layer, proj)] = _ModulePlan(
+            layer, proj, a.key, b.key, r, in_features, out_features, cfg.scaling(name, r)
+        )
+    return plans
+
+
+def _fmt_targets(t: tuple[str, ...] | str) -> str:
+    return repr(t) if isinstance(t, str) else repr(list(t))
+
+
+# ----------------------------------------------------------------------------------------
+# Public API
+
+
+@dataclass(frozen=True)
+class AdapterManifest:
+    """What registration records about an adapter (no tensor data).
+
+    Attributes:
+        rank: Largest rank over the modules (from tensor shapes).
+        alpha: ``lora_alpha`` of the config (per-module alphas are folded into ``modules``).
+        use_rslora: Scaling is ``alpha / sqrt(r)``.
+        target_modules: Projection names that carry LoRA, in :data:`PROJECTION_MODULES` order.
+        modules: ``(layer, projection) -> (r, scaling)``.
+        num_modules: ``len(modules)``.
+        size_bytes: Bytes of all A and B tensors in the serving dtype.
+        sha256: Hex sha256 of ``adapter_model.safetensors``.
+        base_model_name_or_path: From the config (informational; shapes decide compatibility).
+    """
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    modules: dict[tuple[int, str], tuple[int, float]]
+    num_modules: int
+    size_bytes: int
+    sha256: str
+    base_model_name_or_path: str
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready dict; module keys become ``"<layer>.<projection>"``."""
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "use_rslora": self.use_rslora,
+            "target_modules": list(self.target_modules),
+            "modules": {f"{l}.{p}": [r, s] for (l, p), (r, s) in self.modules.items()},
+            "num_modules": self.num_modules,
+            "size_bytes": self.size_bytes,
+            "sha256": self.sha256,
+            "base_model_name_or_path": self.base_model_name_or_path,
+        }
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _manifest(
+    cfg: LoraAdapterConfig,
+    plans: Mapping[tuple[int, str], _ModulePlan],
+    sha: str,
+    dtype: torch.dtype,
+) -> AdapterManifest:
+    itemsize = _dtype_size(dtype)
+    present = {p.projection for p in plans.values()}
+    return AdapterManifest(
+        rank=max(p.r for p in plans.values()),
+        alpha=cfg.lora_alpha,
+        use_rslora=cfg.use_rslora,
+        target_modules=tuple(m for m in PROJECTION_MODULES if m in present),
+        modules={k: (p.r, p.scaling) for k, p in plans.items()},
+        num_modules=len(plans),
+        size_bytes=sum(p.r * (p.in_features + p.out_features) for p in plans.values()) * itemsize,
+        sha256=sha,
+        base_model_name_or_path=cfg.base_model_name_or_path,
+    )
+
+
+def inspect_adapter(
+    source: str | os.PathLike[str], spec: ModelSpec, dtype: torch.dtype = torch.float32
+) -> AdapterManifest:
+    """Validate an adapter directory against the base model without loading tensors.
+
+    Reads ``adapter_config.json`` and the safetensors header, hashes the weights file
+    (streamed), and runs every check of :func:`load_lora_weights` except the NaN/Inf scan.
+
+    Args:
+        source: Directory in PEFT layout.
+        spec: Served base model.
+        dtype: Serving dtype (decides ``size_bytes``).
+
+    Returns:
+        The adapter's manifest.
+
+    Raises:
+        InvalidAdapterError: malformed adapter or unsupported feature (INVALID_ARGUMENT).
+        IncompatibleAdapterError: does not fit ``spec`` (FAILED_PRECONDITION).
+    """
+    path = _adapter_dir(source)
+    cfg = read_adapter_config(path)
+    weights = _weights_path(path)
+    plans = plan_modules(cfg, _read_header(weights), spec, str(path))
+    return _manifest(cfg, plans, sha256_file(weights), dtype)
+
+
+def load_lora_weights(
+    source: str | os.PathLike[str],
+    spec: ModelSpec,
+    *,
+    adapter_id: str,
+    version: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    expected_sha256: str | None = None,
+) -> LoRAWeights:
+    """Validate and load an adapter's tensors, cast to the serving dtype.
+
+    The file is read once; the header, the sha256 and the tensors all come from those bytes.
+
+    Args:
+        source: Directory in PEFT layout.
+        spec: Served base model.
+        adapter_id: Registry id to record.
+        version: Registry version to record.
+        dtype: Serving dtype; fp16/bf16/fp32/fp64 tensors are cast to it.
+        device: Where the returned tensors live.
+        expected_sha256: When given, the weights file must still hash to it (the file was not
+            replaced since registration).
+
+    Returns:
+        ``LoRAWeights`` with A ``[r, in]`` and B ``[out, r]`` per module (contiguous) and the
+        per-module PEFT scaling.
+
+    Raises:
+        InvalidAdapterError: as :func:`inspect_adapter`, plus NaN/Inf values (also after the
+            cast, i.e. values that overflow ``dtype``) and a sha256 mismatch.
+        IncompatibleAdapterError: does not fit ``spec``.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
+    path = _adapter_dir(source)
+    cfg = read_adapter_config(path)
+    weights = _weights_path(path)
+    data = weights.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    if expected_sha256 and sha != expected_sha256:
+        raise InvalidAdapterError(
+            f"{weights} changed since registration (sha256 {sha[:12]}..., registered "
+            f"{expected_sha256[:12]}...); register the adapter again"
+        )
+    if len(data) >= 8:
+        (n,) = struct.unpack("<Q", data[:8])
+        header = parse_safetensors_header(
+            data[: 8 + min(n, _MAX_HEADER_BYTES)], len(data), str(weights)
+        )
+    else:
+        header = parse_safetensors_header(data, len(data), str(weights))
+    plans = plan_modules(cfg, header, spec, str(path))
+    try:
+        tensors = st_load(data)
+    except SafetensorError as e:
+        raise InvalidAdapterError(f"{weights} could not be read as safetensors: {e}") from None
+
+    modules: dict[tuple[int, str], LoRAModuleWeights] = {}
+    for key, plan in plans.items():
+        name = canonical_module_name(*key)
+        pair = []
+        for tkey, label in ((plan.key_a, "lora_A"), (plan.key_b, "lora_B")):
+            src = tensors[tkey]
+            if not torch.isfinite(src).all():
+                raise InvalidAdapterError(
+                    f"{path}: {name} {label} holds NaN or Inf values; the adapter is broken "
+                    "(retrain or re-export it)"
+                )
+            t = src.to(device=device, dtype=dtype).contiguous()
+            if not torch.isfinite(t).all():
+                raise InvalidAdapterError(
+                    f"{path}: {name} {label} overflows {dtype} (max |value| "
+                    f"{src.abs().max().item():.3g}); serve in a wider dtype"
+                )
+            pair.append(t)
+        modules[key] = LoRAModuleWeights(lora_a=pair[0], lora_b=pair[1], scaling=plan.scaling)
+    manifest = _manifest(cfg, plans, sha, dtype)
+    logger.debug(
+        "loaded adapter %s v%d: %d modules, rank %d, %d bytes",
+        adapter_id,
+        version,
+        manifest.num_modules,
+        manifest.rank,
+        manifest.size_bytes,
+    )
+    return LoRAWeights(
+        adapter_id=adapter_id,
+        version=version,
+        modules=modules,
+        alpha=cfg.lora_alpha,
+        use_rslora=cfg.use_rslora,
+        sha256=sha,
+        target_modules=manifest.target_modules,
+    )
