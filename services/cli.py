@@ -1,0 +1,261 @@
+"""The ``plora`` command: run the cluster, talk to it, benchmark and evaluate it.
+
+Verbs (ARCHITECTURE.md "CLI"): ``up``, ``serve {gateway,worker,predictor}``, ``generate``,
+``adapters {register,list,get,delete}``, ``status``, ``make-adapters``,
+``bench {engine,pool,replay}``, ``eval predictor``, ``simulate``. Heavy modules are imported
+only by the verb that needs them, so client verbs start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+
+from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.grpc_util import CHANNEL_OPTIONS
+
+#: Verbs implemented in other modules: (path of subcommands) -> module with add_arguments/run.
+_DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
+    ("up",): ("services.launcher", "run the whole local cluster in the foreground"),
+    ("make-adapters",): ("services.common.make_adapters",
+                         "write PEFT-format adapters for the served base model"),
+    ("bench", "engine"): ("services.worker.bench_engine",
+                          "engine throughput vs transformers and PEFT"),
+    ("bench", "pool"): ("services.worker.bench_pool", "paged vs contiguous adapter pool"),
+    ("eval", "predictor"): ("services.predictor.evaluate", "replay a trace through the forecasters"),
+}
+
+_SERVICES = {
+    "gateway": "services.gateway.server",
+    "worker": "services.worker.server",
+    "predictor": "services.predictor.server",
+}
+
+
+def gateway_address(explicit: str | None) -> str:
+    """``--gateway``, else ``$PLORA_GATEWAY``, else the running ``plora up``'s state file."""
+    if explicit:
+        return explicit
+    if os.environ.get("PLORA_GATEWAY"):
+        return os.environ["PLORA_GATEWAY"]
+    state = Path(os.environ.get("PLORA_STATE_FILE", ".plora/cluster.json"))
+    if state.is_file():
+        return str(json.loads(state.read_text())["gateway"])
+    return "127.0.0.1:50051"
+
+
+def _stub(args: argparse.Namespace) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
+    channel = grpc.insecure_channel(gateway_address(args.gateway), options=CHANNEL_OPTIONS)
+    return channel, gateway_pb2_grpc.GatewayStub(channel)
+
+
+def _finish_name(value: int) -> str:
+    return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream one completion to stdout; usage and timing to stderr."""
+    request = gateway_pb2.GenerateRequest(
+        adapter_id=args.adapter or "",
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+        tenant_id=args.tenant or "",
+        max_new_tokens=args.max_new_tokens,
+    )
+    if args.raw:
+        request.prompt = args.prompt
+    else:
+        request.messages.add(role="user", content=args.prompt)
+    if args.top_p is not None:
+        request.top_p = args.top_p
+    if args.seed is not None:
+        request.seed = args.seed
+    channel, stub = _stub(args)
+    import time  # noqa: PLC0415
+
+    start = time.monotonic()
+    ttft = None
+    with channel:
+        for response in stub.Generate(request, timeout=args.timeout):
+            if ttft is None and response.token_ids:
+                ttft = time.monotonic() - start
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+            if response.finish_reason:
+                elapsed = time.monotonic() - start
+                n = response.usage.completion_tokens
+                decode = elapsed - (ttft or 0.0)
+                print(file=sys.stdout)
+                print(
+                    f"[{_finish_name(response.finish_reason)}] worker={response.worker_id} "
+                    f"adapter_cold={response.adapter_cold} prompt_tokens="
+                    f"{response.usage.prompt_tokens} completion_tokens={n} "
+                    f"ttft={ttft or 0:.3f}s total={elapsed:.3f}s "
+                    f"decode_tok_s={(n - 1) / decode if n > 1 and decode > 0 else 0:.1f}",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+def _print_adapter(info: gateway_pb2.AdapterInfo) -> None:
+    print(f"{info.adapter_id:28} v{info.version:<3} rank={info.rank:<4} alpha={info.alpha:<6g} "
+          f"bytes={info.size_bytes:<11} tenant={info.tenant_id or '-':10} "
+          f"modules={','.join(info.target_modules)}")
+
+
+def cmd_adapters(args: argparse.Namespace) -> int:
+    """``plora adapters {register,list,get,delete}``."""
+    channel, stub = _stub(args)
+    with channel:
+        if args.adapters_cmd == "register":
+            resp = stub.RegisterAdapter(
+                gateway_pb2.RegisterAdapterRequest(
+                    adapter_id=args.adapter_id, source=str(Path(args.source).resolve()),
+                    tenant_id=args.tenant or "",
+                ),
+                timeout=120,
+            )
+            _print_adapter(resp.adapter)
+        elif args.adapters_cmd == "list":
+            resp = stub.ListAdapters(gateway_pb2.ListAdaptersRequest(tenant_id=args.tenant or ""),
+                                     timeout=30)
+            for info in resp.adapters:
+                _print_adapter(info)
+            print(f"{len(resp.adapters)} adapters")
+        elif args.adapters_cmd == "get":
+            resp = stub.GetAdapter(
+                gateway_pb2.GetAdapterRequest(adapter_id=args.adapter_id, tenant_id=args.tenant or ""),
+                timeout=30,
+            )
+            _print_adapter(resp.adapter)
+            print(f"source: {resp.adapter.source}")
+            print(f"resident on: {', '.join(resp.resident_on_workers) or '-'}")
+            print(f"placed on: {', '.join(resp.placed_on_workers) or '-'}")
+        elif args.adapters_cmd == "delete":
+            resp = stub.DeleteAdapter(
+                gateway_pb2.DeleteAdapterRequest(adapter_id=args.adapter_id,
+                                                 tenant_id=args.tenant or ""),
+                timeout=30,
+            )
+            print(f"deleted {args.adapter_id} (version {resp.version})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print workers, residency, pool statistics and queues."""
+    channel, stub = _stub(args)
+    with channel:
+        resp = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=30)
+    if args.json:
+        from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
+
+        print(json.dumps(MessageToDict(resp), indent=2))
+        return 0
+    print(f"base model: {resp.base_model}   adapters registered: {resp.adapters_registered}   "
+          f"predictor connected: {resp.predictor_connected}")
+    for w in resp.workers:
+        p = w.pool
+        print(f"{w.worker_id:10} {w.address:21} {'healthy' if w.healthy else 'DOWN':8} "
+              f"hb={w.heartbeat_age_seconds:4.1f}s queue={w.queue_length} running={w.running} "
+              f"pool={p.allocator}/{p.eviction} util={p.utilization:.2f} "
+              f"pages={p.pages_used}/{p.pages_total} frag={p.external_fragmentation:.3f}")
+        print(f"{'':10} resident: {', '.join(w.resident_adapters) or '-'}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    """Run one service in the foreground (used by the launcher and docker compose)."""
+    module = importlib.import_module(_SERVICES[args.service])
+    return int(module.main(rest))
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``plora`` argument parser; delegated verbs are filled in lazily by :func:`main`."""
+    parser = argparse.ArgumentParser(prog="plora", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    delegated: dict[str, argparse.ArgumentParser] = {}
+
+    serve = sub.add_parser("serve", help="run one service (gateway, worker, predictor)")
+    serve.add_argument("service", choices=sorted(_SERVICES))
+
+    gen = sub.add_parser("generate", help="stream a completion from the cluster")
+    gen.add_argument("prompt")
+    gen.add_argument("--adapter", help="adapter id (default: the base model)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--tenant")
+    gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    gen.add_argument("--timeout", type=float, default=600.0)
+    gen.add_argument("--gateway", help="host:port (default: from .plora/cluster.json)")
+    gen.set_defaults(func=cmd_generate)
+
+    ad = sub.add_parser("adapters", help="register, list, get or delete adapters")
+    ad.add_argument("--gateway")
+    ad.add_argument("--tenant")
+    ad_sub = ad.add_subparsers(dest="adapters_cmd", required=True)
+    reg = ad_sub.add_parser("register")
+    reg.add_argument("adapter_id")
+    reg.add_argument("source", help="directory in PEFT layout")
+    ad_sub.add_parser("list")
+    for name in ("get", "delete"):
+        ad_sub.add_parser(name).add_argument("adapter_id")
+    ad.set_defaults(func=cmd_adapters)
+
+    st = sub.add_parser("status", help="workers, residency, pools and queues")
+    st.add_argument("--gateway")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    groups: dict[str, argparse._SubParsersAction] = {}  # type: ignore[type-arg]
+    for path, (_module, help_text) in _DELEGATED.items():
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_text)
+        else:
+            if path[0] not in groups:
+                g = sub.add_parser(path[0], help=f"{path[0]} commands")
+                groups[path[0]] = g.add_subparsers(dest=f"{path[0]}_cmd", required=True)
+            p = groups[path[0]].add_parser(path[1], help=help_text)
+        delegated[" ".join(path)] = p
+    return parser, delegated
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``plora`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, delegated = build_parser()
+    if argv[:1] == ["serve"] and len(argv) >= 2 and argv[1] in _SERVICES:
+        return cmd_serve(argparse.Namespace(service=argv[1]), argv[2:])
+    # Delegated verbs add their own flags from their module, imported only when used.
+    for key, sub in delegated.items():
+        words = key.split()
+        if argv[: len(words)] == words:
+            module = importlib.import_module(_DELEGATED[tuple(words)][0])
+            module.add_arguments(sub)
+            sub.set_defaults(func=module.run)
+    args = parser.parse_args(argv)
+    if args.command in ("generate", "adapters", "status"):
+        try:
+            return int(args.func(args))
+        except grpc.RpcError as exc:
+            print(f"plora: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.command == "up":
+        import logging  # noqa: PLC0415
+
+        logging.basicConfig(level=logging.WARNING)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Gateway configuration: one frozen dataclass built from flags with ``PLORA_*`` fallbacks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.config import DEFAULT_REDIS_URL, env_float, env_int, env_or
+from services.common.errors import ConfigError
+
+ROUTING_POLICIES = ("rank_aware", "round_robin")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Settings of one gateway process.
+
+    Attributes:
+        host: Interface of the gRPC server (``PLORA_GATEWAY_HOST``).
+        port: gRPC port; 0 = any free port (``PLORA_GATEWAY_PORT``).
+        metrics_port: Prometheus port; 0 = any free port (``PLORA_GATEWAY_METRICS_PORT``).
+        redis_url: Metadata store (``PLORA_REDIS_URL``).
+        predictor_address: ``host:port`` of the predictor; empty = none (``PLORA_PREDICTOR_ADDRESS``).
+        routing: ``rank_aware`` (residency-, placement- and queue-aware) or ``round_robin``
+            (the rank-oblivious baseline) (``PLORA_ROUTING``).
+        max_new_tokens_limit: Largest ``max_new_tokens`` accepted (``PLORA_MAX_NEW_TOKENS_LIMIT``).
+        default_max_new_tokens: Used when a request leaves it unset.
+        event_queue_size: Bound of the queue of request events to the predictor; events beyond
+            it are dropped and counted, never waited for.
+        request_timeout_s: Deadline applied to a worker call when the client set none.
+        worker_cache_s: How long the list of workers read from Redis is reused.
+        adapter_cache_s: How long an adapter record read from Redis is reused.
+        max_stop_strings: Most stop strings per request.
+        ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9100
+    redis_url: str = DEFAULT_REDIS_URL
+    predictor_address: str = ""
+    routing: str = "rank_aware"
+    max_new_tokens_limit: int = 512
+    default_max_new_tokens: int = 64
+    event_queue_size: int = 10_000
+    request_timeout_s: float = 600.0
+    worker_cache_s: float = 0.25
+    adapter_cache_s: float = 1.0
+    max_stop_strings: int = 16
+    ready_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
+            raise ConfigError("default_max_new_tokens must be in [1, max_new_tokens_limit]")
+        if self.event_queue_size < 1:
+            raise ConfigError("event_queue_size must be >= 1")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the gateway's flags (defaults None: the env fallback applies)."""
+        parser.add_argument("--host")
+        parser.add_argument("--port", type=int)
+        parser.add_argument("--metrics-port", type=int)
+        parser.add_argument("--redis-url")
+        parser.add_argument("--predictor-address")
+        parser.add_argument("--routing", choices=ROUTING_POLICIES)
+        parser.add_argument("--max-new-tokens-limit", type=int)
+        parser.add_argument("--ready-file")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        """Flags first, then ``PLORA_*`` environment variables, then defaults."""
+        d = cls()
+        return cls(
+            host=args.host or env_or("PLORA_GATEWAY_HOST", d.host) or d.host,
+            port=args.port if args.port is not None else env_int("PLORA_GATEWAY_PORT", d.port),
+            metrics_port=args.metrics_port if args.metrics_port is not None
+            else env_int("PLORA_GATEWAY_METRICS_PORT", d.metrics_port),
+            redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
+            predictor_address=args.predictor_address
+            if args.predictor_address is not None
+            else env_or("PLORA_PREDICTOR_ADDRESS", "") or "",
+            routing=args.routing or env_or("PLORA_ROUTING", d.routing) or d.routing,
+            max_new_tokens_limit=args.max_new_tokens_limit
+            or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
+            request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
+            ready_file=args.ready_file or "",
+        )

@@ -1,0 +1,462 @@
+"""The gateway: the client-facing ``plora.v1.Gateway`` service.
+
+It validates requests, resolves adapter metadata from Redis (cached briefly), routes each request
+to a worker (``services.predictor.placement`` policies), relays the worker's token stream,
+retries on another worker when one fails before the first token, and streams request events to
+the predictor without ever waiting on it. The servicer is thin: validation rules live in
+:mod:`services.gateway.validation`, routing in :mod:`services.predictor.placement`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from plora.v1 import gateway_pb2, gateway_pb2_grpc, predictor_pb2, worker_pb2, worker_pb2_grpc
+from services.common import convert
+from services.common.adapters import inspect_adapter
+from services.common.errors import (
+    AdapterPermissionError,
+    InvalidRequestError,
+    NoHealthyWorkerError,
+    PLoRAError,
+    PoolExhaustedError,
+)
+from services.common.grpc_util import (
+    CHANNEL_OPTIONS,
+    abort,
+    already_aborted,
+    create_server,
+    map_errors,
+    map_stream_errors,
+    set_serving,
+)
+from services.common.lifecycle import serve_until_signalled, write_ready_file
+from services.common.logging_setup import configure_logging
+from services.common.metrics import serve_metrics
+from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
+from services.gateway.config import GatewayConfig
+from services.gateway.events import EventStreamer
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.validation import validate_generate
+from services.predictor.placement import RoundRobinRouter, WorkerView, route_rank_aware
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class _TTLCache:
+    """A tiny thread-safe cache of values that expire after ``ttl`` seconds."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self._data: dict[str, tuple[float, object]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> object | None:
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is None or time.monotonic() - hit[0] > self.ttl:
+                return None
+            return hit[1]
+
+    def put(self, key: str, value: object) -> None:
+        with self._lock:
+            self._data[key] = (time.monotonic(), value)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Implements ``plora.v1.Gateway`` over the registry, the workers and the predictor."""
+
+    def __init__(self, config: GatewayConfig, registry: Registry, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self._adapters = _TTLCache(config.adapter_cache_s)
+        self._workers_cache = _TTLCache(config.worker_cache_s)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
+        self._round_robin = RoundRobinRouter()
+        self.events = EventStreamer(
+            config.predictor_address,
+            config.event_queue_size,
+            on_sent=lambda n: metrics.events_sent.inc(n),
+            on_dropped=lambda n: metrics.events_dropped.inc(n),
+            on_connected=lambda c: metrics.predictor_connected.set(1 if c else 0),
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the event stream and close worker channels."""
+        self.events.stop()
+        with self._channels_lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        with self._channels_lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = ch
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    def _workers(self) -> list[WorkerRecord]:
+        cached = self._workers_cache.get("workers")
+        if cached is None:
+            cached = self.registry.list_workers()
+            self._workers_cache.put("workers", cached)
+            healthy = [w for w in cached if w.healthy]
+            self.metrics.workers_healthy.set(len(healthy))
+            for w in cached:
+                self.metrics.heartbeat_age.labels(w.worker_id).set(w.heartbeat_age_seconds)
+                self.metrics.worker_queue.labels(w.worker_id).set(w.queue_length)
+                self.metrics.resident.labels(w.worker_id).set(len(w.resident))
+        return cached  # type: ignore[return-value]
+
+    def _adapter(self, adapter_id: str) -> AdapterRecord:
+        cached = self._adapters.get(adapter_id)
+        if cached is None:
+            cached = self.registry.get_adapter(adapter_id)
+            self._adapters.put(adapter_id, cached)
+        return cached  # type: ignore[return-value]
+
+    @staticmethod
+    def _check_tenant(record: AdapterRecord, tenant_id: str) -> None:
+        if record.tenant_id and record.tenant_id != tenant_id:
+            raise AdapterPermissionError(
+                f"adapter {record.adapter_id!r} belongs to another tenant; "
+                "set tenant_id to the adapter's owner"
+            )
+
+    def _choose(self, adapter: AdapterRecord | None, exclude: set[str]) -> WorkerRecord:
+        workers = [w for w in self._workers() if w.healthy and w.worker_id not in exclude]
+        if not workers:
+            raise NoHealthyWorkerError(
+                "no healthy worker is available; check `plora status` and the workers' logs"
+            )
+        views = [
+            WorkerView(
+                worker_id=w.worker_id,
+                pool_bytes=int(w.pool.get("pool_bytes", 0)),
+                free_bytes=max(0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))),
+                resident=frozenset(w.resident),
+                queue_length=w.queue_length + w.running,
+            )
+            for w in workers
+        ]
+        by_id = {w.worker_id: w for w in workers}
+        if self.config.routing == "round_robin":
+            chosen = self._round_robin.route(views)
+            reason = "round_robin"
+        else:
+            placement = self.registry.get_placement() if adapter else {}
+            chosen, reason = route_rank_aware(
+                adapter.adapter_id if adapter else "", views, placement
+            )
+        self.metrics.routed.labels(self.config.routing, reason).inc()
+        return by_id[chosen]
+
+    # -- Generate -------------------------------------------------------------------------
+
+    def Generate(  # noqa: N802 - gRPC method name
+        self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[gateway_pb2.GenerateResponse]:
+        received = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        self.metrics.in_flight.inc()
+        code = grpc.StatusCode.OK
+        try:
+            yield from self._generate(request, request_id, received, context)
+        except PLoRAError as exc:
+            code = convert_status(exc)
+            abort(context, exc, request_id)
+        except Exception as exc:  # noqa: BLE001
+            if already_aborted(context):
+                code = context.code()
+                raise
+            code = grpc.StatusCode.INTERNAL
+            abort(context, exc, request_id)
+        finally:
+            if not context.is_active() and code is grpc.StatusCode.OK:
+                code = grpc.StatusCode.CANCELLED
+            self.metrics.requests.labels(code.name).inc()
+            self.metrics.in_flight.dec()
+
+    def _generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        request_id: str,
+        received: float,
+        context: grpc.ServicerContext,
+    ) -> Iterator[gateway_pb2.GenerateResponse]:
+        validate_generate(request, self.config)
+        adapter: AdapterRecord | None = None
+        if request.adapter_id:
+            adapter = self._adapter(request.adapter_id)
+            self._check_tenant(adapter, request.tenant_id)
+        self.events.offer(
+            predictor_pb2.RequestEvent(
+                request_id=request_id,
+                adapter_id=request.adapter_id,
+                tenant_id=request.tenant_id,
+                arrival_unix=time.time(),
+                prompt_tokens=0,
+            )
+        )
+        forwarded = gateway_pb2.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.request_id = request_id
+        if not forwarded.HasField("max_new_tokens"):
+            forwarded.max_new_tokens = self.config.default_max_new_tokens
+        worker_request = worker_pb2.WorkerGenerateRequest(
+            request=forwarded, adapter=convert.adapter_info(adapter) if adapter else None
+        )
+        remaining = context.time_remaining()
+        timeout = self.config.request_timeout_s if remaining is None else max(0.001, remaining)
+        tried: set[str] = set()
+        while True:
+            worker = self._choose(adapter, tried)
+            tried.add(worker.worker_id)
+            call = self._stub(worker.address).Generate(worker_request, timeout=timeout)
+            cancel = lambda call=call: call.cancel()  # noqa: E731
+            context.add_callback(cancel)
+            ttft: float | None = None
+            try:
+                for response in call:
+                    if ttft is None and response.token_ids:
+                        ttft = time.monotonic() - received
+                    if response.token_ids:
+                        self.metrics.tokens.inc(len(response.token_ids))
+                    if response.finish_reason:
+                        cold = str(response.adapter_cold).lower()
+                        self.metrics.ttft.labels(cold).observe(
+                            ttft if ttft is not None else time.monotonic() - received
+                        )
+                        self.metrics.e2e.observe(time.monotonic() - received)
+                    yield response
+                return
+            except grpc.RpcError as exc:
+                before_first_token = ttft is None
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and before_first_token and (
+                    context.is_active()
+                ):
+                    logger.warning(
+                        "worker %s failed before the first token (%s); retrying elsewhere",
+                        worker.worker_id, exc.details(),
+                    )
+                    self.metrics.retries.inc()
+                    self._workers_cache.drop("workers")
+                    continue
+                if not context.is_active():
+                    return
+                context.abort(exc.code(), exc.details() or exc.code().name)
+
+    # -- adapters -------------------------------------------------------------------------
+
+    @map_errors
+    def RegisterAdapter(  # noqa: N802
+        self, request: gateway_pb2.RegisterAdapterRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.RegisterAdapterResponse:
+        if not _ADAPTER_ID.match(request.adapter_id):
+            raise InvalidRequestError(
+                f"adapter_id {request.adapter_id!r} is invalid: use 1-128 letters, digits, "
+                "'.', '_', '-', ':' or '/', starting with a letter or digit"
+            )
+        if not request.source:
+            raise InvalidRequestError("source is required: a directory in PEFT layout")
+        source = str(Path(request.source).expanduser().resolve())
+        published = self.registry.get_model_spec()
+        if published is None:
+            raise NoHealthyWorkerError(
+                "no worker has published the base model yet; wait for a worker to start"
+            )
+        spec, dtype_name = published
+        import torch  # noqa: PLC0415 - only needed to size adapters in the serving dtype
+
+        manifest = inspect_adapter(source, spec, dtype=getattr(torch, dtype_name))
+        pools = [int(w.pool.get("pool_bytes", 0)) for w in self._workers() if w.healthy]
+        largest = max(pools, default=0)
+        if largest and manifest.size_bytes > largest:
+            raise PoolExhaustedError(
+                f"adapter {request.adapter_id!r} needs {manifest.size_bytes} bytes but the largest "
+                f"worker pool holds {largest}; raise --pool-bytes or use a smaller rank"
+            )
+        previous = None
+        try:
+            previous = self.registry.get_adapter(request.adapter_id)
+        except PLoRAError:
+            previous = None
+        if previous is not None and previous.tenant_id and previous.tenant_id != request.tenant_id:
+            raise AdapterPermissionError(
+                f"adapter id {request.adapter_id!r} is owned by another tenant; choose another id"
+            )
+        record = AdapterRecord(
+            adapter_id=request.adapter_id,
+            source=source,
+            tenant_id=request.tenant_id,
+            rank=manifest.rank,
+            alpha=float(manifest.alpha),
+            target_modules=list(manifest.target_modules),
+            size_bytes=manifest.size_bytes,
+            sha256=manifest.sha256,
+            version=self.registry.next_adapter_version(request.adapter_id),
+            use_rslora=manifest.use_rslora,
+            created_unix_ms=int(time.time() * 1000),
+            num_modules=manifest.num_modules,
+        )
+        self.registry.put_adapter(record)
+        self._adapters.drop(record.adapter_id)
+        if previous is not None:
+            self._broadcast_unload(record.adapter_id)
+        logger.info("registered adapter %s v%d (rank %d, %d bytes) from %s",
+                    record.adapter_id, record.version, record.rank, record.size_bytes, source)
+        return gateway_pb2.RegisterAdapterResponse(adapter=convert.adapter_info(record))
+
+    @map_errors
+    def GetAdapter(  # noqa: N802
+        self, request: gateway_pb2.GetAdapterRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.GetAdapterResponse:
+        record = self.registry.get_adapter(request.adapter_id)
+        self._check_tenant(record, request.tenant_id)
+        resident = [w.worker_id for w in self._workers() if record.adapter_id in w.resident]
+        placed = self.registry.get_placement().get(record.adapter_id, [])
+        return gateway_pb2.GetAdapterResponse(
+            adapter=convert.adapter_info(record),
+            resident_on_workers=resident,
+            placed_on_workers=placed,
+        )
+
+    @map_errors
+    def ListAdapters(  # noqa: N802
+        self, request: gateway_pb2.ListAdaptersRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.ListAdaptersResponse:
+        records = self.registry.list_adapters()
+        if request.tenant_id:
+            records = [r for r in records if r.tenant_id in ("", request.tenant_id)]
+        return gateway_pb2.ListAdaptersResponse(adapters=[convert.adapter_info(r) for r in records])
+
+    @map_errors
+    def DeleteAdapter(  # noqa: N802
+        self, request: gateway_pb2.DeleteAdapterRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.DeleteAdapterResponse:
+        record = self.registry.get_adapter(request.adapter_id)
+        self._check_tenant(record, request.tenant_id)
+        self.registry.delete_adapter(request.adapter_id)
+        self._adapters.drop(request.adapter_id)
+        self._broadcast_unload(request.adapter_id)
+        return gateway_pb2.DeleteAdapterResponse(version=record.version)
+
+    def _broadcast_unload(self, adapter_id: str) -> None:
+        """Drop every copy of an adapter from the workers (best effort, in the background)."""
+
+        def run() -> None:
+            for w in self._workers():
+                if not w.healthy:
+                    continue
+                try:
+                    self._stub(w.address).UnloadAdapter(
+                        worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id), timeout=10
+                    )
+                except grpc.RpcError as exc:
+                    logger.warning("unload of %s on %s failed: %s", adapter_id, w.worker_id,
+                                   exc.code().name)
+
+        threading.Thread(target=run, name="unload-broadcast", daemon=True).start()
+
+    @map_errors
+    def GetClusterStatus(  # noqa: N802
+        self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.GetClusterStatusResponse:
+        self._workers_cache.drop("workers")
+        workers = self._workers()
+        published = self.registry.get_model_spec()
+        return gateway_pb2.GetClusterStatusResponse(
+            workers=[convert.worker_status(w) for w in workers],
+            adapters_registered=len(self.registry.list_adapters()),
+            base_model=published[0].name if published else "",
+            predictor_connected=self.events.connected,
+        )
+
+
+def convert_status(exc: PLoRAError) -> grpc.StatusCode:
+    """Status code of a domain error (for the request counter)."""
+    return getattr(grpc.StatusCode, exc.status_code_name)
+
+
+class GatewayService:
+    """A running gateway: gRPC server, metrics endpoint and event stream.
+
+    Args:
+        config: The gateway's settings.
+
+    Raises:
+        RegistryUnavailableError: Redis cannot be reached.
+    """
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.registry = Registry(connect(config.redis_url))
+        self.servicer = GatewayServicer(config, self.registry, self.metrics)
+
+        def register(server: grpc.Server) -> list[str]:
+            gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
+            return [SERVICE_NAME]
+
+        self.server, self.port, self.health = create_server(
+            register, host=config.host, port=config.port, max_workers=64
+        )
+        self.metrics_server, self.metrics_port = serve_metrics(
+            self.metrics.registry, config.host, config.metrics_port
+        )
+
+    def start(self) -> GatewayService:
+        """Start serving and mark the service SERVING."""
+        self.server.start()
+        self.servicer.events.start()
+        set_serving(self.health, [SERVICE_NAME], True)
+        if self.config.ready_file:
+            write_ready_file(self.config.ready_file, self.port, self.metrics_port)
+        logger.info("gateway serving on %s:%d", self.config.host, self.port)
+        return self
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting requests, let in-flight ones finish within ``grace`` seconds."""
+        set_serving(self.health, [SERVICE_NAME], False)
+        self.server.stop(grace).wait()
+        self.servicer.close()
+        self.metrics_server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``plora serve gateway``."""
+    parser = argparse.ArgumentParser(prog="plora serve gateway")
+    GatewayConfig.add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-json", action="store_true")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_json, service="gateway")
+    try:
+        service = GatewayService(GatewayConfig.from_args(args)).start()
+    except PLoRAError as exc:
+        logger.error("%s", exc)
+        return 2
+    serve_until_signalled(service.stop)
+    return 0

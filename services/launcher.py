@@ -1,0 +1,330 @@
+"""``plora up``: the whole local cluster in the foreground, stopped cleanly on Ctrl-C/SIGTERM.
+
+Starts (in this order) Redis (embedded, unless ``--redis-url`` / ``PLORA_REDIS_URL`` names one),
+converts the base model once, then the predictor, the workers and the gateway as child processes
+on loopback (port 0; each writes its bound ports to a ready file), waits for every gRPC health
+check, generates and registers the demo adapters, and writes the endpoints to the state file
+(``.plora/cluster.json``). Every child's log goes to ``.plora/logs/<name>.log``; progress lines
+are echoed while the model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.config import env_or
+from services.common.errors import PLoRAError
+from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
+from services.common.redis_server import EmbeddedRedis
+from services.common.registry import connect
+
+logger = logging.getLogger(__name__)
+
+#: Policies a cluster can run (issue 6): what each sets on the services.
+POLICIES: dict[str, dict[str, str]] = {
+    "plora": {"allocator": "paged", "eviction": "predictive", "routing": "rank_aware",
+              "predictor": "on"},
+    "baseline": {"allocator": "contiguous", "eviction": "lru", "routing": "round_robin",
+                 "predictor": "off"},
+    "plora-no-predictor": {"allocator": "paged", "eviction": "lru", "routing": "rank_aware",
+                           "predictor": "off"},
+    "plora-contiguous": {"allocator": "contiguous", "eviction": "predictive",
+                         "routing": "rank_aware", "predictor": "on"},
+}
+
+
+@dataclass
+class Child:
+    """One child service process."""
+
+    name: str
+    cmd: list[str]
+    log_path: Path
+    ready_file: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def poll_ready(self) -> bool:
+        if self.ready_file.is_file():
+            self.ports = json.loads(self.ready_file.read_text())
+            return True
+        return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``plora up``."""
+    parser.add_argument("--state-file", default=".plora/cluster.json",
+                        help="where to write the endpoints JSON once healthy")
+    parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    parser.add_argument("--model", default=None,
+                        help="base model: smollm2 (default), a .gguf file or an HF Llama directory")
+    parser.add_argument("--redis-url", default=None,
+                        help="external Redis (else PLORA_REDIS_URL, else an embedded Redis)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface every service binds")
+    parser.add_argument("--gateway-port", type=int, default=50051, help="0 = any free port")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default="plora")
+    parser.add_argument("--demo-adapters", type=int, default=8,
+                        help="demo adapters to generate and register (0 = none)")
+    parser.add_argument("--demo-ranks", default="8,16,32,64")
+    parser.add_argument("--adapters-dir", default=".plora/adapters")
+    parser.add_argument("--pool-bytes", default=None, help="device adapter pool per worker")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="extra flag passed to every worker (repeatable)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+class Cluster:
+    """The running local cluster; :meth:`stop` ends every process it started."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.state_file = Path(args.state_file)
+        self.run_dir = self.state_file.parent
+        self.children: list[Child] = []
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = ""
+        self._stopping = threading.Event()
+
+    # -- start ------------------------------------------------------------------------------
+
+    def _say(self, text: str) -> None:
+        print(f"plora up: {text}", flush=True)
+
+    def _child(self, name: str, service: str, flags: list[str]) -> Child:
+        ready = self.run_dir / "run" / f"{name}.ready.json"
+        cmd = [sys.executable, "-m", "services.cli", "serve", service, *flags,
+               "--ready-file", str(ready)]
+        child = Child(name, cmd, self.run_dir / "logs" / f"{name}.log", ready)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, children: list[Child], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        offsets = {c.name: c.log_path.stat().st_size if c.log_path.exists() else 0
+                   for c in children}
+        pending = list(children)
+        while pending:
+            for c in list(pending):
+                offsets[c.name] = self._echo_progress(c, offsets[c.name])
+                if c.poll_ready():
+                    pending.remove(c)
+                elif not c.alive():
+                    raise RuntimeError(
+                        f"{c.name} exited with code {c.proc.returncode if c.proc else '?'} "
+                        f"during start-up; see {c.log_path}:\n{_tail(c.log_path)}"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"start-up timed out waiting for {[c.name for c in pending]}")
+            if self._stopping.wait(0.2):
+                raise KeyboardInterrupt
+        for c in children:
+            wait_healthy(f"{self.args.host}:{c.ports['grpc_port']}", timeout=30)
+
+    def _echo_progress(self, child: Child, offset: int) -> int:
+        """Echo new INFO/WARNING/ERROR lines of a starting child's log (model-load progress)."""
+        try:
+            with open(child.log_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return offset
+        for line in data.decode(errors="replace").splitlines():
+            if " INFO " in line or " WARNING " in line or " ERROR " in line:
+                print(f"  {line}", flush=True)
+        return offset + len(data)
+
+    def start(self) -> dict[str, object]:
+        """Start everything; returns the state written to the state file."""
+        a = self.args
+        policy = POLICIES[a.policy]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.state_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+
+        external = a.redis_url or env_or("PLORA_REDIS_URL", None)
+        if external:
+            connect(external)  # a clear RegistryUnavailableError when unreachable
+            self.redis_url = external
+            self._say(f"using Redis at {external}")
+        else:
+            self.redis = EmbeddedRedis(host=a.host).start()
+            self.redis_url = self.redis.url
+            self._say(f"started embedded Redis at {self.redis_url}")
+        env["PLORA_REDIS_URL"] = self.redis_url
+
+        self._say("preparing the base model (first run converts the GGUF once; later runs reuse it)")
+        from services.worker.model_loader import default_cache_dir, resolve_model  # noqa: PLC0415
+
+        model_dir = resolve_model(a.model, default_cache_dir())
+        self._say(f"base model ready: {model_dir}")
+
+        common = ["--host", a.host, "--redis-url", self.redis_url]
+        predictor = None
+        if policy["predictor"] == "on":
+            predictor = self._child("predictor", "predictor",
+                                    [*common, "--port", "0", "--metrics-port", "0"])
+            predictor.start(env)
+        workers = []
+        for i in range(a.workers):
+            flags = [*common, "--worker-id", f"worker-{i}", "--port", "0", "--metrics-port", "0",
+                     "--model", str(model_dir), "--allocator", policy["allocator"],
+                     "--eviction", policy["eviction"]]
+            if a.pool_bytes:
+                flags += ["--pool-bytes", a.pool_bytes]
+            for extra in a.worker_arg:
+                flags += extra.split()
+            w = self._child(f"worker-{i}", "worker", flags)
+            w.start(env)
+            workers.append(w)
+        self._say(f"starting {'the predictor, ' if predictor else ''}{a.workers} workers "
+                  "(loading the model)...")
+        self._wait_ready([c for c in [predictor, *workers] if c], a.startup_timeout)
+
+        gw_flags = [*common, "--port", str(a.gateway_port), "--metrics-port", "0",
+                    "--routing", policy["routing"]]
+        if predictor:
+            gw_flags += ["--predictor-address", f"{a.host}:{predictor.ports['grpc_port']}"]
+        gateway = self._child("gateway", "gateway", gw_flags)
+        gateway.start(env)
+        self._wait_ready([gateway], 60)
+        gateway_address = f"{a.host}:{gateway.ports['grpc_port']}"
+
+        registered = self._register_demo_adapters(gateway_address, str(model_dir))
+        state = {
+            "gateway": gateway_address,
+            "metrics": {c.name: f"http://{a.host}:{c.ports['metrics_port']}/metrics"
+                        for c in self.children},
+            "redis_url": self.redis_url,
+            "policy": a.policy,
+            "workers": {w.name: f"{a.host}:{w.ports['grpc_port']}" for w in workers},
+            "predictor": f"{a.host}:{predictor.ports['grpc_port']}" if predictor else "",
+            "adapters": registered,
+            "pids": {c.name: c.proc.pid for c in self.children if c.proc},
+            "launcher_pid": os.getpid(),
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+        return state
+
+    def _register_demo_adapters(self, gateway: str, model_dir: str) -> list[str]:
+        a = self.args
+        if a.demo_adapters <= 0:
+            return []
+        from services.common.make_adapters import make_adapter_set  # noqa: PLC0415
+        from services.worker.model_loader import read_config  # noqa: PLC0415
+        from services.common.types import ModelSpec  # noqa: PLC0415
+
+        spec = ModelSpec.from_hf_config(read_config(Path(model_dir)), name=Path(model_dir).name)
+        ranks = [int(r) for r in a.demo_ranks.split(",") if r]
+        out = Path(a.adapters_dir)
+        paths = make_adapter_set(out, spec, count=a.demo_adapters, ranks=ranks, seed=0)
+        ids = []
+        with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            for path in paths:
+                adapter_id = Path(path).name
+                stub.RegisterAdapter(
+                    gateway_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=str(path)),
+                    timeout=60,
+                )
+                ids.append(adapter_id)
+        self._say(f"registered {len(ids)} demo adapters: {', '.join(ids)}")
+        return ids
+
+    # -- run and stop -----------------------------------------------------------------------
+
+    def watch(self) -> int:
+        """Block until a signal or a child's death; returns the exit code."""
+        while not self._stopping.wait(0.5):
+            for c in self.children:
+                if not c.alive():
+                    self._say(f"{c.name} exited unexpectedly (code "
+                              f"{c.proc.returncode if c.proc else '?'}); stopping. "
+                              f"Last log lines:\n{_tail(c.log_path)}")
+                    return 1
+        return 0
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    def stop(self) -> None:
+        """Stop the gateway first, then workers and predictor, then Redis; remove the state."""
+        for c in reversed(self.children):
+            c.stop()
+        if self.redis is not None:
+            self.redis.stop()
+        self.state_file.unlink(missing_ok=True)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def run(args: argparse.Namespace) -> int:
+    """``plora up``."""
+    cluster = Cluster(args)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: cluster.request_stop())
+    try:
+        state = cluster.start()
+    except KeyboardInterrupt:
+        print("plora up: interrupted during start-up; stopping", flush=True)
+        cluster.stop()
+        return 130
+    except (PLoRAError, RuntimeError, TimeoutError, grpc.RpcError) as exc:
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[union-attr]
+        print(f"plora up: failed: {detail}", file=sys.stderr, flush=True)
+        cluster.stop()
+        return 2
+    print(
+        f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
+        f"  try: plora generate \"What is the capital of France?\"\n"
+        f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"  # type: ignore[union-attr]
+        "  Ctrl-C stops everything.",
+        flush=True,
+    )
+    code = cluster.watch()
+    print("plora up: stopping...", flush=True)
+    cluster.stop()
+    print("plora up: stopped", flush=True)
+    return code

@@ -1,0 +1,77 @@
+"""Predictor configuration: one frozen dataclass built from flags with ``PLORA_*`` fallbacks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.config import DEFAULT_REDIS_URL, env_float, env_int, env_or
+from services.common.errors import ConfigError
+from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
+
+
+@dataclass(frozen=True)
+class PredictorConfig:
+    """Settings of the predictor process.
+
+    Attributes:
+        host / port / metrics_port: Interfaces (``PLORA_PREDICTOR_PORT``, ...); 0 = any port.
+        redis_url: Metadata store (``PLORA_REDIS_URL``).
+        forecaster: ``frequency``, ``ewma``, ``lstm`` or ``ensemble`` (``PLORA_FORECASTER``).
+        tick_s: Seconds between forecasts / prefetch rounds (default 1 s, as in the paper).
+        horizon_s: Forecast horizon in seconds (default 5 s).
+        prefetch_min_expected: Expected count over the horizon above which an adapter is
+            prefetched; an adapter already chosen stays until it falls below half of it
+            (hysteresis).
+        max_prefetch_per_worker: Most adapters sent per worker per tick.
+        train_budget_s: Seconds of online training allowed per tick (after the forecast).
+        persist_every_s: How often the model and recent counts are saved to Redis.
+        ready_file: Where to write the bound ports once serving (launcher).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50071
+    metrics_port: int = 9102
+    redis_url: str = DEFAULT_REDIS_URL
+    forecaster: str = DEFAULT_FORECASTER
+    tick_s: float = 1.0
+    horizon_s: float = 5.0
+    prefetch_min_expected: float = 0.5
+    max_prefetch_per_worker: int = 8
+    train_budget_s: float = 0.05
+    persist_every_s: float = 10.0
+    ready_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.forecaster not in FORECASTER_NAMES:
+            raise ConfigError(f"forecaster must be one of {FORECASTER_NAMES}")
+        if self.tick_s <= 0 or self.horizon_s <= 0:
+            raise ConfigError("tick_s and horizon_s must be positive")
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the predictor's flags (defaults None: the env fallback applies)."""
+        parser.add_argument("--host")
+        parser.add_argument("--port", type=int)
+        parser.add_argument("--metrics-port", type=int)
+        parser.add_argument("--redis-url")
+        parser.add_argument("--forecaster", choices=FORECASTER_NAMES)
+        parser.add_argument("--tick-s", type=float)
+        parser.add_argument("--horizon-s", type=float)
+        parser.add_argument("--ready-file")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PredictorConfig:
+        """Flags first, then ``PLORA_*`` environment variables, then defaults."""
+        d = cls()
+        return cls(
+            host=args.host or env_or("PLORA_PREDICTOR_HOST", d.host) or d.host,
+            port=args.port if args.port is not None else env_int("PLORA_PREDICTOR_PORT", d.port),
+            metrics_port=args.metrics_port if args.metrics_port is not None
+            else env_int("PLORA_PREDICTOR_METRICS_PORT", d.metrics_port),
+            redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
+            forecaster=args.forecaster or env_or("PLORA_FORECASTER", d.forecaster) or d.forecaster,
+            tick_s=args.tick_s or env_float("PLORA_PREDICTOR_TICK_S", d.tick_s),
+            horizon_s=args.horizon_s or env_float("PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
+            ready_file=args.ready_file or "",
+        )

@@ -1,0 +1,340 @@
+"""The predictor: ``plora.v1.Predictor`` - forecasting, placement and prefetch (issue 5).
+
+It consumes the gateways' request-event streams, keeps the forecaster's per-adapter counts, and
+every tick (default 1 s): forecasts demand over the horizon, publishes the forecast to Redis
+(workers use it for predictive eviction), plans placement of adapters across workers
+(LoRAServe-style, rank-aware; :mod:`services.predictor.placement`) and sends
+``PrefetchAdapters`` to each worker for the adapters it should hold. Training runs after the
+forecast is served, under a time budget, so it never stalls a forecast. The model and recent
+counts are persisted to Redis and restored at start, so a restarted predictor resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from plora.v1 import predictor_pb2, predictor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common import convert
+from services.common.errors import PLoRAError
+from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
+from services.common.lifecycle import serve_until_signalled, write_ready_file
+from services.common.logging_setup import configure_logging
+from services.common.metrics import serve_metrics
+from services.common.registry import Registry, connect
+from services.predictor.config import PredictorConfig
+from services.predictor.forecast import Forecast, make_forecaster
+from services.predictor.metrics import PredictorMetrics
+from services.predictor.placement import (
+    AdapterDemand,
+    PrefetchSelector,
+    WorkerView,
+    plan_placement,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = predictor_pb2.DESCRIPTOR.services_by_name["Predictor"].full_name
+
+
+class OnlineRecall:
+    """Forecast recall@3 over 5 s windows, scored online as the truth arrives.
+
+    Every tick t records the predicted top-3; once ``t + horizon`` has passed, the true top-3 of
+    the requests in ``(t, t + horizon]`` is known and the tick is scored
+    ``|pred ∩ true| / |true|`` (ARCHITECTURE.md definition; ticks whose window has no request
+    are not scored). :meth:`value` averages the scores of the last ``window_s`` seconds.
+    """
+
+    def __init__(self, horizon_s: float = 5.0, window_s: float = 60.0) -> None:
+        self.horizon_s = horizon_s
+        self.window_s = window_s
+        self._pending: collections.deque[tuple[float, list[str]]] = collections.deque()
+        self._arrivals: collections.deque[tuple[float, str]] = collections.deque()
+        self._scores: collections.deque[tuple[float, float]] = collections.deque()
+
+    def arrival(self, t: float, adapter_id: str) -> None:
+        """Record one request (times non-decreasing within the tolerance of a tick)."""
+        self._arrivals.append((t, adapter_id))
+
+    def predicted(self, t: float, top3: list[str]) -> None:
+        """Record the top-3 forecast made at ``t``."""
+        self._pending.append((t, top3))
+
+    def score_until(self, now: float) -> None:
+        """Score every prediction whose window ``(t, t + horizon]`` has closed by ``now``."""
+        while self._pending and self._pending[0][0] + self.horizon_s <= now:
+            t, top3 = self._pending.popleft()
+            counts: collections.Counter[str] = collections.Counter(
+                a for (ta, a) in self._arrivals if t < ta <= t + self.horizon_s
+            )
+            if counts:
+                truth = [a for a, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:3]]
+                self._scores.append((t, len(set(truth) & set(top3)) / len(truth)))
+        oldest = (self._pending[0][0] if self._pending else now) - 1.0
+        while self._arrivals and self._arrivals[0][0] <= oldest:
+            self._arrivals.popleft()
+        while self._scores and self._scores[0][0] < now - self.window_s:
+            self._scores.popleft()
+
+    def value(self) -> float | None:
+        """Mean recall@3 of the scored ticks in the last ``window_s`` seconds (None if none)."""
+        if not self._scores:
+            return None
+        return sum(s for _, s in self._scores) / len(self._scores)
+
+
+class PredictorServicer(predictor_pb2_grpc.PredictorServicer):
+    """Implements ``plora.v1.Predictor``: event ingest and forecast queries."""
+
+    def __init__(self, core: PredictorCore) -> None:
+        self.core = core
+
+    def StreamRequestEvents(  # noqa: N802
+        self, request_iterator: Iterator[predictor_pb2.RequestEvent], context: grpc.ServicerContext
+    ) -> predictor_pb2.StreamRequestEventsResponse:
+        received = 0
+        self.core.metrics.streams.inc()
+        try:
+            for event in request_iterator:
+                self.core.observe(event.adapter_id, event.arrival_unix)
+                received += 1
+        finally:
+            self.core.metrics.streams.dec()
+        return predictor_pb2.StreamRequestEventsResponse(received=received)
+
+    @map_errors
+    def GetForecast(  # noqa: N802
+        self, request: predictor_pb2.GetForecastRequest, context: grpc.ServicerContext
+    ) -> predictor_pb2.GetForecastResponse:
+        forecast = self.core.latest
+        response = predictor_pb2.GetForecastResponse(
+            horizon_seconds=self.core.config.horizon_s, model=self.core.config.forecaster
+        )
+        if forecast is None:
+            return response
+        response.made_unix = forecast.now
+        idx = forecast.ranking(request.limit or None)
+        for i in idx.tolist():
+            response.forecasts.add(
+                adapter_id=forecast.ids[int(forecast.rows[i])],
+                probability=float(forecast.probability[i]),
+                expected_count=float(forecast.expected_count[i]),
+            )
+        return response
+
+
+class PredictorCore:
+    """Forecasting, placement and prefetch state, driven by :meth:`tick` (no gRPC server here).
+
+    Args:
+        config: Predictor settings.
+        registry: The Redis registry.
+        metrics: Prometheus series.
+    """
+
+    def __init__(self, config: PredictorConfig, registry: Registry, metrics: PredictorMetrics):
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.forecaster = make_forecaster(config.forecaster, horizon_s=config.horizon_s)
+        self._lock = threading.Lock()
+        self.latest: Forecast | None = None
+        self.recall = OnlineRecall(config.horizon_s)
+        self.selector = PrefetchSelector(
+            high=config.prefetch_min_expected, low=config.prefetch_min_expected / 2
+        )
+        self.placement: dict[str, list[str]] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._last_persist = time.monotonic()
+        blob = registry.load_predictor_state()
+        if blob:
+            try:
+                self.forecaster.load_state_dict(blob)
+                logger.info("resumed forecaster state from Redis (%d bytes)", len(blob))
+            except Exception as exc:  # noqa: BLE001 - a stale or foreign state is not fatal
+                logger.warning("ignoring persisted predictor state: %s", exc)
+
+    def observe(self, adapter_id: str, t: float) -> None:
+        """Record one request event (thread-safe)."""
+        if not adapter_id:
+            return
+        with self._lock:
+            self.forecaster.observe(adapter_id, t)
+            self.recall.arrival(t, adapter_id)
+        self.metrics.events.inc()
+
+    def tick(self, now: float | None = None) -> None:
+        """One round: forecast, publish, plan placement, prefetch, then train and persist."""
+        started = time.perf_counter()
+        now = time.time() if now is None else now
+        with self._lock:
+            forecast = self.forecaster.tick(now)
+            self.recall.predicted(now, forecast.top_k(3))
+            self.recall.score_until(now)
+        self.latest = forecast
+        self.metrics.adapters_tracked.set(len(forecast))
+        recall = self.recall.value()
+        if recall is not None:
+            self.metrics.recall_at_3.set(recall)
+        expected = {a: e for a, (_p, e) in forecast.as_dict().items() if e > 0}
+        try:
+            self.registry.set_forecast(expected, self.config.horizon_s, self.config.forecaster)
+            self._place_and_prefetch(forecast)
+        except PLoRAError as exc:
+            logger.warning("tick could not reach Redis: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the next tick tries again
+            logger.warning("tick failed: %s", exc)
+        self.metrics.tick.observe(time.perf_counter() - started)
+        with self._lock:
+            loss = self.forecaster.train(self.config.train_budget_s)
+        if loss:
+            self.metrics.training_loss.set(float(loss))
+        if time.monotonic() - self._last_persist > self.config.persist_every_s:
+            self.persist()
+
+    def persist(self) -> None:
+        """Save the forecaster's state to Redis."""
+        with self._lock:
+            blob = self.forecaster.state_dict()
+        self.registry.save_predictor_state(blob)
+        self._last_persist = time.monotonic()
+
+    def _place_and_prefetch(self, forecast: Forecast) -> None:
+        workers = [w for w in self.registry.list_workers() if w.healthy]
+        if not workers:
+            return
+        records = {r.adapter_id: r for r in self.registry.list_adapters()}
+        demand = {
+            a: AdapterDemand(rank=records[a].rank, size_bytes=records[a].size_bytes,
+                             expected=e)
+            for a, (_p, e) in forecast.as_dict().items()
+            if a in records and e > 0
+        }
+        views = [
+            WorkerView(
+                worker_id=w.worker_id,
+                pool_bytes=int(w.pool.get("pool_bytes", 0)),
+                free_bytes=max(0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))),
+                resident=frozenset(w.resident),
+                queue_length=w.queue_length + w.running,
+            )
+            for w in workers
+        ]
+        placement, moves = plan_placement(demand, views, self.placement)
+        if moves:
+            self.metrics.placement_moves.inc(moves)
+        self.placement = placement
+        self.registry.set_placement(placement)
+        plan = self.selector.select(demand, placement, views,
+                                    max_per_worker=self.config.max_prefetch_per_worker)
+        addresses = {w.worker_id: w.address for w in workers}
+        for worker_id, items in plan.items():
+            if not items:
+                continue
+            request = worker_pb2.PrefetchAdaptersRequest(horizon_seconds=self.config.horizon_s)
+            for adapter_id, expected in items:
+                p, _e = forecast.get(adapter_id)
+                request.items.add(adapter=convert.adapter_info(records[adapter_id]),
+                                  probability=p, expected_count=expected)
+            try:
+                self._stub(addresses[worker_id]).PrefetchAdapters(request, timeout=2.0)
+                self.metrics.prefetches.inc(len(items))
+            except grpc.RpcError as exc:
+                self.metrics.prefetch_errors.inc()
+                logger.warning("prefetch to %s failed: %s", worker_id, exc.code().name)
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = ch
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    def close(self) -> None:
+        """Close worker channels."""
+        for ch in self._channels.values():
+            ch.close()
+
+
+class PredictorService:
+    """A running predictor: gRPC server, metrics endpoint and the tick thread.
+
+    Raises:
+        RegistryUnavailableError: Redis cannot be reached.
+    """
+
+    def __init__(self, config: PredictorConfig) -> None:
+        self.config = config
+        self.metrics = PredictorMetrics()
+        self.registry = Registry(connect(config.redis_url))
+        self.core = PredictorCore(config, self.registry, self.metrics)
+        servicer = PredictorServicer(self.core)
+
+        def register(server: grpc.Server) -> list[str]:
+            predictor_pb2_grpc.add_PredictorServicer_to_server(servicer, server)
+            return [SERVICE_NAME]
+
+        self.server, self.port, self.health = create_server(
+            register, host=config.host, port=config.port, max_workers=32
+        )
+        self.metrics_server, self.metrics_port = serve_metrics(
+            self.metrics.registry, config.host, config.metrics_port
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="predictor-tick", daemon=True)
+
+    def _loop(self) -> None:
+        next_tick = time.monotonic()
+        while True:
+            next_tick += self.config.tick_s
+            if self._stop.wait(max(0.0, next_tick - time.monotonic())):
+                return
+            self.core.tick()
+
+    def start(self) -> PredictorService:
+        """Start serving and ticking."""
+        self.server.start()
+        self._thread.start()
+        set_serving(self.health, [SERVICE_NAME], True)
+        if self.config.ready_file:
+            write_ready_file(self.config.ready_file, self.port, self.metrics_port)
+        logger.info("predictor serving on %s:%d (forecaster %s)", self.config.host, self.port,
+                    self.config.forecaster)
+        return self
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Stop ticking, persist the state, stop the server."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.core.persist()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not persist predictor state: %s", exc)
+        set_serving(self.health, [SERVICE_NAME], False)
+        self.server.stop(grace).wait()
+        self.core.close()
+        self.metrics_server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``plora serve predictor``."""
+    parser = argparse.ArgumentParser(prog="plora serve predictor")
+    PredictorConfig.add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-json", action="store_true")
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_json, service="predictor")
+    try:
+        service = PredictorService(PredictorConfig.from_args(args)).start()
+    except PLoRAError as exc:
+        logger.error("%s", exc)
+        return 2
+    serve_until_signalled(service.stop)
+    return 0

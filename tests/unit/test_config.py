@@ -1,0 +1,50 @@
+"""Config parsing: byte sizes, env fallbacks and cross-field checks."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.common.config import parse_bytes
+from services.common.errors import ConfigError
+from services.gateway.config import GatewayConfig
+from services.worker.config import WorkerConfig
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1048576", 1 << 20), ("4MiB", 4 << 20), ("4M", 4 << 20), ("1.5GiB", 3 << 29),
+     ("512KiB", 512 << 10), ("2MB", 2_000_000), (7, 7)],
+)
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4XB", "MiB"])
+def test_parse_bytes_rejects_garbage(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_bytes(text)
+
+
+def _worker_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    WorkerConfig.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_worker_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PLORA_POOL_BYTES", "64MiB")
+    monkeypatch.setenv("PLORA_ALLOCATOR", "contiguous")
+    cfg = WorkerConfig.from_args(_worker_args("--allocator", "paged"))
+    assert cfg.pool_bytes == 64 << 20 and cfg.allocator == "paged"
+
+
+def test_worker_host_cache_must_cover_pool() -> None:
+    with pytest.raises(ConfigError, match="host_cache_bytes"):
+        WorkerConfig(pool_bytes=1 << 30, host_cache_bytes=1 << 20)
+
+
+def test_gateway_rejects_unknown_routing() -> None:
+    with pytest.raises(ConfigError, match="routing"):
+        GatewayConfig(routing="random")

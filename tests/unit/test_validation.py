@@ -1,0 +1,66 @@
+"""Table-driven tests of the gateway's request validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from plora.v1 import gateway_pb2
+from services.common.errors import InvalidRequestError
+from services.gateway.config import GatewayConfig
+from services.gateway.validation import validate_generate
+
+CONFIG = GatewayConfig(max_new_tokens_limit=256)
+
+
+def chat(**kw: object) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(**kw)
+    req.messages.add(role="user", content="hi")
+    return req
+
+
+VALID = [
+    gateway_pb2.GenerateRequest(prompt="hi"),
+    chat(),
+    chat(max_new_tokens=1),
+    chat(max_new_tokens=256),
+    chat(temperature=0.0),
+    chat(temperature=1.5, top_p=1.0, top_k=40, seed=7),
+    chat(top_p=0.01),
+    chat(stop=["\n", "END"]),
+]
+
+INVALID = [
+    (gateway_pb2.GenerateRequest(), "set prompt or messages"),
+    (chat(prompt="x"), "not both"),
+    (chat(max_new_tokens=0), "max_new_tokens=0"),
+    (chat(max_new_tokens=-1), "max_new_tokens=-1"),
+    (chat(max_new_tokens=257), "1..256"),
+    (chat(temperature=-0.1), "temperature"),
+    (chat(temperature=float("nan")), "temperature"),
+    (chat(top_p=0.0), "top_p"),
+    (chat(top_p=1.01), "top_p"),
+    (chat(top_p=-1.0), "top_p"),
+    (chat(top_k=-1), "top_k"),
+    (chat(stop=[""]), "stop[0]"),
+    (chat(stop=["x" * 300]), "stop[0]"),
+    (chat(stop=["s"] * 17), "at most 16"),
+]
+
+
+@pytest.mark.parametrize("request_", VALID)
+def test_valid_requests_pass(request_: gateway_pb2.GenerateRequest) -> None:
+    validate_generate(request_, CONFIG)
+
+
+@pytest.mark.parametrize(("request_", "needle"), INVALID)
+def test_invalid_requests_name_the_field(request_: gateway_pb2.GenerateRequest, needle: str):
+    with pytest.raises(InvalidRequestError) as err:
+        validate_generate(request_, CONFIG)
+    assert needle in str(err.value)
+
+
+def test_unknown_role_is_refused() -> None:
+    req = gateway_pb2.GenerateRequest()
+    req.messages.add(role="robot", content="x")
+    with pytest.raises(InvalidRequestError, match="role"):
+        validate_generate(req, CONFIG)
