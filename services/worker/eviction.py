@@ -1,0 +1,126 @@
+"""Eviction policies of the device pool, behind one interface.
+
+``lru`` (:class:`LRUPolicy`)
+    The baseline (ARCHITECTURE.md "Baseline policy", S-LoRA style): evict the adapter whose
+    last use is oldest.
+``predictive`` (:class:`PredictivePolicy`)
+    Predictive-LoRA (arXiv 2512.20210, demand-aware eviction): evict the adapter with the lowest
+    forecast demand per byte, ``expected_count / nbytes``, using the latest forecast given by
+    :meth:`EvictionPolicy.set_forecast` (adapters absent from it have demand 0). Ties, and the
+    whole order when no forecast was ever given, fall back to LRU.
+
+Policies only *order* candidates; the store decides which adapters are candidates (resident,
+not in use, not being written) and how many to evict. The ordering functions are pure and
+table-tested.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+#: Policy names understood by :func:`make_policy`.
+EVICTION_KINDS: tuple[str, ...] = ("lru", "predictive")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An adapter that may be evicted.
+
+    Attributes:
+        adapter_id: Registry id.
+        nbytes: Pool bytes it holds (allocated bytes).
+        last_used: Monotonic seconds of its last lease (or load).
+    """
+
+    adapter_id: str
+    nbytes: int
+    last_used: float
+
+
+def lru_order(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Candidates in eviction order: least recently used first (ties by id)."""
+    return sorted(candidates, key=lambda c: (c.last_used, c.adapter_id))
+
+
+def predictive_order(
+    candidates: Sequence[Candidate], forecast: Mapping[str, float]
+) -> list[Candidate]:
+    """Candidates in eviction order: lowest ``forecast[id] / nbytes`` first, then LRU.
+
+    Args:
+        candidates: Evictable adapters.
+        forecast: ``adapter_id -> expected requests`` in the forecast horizon (missing = 0).
+    """
+
+    def key(c: Candidate) -> tuple[float, float, str]:
+        demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
+        return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
+
+    return sorted(candidates, key=key)
+
+
+class EvictionPolicy(ABC):
+    """Orders eviction candidates; holds the latest demand forecast."""
+
+    name: str = ""
+
+    def __init__(self) -> None:
+        self._forecast: dict[str, float] | None = None
+
+    def set_forecast(self, forecast: Mapping[str, float]) -> None:
+        """Replace the demand forecast (``adapter_id -> expected requests``)."""
+        self._forecast = {str(k): float(v) for k, v in forecast.items()}
+
+    def update_forecast(self, items: Mapping[str, float]) -> None:
+        """Merge fresher per-adapter figures (e.g. from a prefetch request) into the forecast."""
+        if self._forecast is None:
+            self._forecast = {}
+        self._forecast.update({str(k): float(v) for k, v in items.items()})
+
+    @property
+    def has_forecast(self) -> bool:
+        """Whether a forecast was ever given."""
+        return self._forecast is not None
+
+    def demand(self, adapter_id: str) -> float:
+        """Forecast demand of one adapter (0 when unknown)."""
+        return (self._forecast or {}).get(adapter_id, 0.0)
+
+    @abstractmethod
+    def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Candidates in eviction order (first = evict first)."""
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used first (the baseline)."""
+
+    name = "lru"
+
+    def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        return lru_order(candidates)
+
+
+class PredictivePolicy(EvictionPolicy):
+    """Lowest forecast demand per byte first; LRU without a forecast."""
+
+    name = "predictive"
+
+    def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        if self._forecast is None:
+            return lru_order(candidates)
+        return predictive_order(candidates, self._forecast)
+
+
+def make_policy(kind: str) -> EvictionPolicy:
+    """Build a policy by name (``"lru"`` or ``"predictive"``).
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind == "lru":
+        return LRUPolicy()
+    if kind == "predictive":
+        return PredictivePolicy()
+    raise ValueError(f"unknown eviction policy {kind!r}; expected one of {EVICTION_KINDS}")

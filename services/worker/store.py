@@ -1,0 +1,1293 @@
+"""The worker's tiered, paged adapter store: source -> host cache -> device pool.
+
+:class:`AdapterStore` implements :class:`services.worker.adapter_api.AdapterProvider`:
+
+* **Tiers.** An injected ``loader(ref) -> LoRAWeights`` reads the source tier (a PEFT directory).
+  The weights are packed once into one flat host tensor (pinned on CUDA) in the layout the
+  device uses, kept in a byte-bounded LRU host cache, and copied into a run of the device pool
+  (:mod:`services.worker.pool`) with a single copy. The engine gets views of pool memory.
+* **Background loads.** ``loader_threads`` threads (each with its own CUDA stream on GPU) take
+  jobs from a priority queue: loads a waiting request needs first, then prefetches by expected
+  demand. ``acquire`` never blocks on I/O; a request waits only for its own lease.
+* **Reference counts.** A held lease pins its adapter: it is never evicted or moved. Freed
+  space is zeroed before reuse.
+* **Eviction** (:mod:`services.worker.eviction`): ``lru`` or ``predictive`` ordering over the
+  resident adapters that no lease holds. A demand load evicts until its run fits; a prefetch
+  (Predictive-LoRA, arXiv 2512.20210, proactive prefetch) evicts only adapters with lower
+  expected demand and is dropped when the pool is full of more wanted adapters.
+* **Compaction.** When enough pages are free but no run fits (``paged`` only), the loader takes
+  :meth:`AdapterStore.compute_guard` exclusively, so no forward step is running, slides the
+  unpinned adapters toward address 0, and re-points their views.
+* **Versions.** A lease is for one :class:`AdapterRef` version. A newer version drops the older
+  one from every tier (a copy still leased is freed at its last release); asking for an older
+  version than one seen raises :class:`AdapterNotFoundError`.
+
+Definitions (ARCHITECTURE.md): *utilization* is live adapter bytes / pool bytes; the store
+samples it, with fragmentation and waste, at the end of every device allocation during which it
+had to evict or wait (the pool was under pressure) and reports the means. *External
+fragmentation* is ``1 - largest allocatable extent / free bytes``, where the allocatable extent
+of ``paged`` counts what compaction around pinned adapters can join (``contiguous`` has no
+compaction, so its largest hole); ``free_run_fragmentation`` is the same ratio with the largest
+free run as it stands, for both. *Internal waste* is ``(allocated - live) / allocated``.
+
+Lock order (deadlock-free): compute guard (exclusive) before the store lock; the store lock is
+never held while waiting for the guard or doing I/O. The engine must not wait on a lease while
+holding the compute guard, and must not nest the guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple, Self
+
+import torch
+
+from services.common.errors import (
+    AdapterNotFoundError,
+    ConfigError,
+    InvalidAdapterError,
+    PLoRAError,
+    PoolExhaustedError,
+)
+from services.common.types import LoRAModuleWeights, LoRAWeights
+from services.worker.adapter_api import AdapterRef
+from services.worker.eviction import EVICTION_KINDS, Candidate, make_policy
+from services.worker.pool import (
+    ALLOCATOR_KINDS,
+    DEFAULT_ALIGNMENT_BYTES,
+    DEFAULT_PAGE_BYTES,
+    Allocation,
+    DevicePool,
+    FragmentationError,
+    OutOfSpaceError,
+    TooLargeError,
+    make_allocator,
+)
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+#: Pool dtypes by config name.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+#: Loader signature: read one adapter version from the source tier (raises domain errors).
+Loader = Callable[[AdapterRef], LoRAWeights]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Configuration of the adapter store (built by the worker's config from flags/env).
+
+    Attributes:
+        allocator: ``"paged"`` (the design) or ``"contiguous"`` (the S-LoRA-style baseline).
+        eviction: ``"lru"`` (baseline) or ``"predictive"``.
+        pool_bytes: Device pool size, bytes (rounded down to whole pages). Ignored when
+            ``pool_fraction > 0``.
+        pool_fraction: If > 0 (CUDA only): the pool takes this fraction of the device's free
+            memory at start.
+        page_bytes: Page size of ``paged``, bytes (a multiple of the dtype size).
+        host_cache_bytes: Host cache bound, bytes; must be >= the pool bytes.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, or ``"meta"`` (byte accounting only,
+            for benchmarks of the allocator at sizes that do not fit in RAM).
+        dtype: Pool dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        load_wait_timeout_s: How long a demand load waits for space while every resident
+            adapter is in use, before its leases fail with ``PoolExhaustedError``.
+        loader_threads: Background load threads (>= 1).
+        alignment_bytes: Allocation granularity of ``contiguous``.
+
+    Raises:
+        ConfigError: an unknown name or an inconsistent size (host cache < pool, ...).
+    """
+
+    allocator: str = "paged"
+    eviction: str = "lru"
+    pool_bytes: int = 256 * MiB
+    pool_fraction: float = 0.0
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    host_cache_bytes: int = 512 * MiB
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_wait_timeout_s: float = 30.0
+    loader_threads: int = 2
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATOR_KINDS:
+            raise ConfigError(f"allocator must be one of {ALLOCATOR_KINDS}, got {self.allocator!r}")
+        if self.eviction not in EVICTION_KINDS:
+            raise ConfigError(f"eviction must be one of {EVICTION_KINDS}, got {self.eviction!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        esize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        if self.page_bytes <= 0 or self.page_bytes % esize:
+            raise ConfigError(
+                f"page_bytes must be a positive multiple of {esize} ({self.dtype}), "
+                f"got {self.page_bytes}"
+            )
+        if self.alignment_bytes <= 0 or self.alignment_bytes % esize:
+            raise ConfigError(f"alignment_bytes must be a positive multiple of {esize}")
+        if not 0.0 <= self.pool_fraction < 1.0:
+            raise ConfigError(f"pool_fraction must be in [0, 1), got {self.pool_fraction}")
+        if self.pool_fraction == 0.0:
+            if self.pool_bytes < self.unit_bytes:
+                raise ConfigError(
+                    f"pool_bytes ({self.pool_bytes}) must hold at least one "
+                    f"{self.unit_bytes}-byte unit"
+                )
+            if self.host_cache_bytes < self.pool_bytes:
+                raise ConfigError(
+                    f"host_cache_bytes ({self.host_cache_bytes}) must be >= pool_bytes "
+                    f"({self.pool_bytes}) so every resident adapter can be re-read from host"
+                )
+        if self.load_wait_timeout_s < 0:
+            raise ConfigError(f"load_wait_timeout_s must be >= 0, got {self.load_wait_timeout_s}")
+        if self.loader_threads < 1:
+            raise ConfigError(f"loader_threads must be >= 1, got {self.loader_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The pool dtype as a ``torch.dtype``."""
+        return DTYPES[self.dtype]
+
+    @property
+    def unit_bytes(self) -> int:
+        """Allocation unit of the chosen allocator, bytes."""
+        return self.page_bytes if self.allocator == "paged" else self.alignment_bytes
+
+
+# ---------------------------------------------------------------------- packing
+@dataclass(frozen=True)
+class ModuleSlot:
+    """Where one module's A and B live inside an adapter's flat buffer (element offsets)."""
+
+    key: tuple[int, str]
+    a_offset: int
+    a_shape: tuple[int, int]  # [r, in_features]
+    b_offset: int
+    b_shape: tuple[int, int]  # [out_features, r]
+    scaling: float
+
+
+@dataclass(frozen=True, eq=False)
+class PackedAdapter:
+    """One adapter version packed into one flat host tensor in the device layout.
+
+    Attributes:
+        adapter_id: Registry id.
+        version: Registry version.
+        flat: ``dtype [numel]`` on the host (pinned on CUDA): every A then B, module by module.
+        slots: Offsets of each module's tensors in ``flat`` (sorted by layer, projection).
+        sha256: From the loaded weights.
+    """
+
+    adapter_id: str
+    version: int
+    flat: torch.Tensor
+    slots: tuple[ModuleSlot, ...]
+    sha256: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer (= live bytes in the pool)."""
+        return self.flat.numel() * self.flat.element_size()
+
+
+def pack_weights(
+    weights: LoRAWeights, dtype: torch.dtype, device: torch.device | str = "cpu", pin: bool = False
+) -> PackedAdapter:
+    """Pack every module's A (``[r, in]``) and B (``[out, r]``) into one flat tensor.
+
+    Args:
+        weights: Host weights from the loader.
+        dtype: Serving dtype (weights are converted).
+        device: Host device (``"cpu"``; ``"meta"`` for byte accounting).
+        pin: Allocate page-locked memory (for async copies to CUDA).
+
+    Raises:
+        InvalidAdapterError: no modules, or a tensor that is not 2-D.
+    """
+    if not weights.modules:
+        raise InvalidAdapterError(f"adapter {weights.adapter_id!r} has no LoRA modules")
+    slots: list[ModuleSlot] = []
+    off = 0
+    for key in sorted(weights.modules):
+        m = weights.modules[key]
+        if m.lora_a.dim() != 2 or m.lora_b.dim() != 2:
+            raise InvalidAdapterError(
+                f"adapter {weights.adapter_id!r} module {key}: LoRA A and B must be 2-D"
+            )
+        a_shape = (int(m.lora_a.shape[0]), int(m.lora_a.shape[1]))
+        b_shape = (int(m.lora_b.shape[0]), int(m.lora_b.shape[1]))
+        a_off = off
+        b_off = a_off + a_shape[0] * a_shape[1]
+        off = b_off + b_shape[0] * b_shape[1]
+        slots.append(ModuleSlot(key, a_off, a_shape, b_off, b_shape, float(m.scaling)))
+    flat = torch.empty(off, dtype=dtype, device=device, pin_memory=pin)  # [numel]
+    for s in slots:
+        m = weights.modules[s.key]
+        flat[s.a_offset : s.b_offset].view(s.a_shape).copy_(m.lora_a)
+        flat[s.b_offset : s.b_offset + s.b_shape[0] * s.b_shape[1]].view(s.b_shape).copy_(m.lora_b)
+    return PackedAdapter(weights.adapter_id, weights.version, flat, tuple(slots), weights.sha256)
+
+
+def module_views(
+    flat: torch.Tensor, slots: Sequence[ModuleSlot]
+) -> dict[tuple[int, str], LoRAModuleWeights]:
+    """``(layer, projection) -> LoRAModuleWeights`` whose tensors are views of ``flat``."""
+    out: dict[tuple[int, str], LoRAModuleWeights] = {}
+    for s in slots:
+        a = flat[s.a_offset : s.b_offset].view(s.a_shape)
+        b = flat[s.b_offset : s.b_offset + s.b_shape[0] * s.b_shape[1]].view(s.b_shape)
+        out[s.key] = LoRAModuleWeights(lora_a=a, lora_b=b, scaling=s.scaling)
+    return out
+
+
+class HostCache:
+    """Byte-bounded LRU of packed adapters, one version per adapter id.
+
+    Args:
+        capacity_bytes: Bound on the bytes of the cached flat tensors.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._items: OrderedDict[str, PackedAdapter] = OrderedDict()
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, adapter_id: str, version: int) -> PackedAdapter | None:
+        """The cached copy of exactly this version (marked recently used), else None."""
+        p = self._items.get(adapter_id)
+        if p is None or p.version != version:
+            return None
+        self._items.move_to_end(adapter_id)
+        return p
+
+    def put(self, packed: PackedAdapter) -> None:
+        """Cache ``packed`` (replacing any other version), evicting LRU entries to fit.
+
+        An adapter bigger than the whole cache is not cached.
+        """
+        self.drop(packed.adapter_id)
+        if packed.nbytes > self.capacity_bytes:
+            return
+        while self.used_bytes + packed.nbytes > self.capacity_bytes:
+            _, old = self._items.popitem(last=False)
+            self.used_bytes -= old.nbytes
+        self._items[packed.adapter_id] = packed
+        self.used_bytes += packed.nbytes
+
+    def drop(self, adapter_id: str) -> bool:
+        """Remove any version of ``adapter_id``; returns whether one was cached."""
+        p = self._items.pop(adapter_id, None)
+        if p is None:
+            return False
+        self.used_bytes -= p.nbytes
+        return True
+
+
+# ---------------------------------------------------------------------- guard
+class RWLock:
+    """A readers-writer lock that prefers writers (steps share it; compaction excludes them).
+
+    Not reentrant: a thread holding it must not take it again.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        """Shared hold (one forward step)."""
+        with self._cv:
+            while self._writer or self._writers_waiting:
+                self._cv.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        """Exclusive hold (compaction)."""
+        with self._cv:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cv.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._writer = False
+                self._cv.notify_all()
+
+
+# ---------------------------------------------------------------------- stats and events
+@dataclass(frozen=True)
+class StoreEvent:
+    """One thing the store did, for metric hooks.
+
+    Attributes:
+        kind: ``"load"``, ``"load_failed"``, ``"evict"``, ``"compact"``, ``"cold_start"``,
+            ``"prefetch_issued"``, ``"prefetch_used"``, ``"prefetch_wasted"``,
+            ``"prefetch_ignored"``.
+        adapter_id: The adapter ("" for compaction).
+        version: Its version (0 when not applicable).
+        tier: For loads: ``"source"`` or ``"host"``.
+        reason: For evictions: ``"demand"``, ``"prefetch"``, ``"superseded"``, ``"unload"``.
+        seconds: Load latency, or cold-start wait.
+        nbytes: Bytes loaded, evicted, or moved.
+    """
+
+    kind: str
+    adapter_id: str = ""
+    version: int = 0
+    tier: str = ""
+    reason: str = ""
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of the store for metrics and reports (definitions in the module doc).
+
+    Byte figures in bytes, times in seconds. For ``contiguous``, "pages" are its alignment units.
+    """
+
+    allocator: str
+    eviction: str
+    device: str
+    dtype: str
+    pool_bytes: int
+    page_bytes: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    allocated_bytes: int
+    live_bytes: int
+    free_bytes: int
+    utilization: float
+    utilization_under_pressure: float
+    pressure_samples: int
+    external_fragmentation: float
+    external_fragmentation_under_pressure: float
+    free_run_fragmentation: float
+    free_run_fragmentation_under_pressure: float
+    internal_waste: float
+    internal_waste_under_pressure: float
+    resident_adapters: int
+    loading_adapters: int
+    waiting_loads: int
+    host_cache_bytes: int
+    host_cache_used_bytes: int
+    host_cache_adapters: int
+    device_hits: int
+    loads_by_tier: dict[str, int]
+    load_seconds_by_tier: dict[str, float]
+    failed_loads: int
+    cold_starts: int
+    cold_start_wait_seconds: float
+    cold_start_wait_max_seconds: float
+    evictions_by_reason: dict[str, int]
+    compactions: int
+    bytes_moved: int
+    prefetches_issued: int
+    prefetches_used: int
+    prefetches_wasted: int
+    prefetches_ignored: int
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ResidentAdapter:
+    """One adapter in the device pool.
+
+    Attributes:
+        adapter_id: Registry id.
+        version: Registry version.
+        nbytes: Live bytes.
+        allocated_bytes: Bytes of its run.
+        first_page: First unit of its run.
+        pages: Units in its run.
+        leases: Leases held now.
+        prefetched: Loaded by a prefetch.
+    """
+
+    adapter_id: str
+    version: int
+    nbytes: int
+    allocated_bytes: int
+    first_page: int
+    pages: int
+    leases: int
+    prefetched: bool
+
+
+class PrefetchResult(NamedTuple):
+    """Outcome of :meth:`AdapterStore.prefetch`: counts of items."""
+
+    accepted: int
+    already_resident: int
+    ignored: int
+
+
+# ---------------------------------------------------------------------- entries and leases
+class _State(enum.Enum):
+    LOADING = "loading"
+    RESIDENT = "resident"
+    FAILED = "failed"
+
+
+class _Entry:
+    """Device-tier record of one adapter version (guarded by the store lock)."""
+
+    __slots__ = (
+        "alloc",
+        "cold_created",
+        "demanded",
+        "detached",
+        "error",
+        "event",
+        "expected",
+        "job_started",
+        "last_used",
+        "prefetch",
+        "ready_at",
+        "ref",
+        "refcount",
+        "slots",
+        "state",
+        "used",
+        "views",
+    )
+
+    def __init__(self, ref: AdapterRef, now: float, *, demanded: bool, expected: float = 0.0):
+        self.ref = ref
+        self.state = _State.LOADING
+        self.alloc: Allocation | None = None
+        self.slots: tuple[ModuleSlot, ...] = ()
+        self.views: dict[tuple[int, str], LoRAModuleWeights] = {}
+        self.refcount = 0
+        self.last_used = now
+        self.prefetch = not demanded
+        self.used = False
+        self.demanded = demanded
+        self.expected = expected
+        self.job_started = False
+        self.detached = False
+        self.event = threading.Event()
+        self.error: Exception | None = None
+        self.ready_at = 0.0
+        self.cold_created: list[float] = []
+
+
+class StoreLease:
+    """A lease from :class:`AdapterStore` (implements ``AdapterLease``)."""
+
+    def __init__(self, store: AdapterStore, entry: _Entry, cold: bool, created: float) -> None:
+        self._store = store
+        self._entry = entry
+        self._cold = cold
+        self._created = created
+        self._released = False
+
+    @property
+    def ref(self) -> AdapterRef:
+        """The adapter version leased."""
+        return self._entry.ref
+
+    def ready(self) -> bool:
+        """True once resident (or failed)."""
+        return self._entry.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until ready or ``timeout`` seconds; returns :meth:`ready`."""
+        return self._entry.event.wait(timeout)
+
+    def error(self) -> Exception | None:
+        """The domain error of a failed load, else None."""
+        return self._entry.error
+
+    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
+        """``(layer, projection) -> weights``; tensors are views of pool memory.
+
+        Raises:
+            PLoRAError: the load failed (its domain error).
+            RuntimeError: not ready yet, or the lease was released.
+        """
+        e = self._entry
+        if e.error is not None:
+            raise e.error
+        if self._released:
+            raise RuntimeError(f"lease on {e.ref.adapter_id!r} was released")
+        if not e.event.is_set():
+            raise RuntimeError(f"adapter {e.ref.adapter_id!r} is not resident yet; wait() first")
+        return dict(e.views)
+
+    def flat(self) -> torch.Tensor:
+        """``dtype [numel]``: the adapter's whole live region of the pool (a view).
+
+        Same validity rules as :meth:`weights`.
+        """
+        self.weights()
+        with self._store._lock:
+            e = self._entry
+            assert e.alloc is not None
+            return self._store._pool.view(e.alloc)
+
+    @property
+    def cold(self) -> bool:
+        """Whether the adapter was not resident when the lease was taken."""
+        return self._cold
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds from lease creation until ready (0 for warm; elapsed so far if loading)."""
+        if not self._cold:
+            return 0.0
+        e = self._entry
+        end = e.ready_at if e.event.is_set() and e.ready_at else time.monotonic()
+        return max(0.0, end - self._created)
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called."""
+        return self._released
+
+    def release(self) -> None:
+        """Drop the claim (idempotent)."""
+        self._store._release(self)
+
+
+class _PrefetchIgnored(Exception):
+    pass
+
+
+class _Detached(Exception):
+    pass
+
+
+@dataclass
+class _Counters:
+    device_hits: int = 0
+    loads_by_tier: dict[str, int] = field(default_factory=lambda: {"source": 0, "host": 0})
+    load_seconds_by_tier: dict[str, float] = field(
+        default_factory=lambda: {"source": 0.0, "host": 0.0}
+    )
+    failed_loads: int = 0
+    cold_starts: int = 0
+    cold_wait_total: float = 0.0
+    cold_wait_max: float = 0.0
+    evictions: dict[str, int] = field(default_factory=dict)
+    compactions: int = 0
+    bytes_moved: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    prefetch_ignored: int = 0
+    samples: int = 0
+    util_sum: float = 0.0
+    frag_sum: float = 0.0
+    raw_frag_sum: float = 0.0
+    waste_sum: float = 0.0
+
+
+# ---------------------------------------------------------------------- the store
+class AdapterStore:
+    """Tiered, paged adapter store (see the module doc).
+
+    Args:
+        config: Store configuration.
+        loader: Reads one adapter version from the source tier; raises domain errors
+            (``InvalidAdapterError``, ``IncompatibleAdapterError``, ``AdapterNotFoundError``).
+        on_event: Optional hook called (under the store lock; keep it fast, do not call back
+            into the store) with every :class:`StoreEvent`.
+
+    Raises:
+        ConfigError: a CUDA device requested without CUDA, or a bad pool size.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        loader: Loader,
+        on_event: Callable[[StoreEvent], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._loader = loader
+        self._on_event = on_event
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
+        pool_bytes = self._pool_bytes(config)
+        if config.host_cache_bytes < pool_bytes:
+            raise ConfigError(
+                f"host_cache_bytes ({config.host_cache_bytes}) must be >= the pool "
+                f"({pool_bytes} bytes)"
+            )
+        allocator = make_allocator(
+            config.allocator, pool_bytes, config.page_bytes, config.alignment_bytes
+        )
+        self._pool = DevicePool(allocator, config.torch_dtype, self.device)
+        self._host_device = (
+            torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
+        )
+        self._pin = self.device.type == "cuda"
+        self._host = HostCache(config.host_cache_bytes)
+        self._policy = make_policy(config.eviction)
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
+        self._guard = RWLock()
+        self._entries: dict[str, _Entry] = {}  # adapter_id -> current entry (any state)
+        self._holders: dict[int, _Entry] = {}  # allocation handle -> entry holding it
+        self._latest: dict[str, int] = {}  # adapter_id -> newest version seen
+        self._jobs: list[tuple[int, float, int, _Entry]] = []
+        self._seq = itertools.count()
+        self._waiting = 0
+        self._closed = False
+        self._c = _Counters()
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"adapter-loader-{i}", daemon=True)
+            for i in range(config.loader_threads)
+        ]
+        for t in self._threads:
+            t.start()
+        logger.info(
+            "adapter store: %s/%s pool %d bytes (%d x %d-byte units) on %s, %s, host cache %d",
+            config.allocator,
+            config.eviction,
+            allocator.capacity_bytes,
+            allocator.capacity_units,
+            allocator.unit_bytes,
+            self.device,
+            config.dtype,
+            config.host_cache_bytes,
+        )
+
+    @staticmethod
+    def _pool_bytes(config: StoreConfig) -> int:
+        if config.pool_fraction > 0:
+            dev = torch.device(config.device)
+            if dev.type != "cuda":
+                raise ConfigError("pool_fraction needs a CUDA device; give pool_bytes instead")
+            free, _ = torch.cuda.mem_get_info(dev)
+            size = int(free * config.pool_fraction)
+        else:
+            size = config.pool_bytes
+        size -= size % config.unit_bytes
+        if size < config.unit_bytes:
+            raise ConfigError(f"pool of {size} bytes holds no {config.unit_bytes}-byte unit")
+        return size
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def pool(self) -> DevicePool:
+        """The device pool (read-only use: tests and benchmarks inspect it)."""
+        return self._pool
+
+    def compute_guard(self) -> contextlib.AbstractContextManager[None]:
+        """Shared hold around one forward step; compaction holds it exclusively."""
+        return self._guard.read()
+
+    def acquire(self, ref: AdapterRef) -> StoreLease:
+        """Take a lease on ``ref``; starts a high-priority load if it is not resident.
+
+        Never blocks on I/O.
+
+        Raises:
+            PoolExhaustedError: ``ref.size_bytes`` is bigger than the whole pool.
+            AdapterNotFoundError: a newer version of the adapter was seen (stale ref).
+            PLoRAError: the store is closed.
+        """
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            self._check_fits(ref)
+            self._observe_version(ref)
+            e = self._entries.get(ref.adapter_id)
+            if e is None:
+                e = _Entry(ref, now, demanded=True)
+                self._entries[ref.adapter_id] = e
+                self._push(e)
+            elif e.state is _State.LOADING and not e.demanded:
+                e.demanded = True
+                if not e.job_started:
+                    self._push(e)  # upgrade a queued prefetch to demand priority
+            cold = e.state is not _State.RESIDENT
+            e.refcount += 1
+            e.last_used = now
+            if e.prefetch and not e.used:
+                e.used = True
+                self._c.prefetch_used += 1
+                self._emit(StoreEvent("prefetch_used", ref.adapter_id, ref.version))
+            if cold:
+                e.cold_created.append(now)
+                self._c.cold_starts += 1
+            else:
+                self._c.device_hits += 1
+            return StoreLease(self, e, cold, now)
+
+    def prefetch(self, items: Sequence[tuple[AdapterRef, float]]) -> PrefetchResult:
+        """Load adapters in the background ahead of demand, at low priority.
+
+        A prefetch never evicts an adapter in use or one with at least its expected demand,
+        and is ignored when free space plus such lower-demand adapters cannot hold it. The
+        expected counts also update the eviction forecast.
+
+        Args:
+            items: ``(ref, expected requests in the forecast horizon)``.
+
+        Returns:
+            Counts of accepted, already resident (or loading), and ignored items.
+        """
+        accepted = already = ignored = 0
+        now = time.monotonic()
+        with self._lock:
+            self._check_open()
+            self._policy.update_forecast({r.adapter_id: float(x) for r, x in items})
+            for ref, expected in items:
+                expected = float(expected)
+                latest = self._latest.get(ref.adapter_id)
+                if (latest is not None and ref.version < latest) or (
+                    ref.size_bytes > self._pool.capacity_bytes
+                ):
+                    ignored += 1
+                    continue
+                self._observe_version(ref)
+                e = self._entries.get(ref.adapter_id)
+                if e is not None:
+                    e.expected = max(e.expected, expected)
+                    already += 1
+                    continue
+                if ref.size_bytes and not self._prefetch_may_fit(ref.size_bytes, expected):
+                    ignored += 1
+                    self._c.prefetch_ignored += 1
+                    self._emit(StoreEvent("prefetch_ignored", ref.adapter_id, ref.version))
+                    continue
+                e = _Entry(ref, now, demanded=False, expected=expected)
+                self._entries[ref.adapter_id] = e
+                self._push(e)
+                accepted += 1
+                self._c.prefetch_issued += 1
+                self._emit(StoreEvent("prefetch_issued", ref.adapter_id, ref.version))
+        return PrefetchResult(accepted, already, ignored)
+
+    def set_forecast(self, forecast: Mapping[str, float]) -> None:
+        """Replace the demand forecast (``adapter_id -> expected requests``) used by
+        ``predictive`` eviction and prefetch admission."""
+        with self._lock:
+            self._policy.set_forecast(forecast)
+
+    def unload(self, adapter_id: str) -> bool:
+        """Drop ``adapter_id`` from every tier (a leased copy is freed at its last release;
+        a pending load fails its leases with ``AdapterNotFoundError``).
+
+        Returns:
+            Whether anything was dropped.
+        """
+        with self._lock:
+            dropped = self._host.drop(adapter_id)
+            e = self._entries.get(adapter_id)
+            if e is not None:
+                self._detach(e, "unload")
+                dropped = True
+            self._latest.pop(adapter_id, None)
+            return dropped
+
+    def resident_adapters(self) -> list[ResidentAdapter]:
+        """Adapters in the device pool now, in address order."""
+        with self._lock:
+            out = []
+            for e in self._entries.values():
+                if e.state is _State.RESIDENT and e.alloc is not None:
+                    a = e.alloc
+                    out.append(
+                        ResidentAdapter(
+                            e.ref.adapter_id,
+                            e.ref.version,
+                            a.nbytes,
+                            a.byte_length,
+                            a.start,
+                            a.units,
+                            e.refcount,
+                            e.prefetch,
+                        )
+                    )
+            return sorted(out, key=lambda r: r.first_page)
+
+    def stats(self) -> StoreStats:
+        """A consistent snapshot of the store's figures."""
+        with self._lock:
+            al = self._pool.allocator
+            c = self._c
+            allocated = al.used_units * al.unit_bytes
+            live = al.live_bytes
+            free = al.free_units * al.unit_bytes
+            n = c.samples
+            return StoreStats(
+                allocator=al.kind,
+                eviction=self._policy.name,
+                device=str(self.device),
+                dtype=self.config.dtype,
+                pool_bytes=al.capacity_bytes,
+                page_bytes=al.unit_bytes,
+                pages_total=al.capacity_units,
+                pages_used=al.used_units,
+                pages_free=al.free_units,
+                allocated_bytes=allocated,
+                live_bytes=live,
+                free_bytes=free,
+                utilization=live / al.capacity_bytes,
+                utilization_under_pressure=c.util_sum / n if n else 0.0,
+                pressure_samples=n,
+                external_fragmentation=self._fragmentation(allocatable=True),
+                external_fragmentation_under_pressure=c.frag_sum / n if n else 0.0,
+                free_run_fragmentation=self._fragmentation(allocatable=False),
+                free_run_fragmentation_under_pressure=c.raw_frag_sum / n if n else 0.0,
+                internal_waste=(allocated - live) / allocated if allocated else 0.0,
+                internal_waste_under_pressure=c.waste_sum / n if n else 0.0,
+                resident_adapters=sum(
+                    1 for e in self._entries.values() if e.state is _State.RESIDENT
+                ),
+                loading_adapters=sum(
+                    1 for e in self._entries.values() if e.state is _State.LOADING
+                ),
+                waiting_loads=self._waiting,
+                host_cache_bytes=self._host.capacity_bytes,
+                host_cache_used_bytes=self._host.used_bytes,
+                host_cache_adapters=len(self._host),
+                device_hits=c.device_hits,
+                loads_by_tier=dict(c.loads_by_tier),
+                load_seconds_by_tier=dict(c.load_seconds_by_tier),
+                failed_loads=c.failed_loads,
+                cold_starts=c.cold_starts,
+                cold_start_wait_seconds=c.cold_wait_total,
+                cold_start_wait_max_seconds=c.cold_wait_max,
+                evictions_by_reason=dict(c.evictions),
+                compactions=c.compactions,
+                bytes_moved=c.bytes_moved,
+                prefetches_issued=c.prefetch_issued,
+                prefetches_used=c.prefetch_used,
+                prefetches_wasted=c.prefetch_wasted,
+                prefetches_ignored=c.prefetch_ignored,
+            )
+
+    def close(self) -> None:
+        """Stop the loader threads and fail pending loads (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for e in list(self._entries.values()):
+                if e.state is _State.LOADING:
+                    e.detached = True
+                    self._fail(e, PLoRAError("the adapter store was closed"), free=False)
+            self._jobs.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers (lock held)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PLoRAError("the adapter store is closed")
+
+    def _check_fits(self, ref: AdapterRef) -> None:
+        cap = self._pool.capacity_bytes
+        if ref.size_bytes > cap:
+            raise PoolExhaustedError(
+                f"adapter {ref.adapter_id!r} needs {ref.size_bytes} bytes but the device pool "
+                f"holds {cap}; use a smaller rank or a bigger pool"
+            )
+
+    def _observe_version(self, ref: AdapterRef) -> None:
+        latest = self._latest.get(ref.adapter_id)
+        if latest is not None and ref.version < latest:
+            raise AdapterNotFoundError(
+                f"adapter {ref.adapter_id!r} version {ref.version} was superseded by version "
+                f"{latest}; refresh the adapter metadata and retry"
+            )
+        if latest is None or ref.version > latest:
+            self._latest[ref.adapter_id] = ref.version
+            e = self._entries.get(ref.adapter_id)
+            if e is not None and e.ref.version != ref.version:
+                self._detach(e, "superseded")
+            cached = self._host.get(ref.adapter_id, ref.version)
+            if cached is None:
+                self._host.drop(ref.adapter_id)
+
+    def _push(self, e: _Entry) -> None:
+        prio = 0 if e.demanded else 1
+        heapq.heappush(self._jobs, (prio, -e.expected, next(self._seq), e))
+        self._cv.notify_all()
+
+    def _emit(self, event: StoreEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # a metrics hook must never break the store
+            logger.exception("adapter store event hook failed on %s", event.kind)
+
+    def _free_alloc(self, e: _Entry) -> None:
+        if e.alloc is not None:
+            self._holders.pop(e.alloc.handle, None)
+            self._pool.free(e.alloc)
+            e.alloc = None
+            e.views = {}
+            self._cv.notify_all()
+
+    def _detach(self, e: _Entry, reason: str) -> None:
+        """Remove ``e`` from the index; free it now or at its last release."""
+        if self._entries.get(e.ref.adapter_id) is e:
+            del self._entries[e.ref.adapter_id]
+        if e.detached:
+            return
+        e.detached = True
+        if e.state is _State.LOADING:
+            msg = (
+                f"adapter {e.ref.adapter_id!r} version {e.ref.version} was "
+                f"{'unloaded' if reason == 'unload' else 'superseded'} while loading"
+            )
+            self._fail(e, AdapterNotFoundError(msg), count=False, free=False)
+        elif e.state is _State.RESIDENT:
+            self._count_eviction(e, reason)
+            if e.refcount == 0:
+                self._free_alloc(e)
+
+    def _count_eviction(self, e: _Entry, reason: str) -> None:
+        c = self._c
+        c.evictions[reason] = c.evictions.get(reason, 0) + 1
+        if e.prefetch and not e.used:
+            c.prefetch_wasted += 1
+            self._emit(StoreEvent("prefetch_wasted", e.ref.adapter_id, e.ref.version))
+        nbytes = e.alloc.byte_length if e.alloc else 0
+        self._emit(
+            StoreEvent("evict", e.ref.adapter_id, e.ref.version, reason=reason, nbytes=nbytes)
+        )
+
+    def _evict(self, e: _Entry, reason: str) -> None:
+        assert e.refcount == 0 and e.state is _State.RESIDENT
+        del self._entries[e.ref.adapter_id]
+        e.detached = True
+        self._count_eviction(e, reason)
+        self._free_alloc(e)
+
+    def _fail(self, e: _Entry, err: Exception, count: bool = True, free: bool = True) -> None:
+        """Fail a load. ``free=False`` when a loader thread may still be writing its run: the
+        thread frees it once it sees ``detached``."""
+        if self._entries.get(e.ref.adapter_id) is e:
+            del self._entries[e.ref.adapter_id]
+        e.state = _State.FAILED
+        e.error = err
+        if free:
+            self._free_alloc(e)
+        e.event.set()
+        if count:
+            self._c.failed_loads += 1
+            self._emit(
+                StoreEvent(
+                    "load_failed", e.ref.adapter_id, e.ref.version, reason=type(err).__name__
+                )
+            )
+
+    def _release(self, lease: StoreLease) -> None:
+        with self._lock:
+            if lease._released:
+                return
+            lease._released = True
+            e = lease._entry
+            e.refcount -= 1
+            if e.refcount == 0:
+                if e.detached and e.state is _State.RESIDENT:
+                    self._free_alloc(e)
+                self._cv.notify_all()
+
+    def _pinned(self) -> set[int]:
+        return {
+            h for h, e in self._holders.items() if e.refcount > 0 or e.state is not _State.RESIDENT
+        }
+
+    def _fragmentation(self, allocatable: bool) -> float:
+        al = self._pool.allocator
+        if al.free_units == 0:
+            return 0.0
+        run = al.allocatable_units(self._pinned()) if allocatable else al.largest_free_run()
+        return 1.0 - run / al.free_units
+
+    def _sample_pressure(self) -> None:
+        al = self._pool.allocator
+        c = self._c
+        allocated = al.used_units * al.unit_bytes
+        c.samples += 1
+        c.util_sum += al.live_bytes / al.capacity_bytes
+        c.frag_sum += self._fragmentation(allocatable=True)
+        c.raw_frag_sum += self._fragmentation(allocatable=False)
+        c.waste_sum += (allocated - al.live_bytes) / allocated if allocated else 0.0
+
+    def _prefetch_may_fit(self, nbytes: int, expected: float) -> bool:
+        al = self._pool.allocator
+        need = al.units_for(nbytes) * al.unit_bytes
+        room = al.free_units * al.unit_bytes
+        for e in self._entries.values():
+            if room >= need:
+                break
+            if (
+                e.state is _State.RESIDENT
+                and e.refcount == 0
+                and e.alloc is not None
+                and self._policy.demand(e.ref.adapter_id) < expected
+            ):
+                room += e.alloc.byte_length
+        return room >= need
+
+    def _pick_victim(self, e: _Entry) -> _Entry | None:
+        cands = []
+        for x in self._entries.values():
+            if x is e or x.state is not _State.RESIDENT or x.refcount or x.alloc is None:
+                continue
+            if not e.demanded and not self._policy.demand(x.ref.adapter_id) < e.expected:
+                continue
+            cands.append(Candidate(x.ref.adapter_id, x.alloc.byte_length, x.last_used))
+        if not cands:
+            return None
+        return self._entries[self._policy.order(cands)[0].adapter_id]
+
+    # ------------------------------------------------------------------ loader threads
+    def _worker(self) -> None:
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        while True:
+            with self._cv:
+                while not self._closed and not self._jobs:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                _, _, _, e = heapq.heappop(self._jobs)
+                if e.detached or e.state is not _State.LOADING or e.job_started:
+                    continue
+                e.job_started = True
+            try:
+                self._load(e, stream)
+            except _PrefetchIgnored:
+                pass
+            except _Detached:
+                pass
+            except PLoRAError as err:
+                logger.warning("load of %s v%d failed: %s", e.ref.adapter_id, e.ref.version, err)
+                with self._lock:
+                    self._fail(e, err)
+            except Exception as err:
+                logger.exception("load of %s v%d failed", e.ref.adapter_id, e.ref.version)
+                with self._lock:
+                    self._fail(e, PLoRAError(f"loading adapter {e.ref.adapter_id!r} failed: {err}"))
+
+    def _host_copy(self, ref: AdapterRef) -> tuple[PackedAdapter, str, float]:
+        with self._lock:
+            cached = self._host.get(ref.adapter_id, ref.version)
+        if cached is not None:
+            return cached, "host", 0.0
+        t0 = time.monotonic()
+        try:
+            weights = self._loader(ref)
+        except PLoRAError:
+            raise
+        except FileNotFoundError as err:
+            raise AdapterNotFoundError(
+                f"adapter {ref.adapter_id!r} source {ref.source!r} is missing: {err}"
+            ) from err
+        if ref.sha256 and weights.sha256 and ref.sha256 != weights.sha256:
+            raise InvalidAdapterError(
+                f"adapter {ref.adapter_id!r} version {ref.version}: files changed since "
+                f"registration (sha256 {weights.sha256[:12]} != {ref.sha256[:12]}); re-register it"
+            )
+        packed = pack_weights(weights, self.config.torch_dtype, self._host_device, self._pin)
+        packed = PackedAdapter(
+            ref.adapter_id, ref.version, packed.flat, packed.slots, packed.sha256
+        )
+        with self._lock:
+            if self._latest.get(ref.adapter_id) == ref.version:
+                self._host.put(packed)
+        return packed, "source", time.monotonic() - t0
+
+    def _load(self, e: _Entry, stream: torch.cuda.Stream | None) -> None:
+        ref = e.ref
+        packed, tier, read_s = self._host_copy(ref)
+        if packed.nbytes > self._pool.capacity_bytes:
+            raise PoolExhaustedError(
+                f"adapter {ref.adapter_id!r} holds {packed.nbytes} bytes but the device pool "
+                f"holds {self._pool.capacity_bytes}; use a smaller rank or a bigger pool"
+            )
+        t0 = time.monotonic()
+        _, dst = self._allocate(e, packed.nbytes)
+        self._copy_in(dst, packed.flat, stream)
+        t1 = time.monotonic()
+        with self._lock:
+            if e.detached:
+                self._free_alloc(e)
+                return
+            e.slots = packed.slots
+            e.views = module_views(self._pool.view(e.alloc), packed.slots)  # type: ignore[arg-type]
+            e.state = _State.RESIDENT
+            e.ready_at = t1
+            e.event.set()
+            seconds = read_s + (t1 - t0)
+            self._c.loads_by_tier[tier] += 1
+            self._c.load_seconds_by_tier[tier] += seconds
+            self._emit(
+                StoreEvent(
+                    "load",
+                    ref.adapter_id,
+                    ref.version,
+                    tier=tier,
+                    seconds=seconds,
+                    nbytes=packed.nbytes,
+                )
+            )
+            for created in e.cold_created:
+                w = max(0.0, t1 - created)
+                self._c.cold_wait_total += w
+                self._c.cold_wait_max = max(self._c.cold_wait_max, w)
+                self._emit(StoreEvent("cold_start", ref.adapter_id, ref.version, seconds=w))
+            e.cold_created = []
+            self._cv.notify_all()
+
+    def _copy_in(
+        self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None
+    ) -> None:
+        if stream is None:
+            dst.copy_(src)
+            return
+        # the destination was zeroed on the default stream: order the copy after it
+        stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    def _allocate(self, e: _Entry, nbytes: int) -> tuple[Allocation, torch.Tensor]:
+        """Find room for ``e`` (evicting, compacting, or waiting); returns its run and view.
+
+        Raises:
+            PoolExhaustedError: bigger than the pool, or no room before the wait timeout.
+            _PrefetchIgnored: a prefetch found only more-wanted adapters to evict.
+            _Detached: the entry was unloaded or superseded meanwhile.
+        """
+        pressure = False
+        deadline: float | None = None
+        al = self._pool.allocator
+        while True:
+            compact = False
+            with self._cv:
+                if e.detached:
+                    raise _Detached()
+                try:
+                    a = self._pool.alloc(nbytes)
+                except TooLargeError as err:
+                    raise PoolExhaustedError(str(err)) from err
+                except FragmentationError as err:
+                    compact = al.supports_compaction and (
+                        al.allocatable_units(self._pinned()) >= err.needed_units
+                    )
+                except OutOfSpaceError:
+                    pass
+                else:
+                    e.alloc = a
+                    self._holders[a.handle] = e
+                    if pressure:
+                        self._sample_pressure()
+                    return a, self._pool.view(a)
+                if not compact:
+                    victim = self._pick_victim(e)
+                    if victim is not None:
+                        pressure = True
+                        self._evict(victim, "demand" if e.demanded else "prefetch")
+                        continue
+                    if not e.demanded:
+                        if self._entries.get(e.ref.adapter_id) is e:
+                            del self._entries[e.ref.adapter_id]
+                        e.detached = True
+                        e.state = _State.FAILED
+                        e.event.set()
+                        self._c.prefetch_ignored += 1
+                        self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
+                        raise _PrefetchIgnored()
+                    pressure = True
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + self.config.load_wait_timeout_s
+                    if now >= deadline:
+                        self._sample_pressure()
+                        raise PoolExhaustedError(
+                            f"no room in the device pool for adapter {e.ref.adapter_id!r} "
+                            f"({nbytes} bytes): every resident adapter stayed in use for "
+                            f"{self.config.load_wait_timeout_s:g} s; retry later"
+                        )
+                    self._waiting += 1
+                    try:
+                        self._cv.wait(deadline - now)
+                    finally:
+                        self._waiting -= 1
+                    continue
+            self._compact()
+
+    def _compact(self) -> None:
+        """Compact the pool with the compute guard held exclusively (no step running)."""
+        with self._guard.write(), self._lock:
+            ctx = (
+                torch.cuda.stream(torch.cuda.default_stream(self.device))
+                if self.device.type == "cuda"
+                else contextlib.nullcontext()
+            )
+            with ctx:
+                res = self._pool.compact(self._pinned())
+            if self.device.type == "cuda":
+                torch.cuda.default_stream(self.device).synchronize()
+            for m in res.moves:
+                holder = self._holders[m.handle]
+                holder.alloc = self._pool.allocator.get(m.handle)
+                if holder.state is _State.RESIDENT and not holder.detached:
+                    holder.views = module_views(self._pool.view(holder.alloc), holder.slots)
+            self._c.compactions += 1
+            self._c.bytes_moved += res.bytes_moved
+            self._emit(StoreEvent("compact", nbytes=res.bytes_moved))
+
+
+def flat_checksum(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (for integrity checks in tests and tools)."""
+    data = t.detach().contiguous().cpu()
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()

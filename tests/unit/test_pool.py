@@ -1,0 +1,302 @@
+"""Allocators, the device pool and eviction orderings: table-driven tests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.common.errors import PoolExhaustedError
+from services.worker.eviction import (
+    Candidate,
+    LRUPolicy,
+    PredictivePolicy,
+    lru_order,
+    make_policy,
+    predictive_order,
+)
+from services.worker.pool import (
+    ContiguousAllocator,
+    DevicePool,
+    Extent,
+    FragmentationError,
+    Move,
+    OutOfSpaceError,
+    PagedAllocator,
+    TooLargeError,
+    make_allocator,
+)
+
+PAGE = 64
+
+
+def paged(pages: int = 16) -> PagedAllocator:
+    return PagedAllocator(pages, PAGE)
+
+
+# ---------------------------------------------------------------------- allocator basics
+@pytest.mark.parametrize(
+    ("sizes", "expect_starts"),
+    [
+        ([64], [0]),
+        ([1, 64, 65], [0, 1, 2]),  # 1 byte takes a whole page; 65 bytes take two
+        ([128, 64, 192], [0, 2, 3]),
+    ],
+)
+def test_paged_first_fit_rounds_to_pages(sizes: list[int], expect_starts: list[int]) -> None:
+    al = paged()
+    starts = [al.alloc(n).start for n in sizes]
+    assert starts == expect_starts
+    al.check_invariants()
+
+
+def test_paged_reuses_first_hole_that_fits() -> None:
+    al = paged(10)
+    a, b, c = al.alloc(2 * PAGE), al.alloc(3 * PAGE), al.alloc(2 * PAGE)
+    al.free(a)
+    al.free(c)  # holes: [0,2) and [5,10)
+    assert al.free_extents() == [Extent(0, 2), Extent(5, 5)]
+    assert al.alloc(3 * PAGE).start == 5  # [0,2) too short
+    assert al.alloc(PAGE).start == 0
+    al.free(b)
+    al.check_invariants()
+
+
+def test_free_merges_neighbours_and_restores_pool() -> None:
+    al = paged(8)
+    allocs = [al.alloc(PAGE * k) for k in (1, 2, 3, 2)]
+    for a in (allocs[1], allocs[3], allocs[0], allocs[2]):
+        al.free(a)
+        al.check_invariants()
+    assert al.free_extents() == [Extent(0, 8)]
+    assert al.live_bytes == 0 and al.free_units == 8
+    assert bool((al.page_table == -1).all())
+
+
+@pytest.mark.parametrize(
+    ("setup", "request_bytes", "error"),
+    [
+        ([], 17 * PAGE, TooLargeError),
+        ([16 * PAGE], PAGE, OutOfSpaceError),
+        ([8 * PAGE, 7 * PAGE], 2 * PAGE, OutOfSpaceError),
+    ],
+)
+def test_alloc_errors_are_typed(setup: list[int], request_bytes: int, error: type) -> None:
+    al = paged()
+    for n in setup:
+        al.alloc(n)
+    with pytest.raises(error) as info:
+        al.alloc(request_bytes)
+    assert isinstance(info.value, PoolExhaustedError)
+    assert info.value.status_code_name == "RESOURCE_EXHAUSTED"
+
+
+def test_fragmentation_error_reports_runs() -> None:
+    al = paged(6)
+    a = [al.alloc(PAGE) for _ in range(6)]
+    al.free(a[0])
+    al.free(a[2])
+    al.free(a[4])
+    with pytest.raises(FragmentationError) as info:
+        al.alloc(2 * PAGE)
+    assert (info.value.needed_units, info.value.free_units, info.value.largest_run) == (2, 3, 1)
+
+
+def test_alloc_rejects_nonpositive() -> None:
+    with pytest.raises(ValueError):
+        paged().alloc(0)
+
+
+def test_double_free_raises() -> None:
+    al = paged()
+    a = al.alloc(PAGE)
+    al.free(a)
+    with pytest.raises(KeyError):
+        al.free(a)
+
+
+def test_page_table_rows() -> None:
+    al = paged(8)
+    al.alloc(PAGE)
+    b = al.alloc(3 * PAGE)
+    assert al.pages_of(b.handle).tolist() == [1, 2, 3]
+    assert al.page_table.tolist() == [0, 1, 1, 1, -1, -1, -1, -1]
+
+
+def test_contiguous_is_exact_size_with_alignment() -> None:
+    al = ContiguousAllocator(4096, alignment_bytes=256)
+    a = al.alloc(1000)
+    b = al.alloc(256)
+    assert (a.byte_offset, a.byte_length, b.byte_offset) == (0, 1024, 1024)
+    assert al.plan_compaction() == []
+    assert not al.supports_compaction
+
+
+def test_make_allocator() -> None:
+    assert make_allocator("paged", 1000, 100).capacity_units == 10
+    assert make_allocator("contiguous", 1000, 100, 8).capacity_units == 125
+    with pytest.raises(ValueError):
+        make_allocator("buddy", 1000)
+
+
+# ---------------------------------------------------------------------- compaction planning
+@pytest.mark.parametrize(
+    ("layout", "pinned", "moves", "allocatable"),
+    [
+        # layout: list of (units, keep) in address order; keep=False are freed afterwards
+        ([(2, False), (3, True), (1, False), (2, True)], set(), [(1, 2, 0), (3, 6, 3)], 11),
+        # the pinned allocation (index 1) stays; the one after it jumps into the first hole
+        ([(2, False), (3, True), (1, False), (2, True)], {1}, [(3, 6, 0)], 11),
+        # pinned at both ends of a hole: the mover only slides down to the pinned one
+        ([(3, True), (1, False), (2, True), (1, True)], {0, 3}, [(2, 4, 3)], 9),
+        # a small adapter jumps over a pinned one into an earlier hole
+        ([(1, False), (2, True), (1, True)], {1}, [(2, 3, 0)], 13),
+        ([(4, True)], set(), [], 12),
+    ],
+)
+def test_plan_compaction(
+    layout: list[tuple[int, bool]],
+    pinned: set[int],
+    moves: list[tuple[int, int, int]],
+    allocatable: int,
+) -> None:
+    al = paged(16)
+    allocs = [al.alloc(u * PAGE) for u, _ in layout]
+    for a, (_, keep) in zip(allocs, layout, strict=True):
+        if not keep:
+            al.free(a)
+    pins = {allocs[i].handle for i in pinned}
+    plan = al.plan_compaction(pins)
+    assert [(m.handle, m.src, m.dst) for m in plan] == moves
+    assert al.allocatable_units(pins) == allocatable
+    al.apply_moves(plan)
+    al.check_invariants()
+    assert al.largest_free_run() == allocatable
+
+
+def test_apply_stale_move_raises() -> None:
+    al = paged(8)
+    a = al.alloc(PAGE)
+    with pytest.raises(ValueError):
+        al.apply_moves([Move(a.handle, 3, 0, 1)])
+
+
+# ---------------------------------------------------------------------- device pool
+def _fill(pool: DevicePool, nbytes: int, value: float) -> tuple:
+    a = pool.alloc(nbytes)
+    v = pool.view(a)
+    v.copy_(torch.arange(v.numel(), dtype=pool.dtype) + value)
+    return a, v.clone()
+
+
+def test_pool_zeroes_freed_space_and_views_alias_buffer() -> None:
+    pool = DevicePool(paged(8), torch.float32, "cpu")
+    a, _ = _fill(pool, 3 * PAGE, 1.0)
+    assert pool.view(a).data_ptr() == pool.buffer.data_ptr()  # a view, not a copy
+    pool.free(a)
+    assert bool((pool.buffer == 0).all())
+
+
+@pytest.mark.parametrize("units", [1, 2, 5, 40])  # shift of 1 page: chunked and staged slides
+def test_compaction_preserves_bytes_and_zeroes_vacated(units: int) -> None:
+    pool = DevicePool(PagedAllocator(1 + 2 * units + 1, PAGE), torch.float16, "cpu")
+    gap = pool.alloc(PAGE)
+    a, a_bytes = _fill(pool, units * PAGE - 2, 7.0)  # partial last page
+    b, b_bytes = _fill(pool, units * PAGE, 100.0)
+    pool.free(gap)
+    res = pool.compact()
+    assert [m.dst for m in res.moves] == [0, units]
+    assert res.bytes_moved == 2 * units * PAGE
+    assert torch.equal(pool.view(pool.allocator.get(a.handle)), a_bytes)
+    assert torch.equal(pool.view(pool.allocator.get(b.handle)), b_bytes)
+    tail = pool.buffer[2 * units * PAGE // 2 :]
+    assert bool((tail == 0).all())
+    pool.allocator.check_invariants()
+
+
+def test_pool_rejects_unit_not_multiple_of_dtype() -> None:
+    with pytest.raises(ValueError):
+        DevicePool(PagedAllocator(4, 6), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_ten_thousand_cycles_leave_pool_as_it_started(kind: str) -> None:
+    """10,000 alloc/free cycles with mixed sizes, compactions included, end at the start state."""
+    al = make_allocator(kind, 64 * PAGE, PAGE, alignment_bytes=16)
+    pool = DevicePool(al, torch.float32, "cpu")
+    start_free = al.free_extents()
+    rng = random.Random(7)
+    live: list = []
+    for i in range(10_000):
+        if live and (rng.random() < 0.5 or al.free_units < 8):
+            pool.free(live.pop(rng.randrange(len(live))))
+        else:
+            n = rng.randint(1, 8 * PAGE)
+            try:
+                live.append(pool.alloc(n))
+            except FragmentationError:
+                if al.supports_compaction:
+                    pool.compact()
+                    live = [al.get(a.handle) for a in live]
+            except OutOfSpaceError:
+                pass
+        if i % 1000 == 0:
+            al.check_invariants()
+    for a in live:
+        pool.free(a)
+    al.check_invariants()
+    assert al.free_extents() == start_free
+    assert al.live_bytes == 0 and len(al) == 0
+    assert bool((pool.buffer == 0).all())
+    if isinstance(al, PagedAllocator):
+        assert bool((al.page_table == -1).all())
+
+
+# ---------------------------------------------------------------------- eviction orderings
+C = Candidate
+
+
+@pytest.mark.parametrize(
+    ("cands", "expect"),
+    [
+        ([C("a", 10, 3.0), C("b", 10, 1.0), C("c", 10, 2.0)], ["b", "c", "a"]),
+        ([C("b", 10, 1.0), C("a", 10, 1.0)], ["a", "b"]),  # ties by id
+        ([], []),
+    ],
+)
+def test_lru_order(cands: list[Candidate], expect: list[str]) -> None:
+    assert [c.adapter_id for c in lru_order(cands)] == expect
+
+
+@pytest.mark.parametrize(
+    ("cands", "forecast", "expect"),
+    [
+        # demand per byte: a 5/10, b 1/10, c 0 (absent)
+        ([C("a", 10, 1.0), C("b", 10, 2.0), C("c", 10, 3.0)], {"a": 5, "b": 1}, ["c", "b", "a"]),
+        # same demand, bigger adapter has lower demand per byte
+        ([C("small", 10, 1.0), C("big", 100, 2.0)], {"small": 4, "big": 4}, ["big", "small"]),
+        # equal score -> LRU
+        ([C("x", 10, 5.0), C("y", 10, 1.0)], {}, ["y", "x"]),
+    ],
+)
+def test_predictive_order(
+    cands: list[Candidate], forecast: dict[str, float], expect: list[str]
+) -> None:
+    assert [c.adapter_id for c in predictive_order(cands, forecast)] == expect
+
+
+def test_predictive_policy_falls_back_to_lru_without_forecast() -> None:
+    p = PredictivePolicy()
+    cands = [C("hot", 10, 1.0), C("cold", 10, 2.0)]
+    assert [c.adapter_id for c in p.order(cands)] == ["hot", "cold"]  # LRU
+    p.set_forecast({"hot": 9.0})
+    assert [c.adapter_id for c in p.order(cands)] == ["cold", "hot"]
+    assert p.demand("hot") == 9.0 and p.demand("none") == 0.0
+
+
+def test_make_policy() -> None:
+    assert isinstance(make_policy("lru"), LRUPolicy)
+    assert isinstance(make_policy("predictive"), PredictivePolicy)
+    with pytest.raises(ValueError):
+        make_policy("fifo")
