@@ -40,7 +40,7 @@ from services.worker.engine import Engine, EngineConfig, EngineRequest
 from services.worker.metrics import WorkerMetrics
 from services.worker.model import LlamaModel
 from services.worker.model_loader import default_cache_dir, resolve_model
-from services.worker.store import AdapterStore, StoreConfig
+from services.worker.store import AdapterStore, StoreConfig, StoreEvent
 from services.worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -185,12 +185,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.PrefetchAdaptersRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrefetchAdaptersResponse:
         items = [(convert.adapter_ref(i.adapter), float(i.expected_count)) for i in request.items]
-        accepted, resident, ignored = self.store.prefetch(items)
-        for outcome, ids in (("accepted", accepted), ("resident", resident), ("ignored", ignored)):
-            self.metrics.prefetch_requests.labels(outcome).inc(len(ids))
-        return worker_pb2.PrefetchAdaptersResponse(
-            accepted=accepted, already_resident=resident, ignored=ignored
-        )
+        result = self.store.prefetch(items)
+        for outcome, n in result._asdict().items():
+            self.metrics.prefetch_requests.labels(outcome).inc(n)
+        return worker_pb2.PrefetchAdaptersResponse(**result._asdict())
 
     @map_errors
     def GetWorkerStatus(  # noqa: N802
@@ -200,10 +198,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             worker_id=self.config.worker_id,
             queue_length=self.engine.queue_length,
             running=self.engine.running,
-            resident_adapters=sorted(self.store.resident_adapters()),
+            resident_adapters=resident_ids(self.store),
             pool=convert.pool_stats(pool_stats_dict(self.store, self.config)),
             device=str(self.engine.config.device),
         )
+
+
+def resident_ids(store: AdapterStore) -> list[str]:
+    """Sorted ids of the adapters resident in the device pool."""
+    return sorted({r.adapter_id for r in store.resident_adapters()})
 
 
 def pool_stats_dict(store: AdapterStore, config: WorkerConfig) -> dict[str, object]:
@@ -253,10 +256,11 @@ class WorkerService:
                 page_bytes=config.page_bytes,
                 host_cache_bytes=config.host_cache_bytes,
                 device=str(self.device),
-                dtype=self.dtype,
+                dtype=str(self.dtype).removeprefix("torch."),
                 load_wait_timeout_s=config.load_wait_timeout_s,
             ),
             loader=self._load_adapter,
+            on_event=self._on_store_event,
         )
         self.engine = Engine(
             self.model,
@@ -290,6 +294,20 @@ class WorkerService:
         )
         self._last_heartbeat = time.monotonic()
 
+    def _on_store_event(self, event: StoreEvent) -> None:
+        """Store events -> Prometheus (called under the store lock: counters only)."""
+        m = self.metrics
+        if event.kind == "load":
+            m.loads.labels(event.tier).inc()
+            m.load_latency.labels(event.tier).observe(event.seconds)
+        elif event.kind == "evict":
+            m.evictions.labels(event.reason).inc()
+        elif event.kind == "compact":
+            m.compactions.inc()
+            m.bytes_moved.inc(event.nbytes)
+        elif event.kind.startswith("prefetch_"):
+            m.prefetches.labels(event.kind.removeprefix("prefetch_")).inc()
+
     def _load_adapter(self, ref: AdapterRef) -> LoRAWeights:
         return load_lora_weights(
             ref.source, self.spec, adapter_id=ref.adapter_id, version=ref.version, dtype=self.dtype
@@ -316,7 +334,7 @@ class WorkerService:
     def heartbeat(self) -> None:
         """Publish status to Redis and pull the latest forecast for predictive eviction."""
         stats = pool_stats_dict(self.store, self.config)
-        resident = sorted(self.store.resident_adapters())
+        resident = resident_ids(self.store)
         record = WorkerRecord(
             worker_id=self.config.worker_id,
             address=self.address,
