@@ -34,6 +34,8 @@ class ModelSpec:
         rope_theta: RoPE base.
         rms_norm_eps: RMSNorm epsilon.
         tie_word_embeddings: Whether lm_head shares the embedding matrix.
+        rope_scaling: RoPE scaling parameters (``{"rope_type": "llama3", "factor": ...}``)
+            from ``rope_scaling`` or a non-default ``rope_parameters``; ``None`` for plain RoPE.
     """
 
     name: str
@@ -48,6 +50,7 @@ class ModelSpec:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    rope_scaling: dict | None = None  # type: ignore[type-arg]
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """Return ``(in_features, out_features)`` of one projection of a decoder layer.
@@ -86,6 +89,14 @@ class ModelSpec:
         hidden = int(c["hidden_size"])  # type: ignore[arg-type]
         rope = c.get("rope_parameters") or {}
         theta = c.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None)
+        scaling = c.get("rope_scaling")
+        if not isinstance(scaling, dict) and isinstance(rope, dict):
+            scaling = rope
+        if isinstance(scaling, dict):
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            scaling = None if kind == "default" else dict(scaling)
+        else:
+            scaling = None
         return cls(
             name=name or str(c.get("_name_or_path") or c.get("model_type") or "llama"),
             num_layers=int(c["num_hidden_layers"]),  # type: ignore[arg-type]
@@ -99,6 +110,7 @@ class ModelSpec:
             rope_theta=float(theta or 10000.0),  # type: ignore[arg-type]
             rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),  # type: ignore[arg-type]
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
         )
 
     def to_dict(self) -> dict[str, object]:

