@@ -224,6 +224,11 @@ def pool_stats_dict(store: AdapterStore, config: WorkerConfig) -> dict[str, obje
         "utilization": s.utilization,
         "external_fragmentation": s.external_fragmentation,
         "internal_waste": s.internal_waste,
+        "utilization_under_pressure": s.utilization_under_pressure,
+        "loads": sum(s.loads_by_tier.values()),
+        "evictions": sum(s.evictions_by_reason.values()),
+        "compactions": s.compactions,
+        "cold_starts": s.cold_starts,
     }
 
 
@@ -276,7 +281,9 @@ class WorkerService:
                 adapter_wait_timeout_s=config.load_wait_timeout_s,
             ),
         )
-        self.servicer = WorkerServicer(config, self.engine, self.tokenizer, self.store, self.metrics)
+        self.servicer = WorkerServicer(
+            config, self.engine, self.tokenizer, self.store, self.metrics
+        )
 
         def register(server: grpc.Server) -> list[str]:
             worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
