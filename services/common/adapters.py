@@ -88,7 +88,9 @@ _BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 #: ``is_lora_variant``) or structure we do not serve; truthy values are refused.
 _UNSUPPORTED_FEATURES: dict[str, str] = {
     "use_dora": "DoRA (use_dora: true) adds a per-module magnitude vector",
-    "alora_invocation_tokens": "aLoRA (alora_invocation_tokens) activates only after invocation tokens",
+    "alora_invocation_tokens": (
+        "aLoRA (alora_invocation_tokens) activates only after invocation tokens"
+    ),
     "use_qalora": "QA-LoRA (use_qalora: true) pools the input before lora_A",
     "velora_config": "VeLoRA (velora_config) changes the forward pass",
     "monteclora_config": "MonteCLoRA (monteclora_config) samples the LoRA weights",
@@ -242,7 +244,9 @@ def _str_list(value: object, name: str) -> tuple[str, ...] | str | None:
         try:
             re.compile(value)
         except re.error as e:
-            raise InvalidAdapterError(f"{CONFIG_NAME}: {name} {value!r} is not a valid regex: {e}")
+            raise InvalidAdapterError(
+                f"{CONFIG_NAME}: {name} {value!r} is not a valid regex: {e}"
+            ) from None
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
@@ -271,7 +275,9 @@ def _pattern(cfg: Mapping[str, object], name: str) -> dict[str, float]:
         try:
             re.compile(k)
         except re.error as e:
-            raise InvalidAdapterError(f"{CONFIG_NAME}: {name} key {k!r} is not a valid regex: {e}")
+            raise InvalidAdapterError(
+                f"{CONFIG_NAME}: {name} key {k!r} is not a valid regex: {e}"
+            ) from None
         out[str(k)] = v
     return out
 
@@ -460,8 +466,9 @@ def parse_tensor_key(key: str) -> tuple[int, str, str, str | None]:
     if mm is None:
         raise IncompatibleAdapterError(
             f"{WEIGHTS_NAME}: tensor {key!r} names module {module!r}, which is no module of the "
-            "Llama-family base model served here (expected model.layers.<i>.self_attn.<q|k|v|o>_proj "
-            "or model.layers.<i>.mlp.<gate|up|down>_proj); this adapter was trained for another "
+            "Llama-family base model served here (expected "
+            "model.layers.<i>.self_attn.<q|k|v|o>_proj or "
+            "model.layers.<i>.mlp.<gate|up|down>_proj); this adapter was trained for another "
             "architecture"
         )
     proj, group = mm.group("proj"), mm.group("group")
@@ -745,7 +752,7 @@ class AdapterManifest:
             "alpha": self.alpha,
             "use_rslora": self.use_rslora,
             "target_modules": list(self.target_modules),
-            "modules": {f"{l}.{p}": [r, s] for (l, p), (r, s) in self.modules.items()},
+            "modules": {f"{i}.{p}": [r, s] for (i, p), (r, s) in self.modules.items()},
             "num_modules": self.num_modules,
             "size_bytes": self.size_bytes,
             "sha256": self.sha256,

@@ -13,10 +13,15 @@ sets B = 0, which would make every adapter a no-op. Here
 - ``B ~ N(0, sigma)`` with ``sigma = relative_delta * sqrt(3 / r) / scaling``, so that
   ``||scaling * B A x|| ~ relative_delta * sqrt(out) * rho``, i.e. ``relative_delta`` times
   ``||W x||`` for a base projection ``W`` of unit gain (``||W x|| ~ sqrt(out/in) ||x||``).
-  The size of the change is thus the same for every rank and alpha. The default
-  ``relative_delta = 0.05`` (a few percent per projection, in every projection of every layer)
-  changes greedy continuations of SmolLM2-135M-Instruct within a few tokens while the text stays
-  fluent; larger values (> ~0.3) start to produce garbage.
+  The size of the change is thus the same for every rank and alpha.
+
+Measured on SmolLM2-135M-Instruct (float32, transformers + PEFT, chat prompts; real trained
+projections have a gain of ~5 over the unit-gain assumption, so the real ratio is about
+``relative_delta / 5.5``): ``relative_delta`` 0.05 -> median ``||dW x|| / ||W x||`` 0.009;
+0.15 (the default) -> 0.027 (max 0.053); 0.5 -> 0.094. With the default, the greedy
+continuation of an open prompt ("Write a short poem about the sea.") changes within a few
+tokens and stays fluent for ranks 16 and 64, while a factual answer ("The capital of France is
+Paris.") is unchanged. At 0.5 the text starts to repeat itself.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from services.common.types import PROJECTION_MODULES, ModelSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RELATIVE_DELTA = 0.05
+DEFAULT_RELATIVE_DELTA = 0.15
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -157,7 +162,8 @@ def write_peft_adapter(
     bad = [t for t in targets if t not in PROJECTION_MODULES]
     if bad or not targets:
         raise ValueError(
-            f"target_modules must be a non-empty subset of {PROJECTION_MODULES}, got {bad or targets}"
+            f"target_modules must be a non-empty subset of {PROJECTION_MODULES}, "
+            f"got {bad or targets}"
         )
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
@@ -237,6 +243,7 @@ def make_adapter_set(
     target_modules: Sequence[str] = PROJECTION_MODULES,
     alpha: float | None = None,
     dtype: torch.dtype = torch.float32,
+    relative_delta: float = DEFAULT_RELATIVE_DELTA,
 ) -> list[Path]:
     """Write ``count`` adapters ``adapter-000-r8``, ``adapter-001-r16``, ... under ``out_dir``.
 
@@ -260,6 +267,7 @@ def make_adapter_set(
                 target_modules=target_modules,
                 seed=int(seed) * 1_000_003 + i,
                 dtype=dtype,
+                relative_delta=relative_delta,
             )
         )
     return paths
@@ -288,7 +296,8 @@ def _module_list(text: str) -> list[str]:
     bad = [t for t in out if t not in PROJECTION_MODULES]
     if bad or not out:
         raise argparse.ArgumentTypeError(
-            f"target modules must be 'all' or a comma-separated subset of {','.join(PROJECTION_MODULES)}"
+            "target modules must be 'all' or a comma-separated subset of "
+            + ",".join(PROJECTION_MODULES)
         )
     return out
 
@@ -307,7 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="base model: a Hugging Face-style directory or GGUF file (default SmolLM2-135M-Instruct)",
+        help="base model: a Hugging Face-style directory or a GGUF file "
+        "(default SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--cache-dir",
@@ -321,6 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated projections or 'all' (default all 7)",
     )
     parser.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
+    parser.add_argument(
+        "--relative-delta",
+        type=float,
+        default=DEFAULT_RELATIVE_DELTA,
+        help=f"size of the LoRA change per projection (default {DEFAULT_RELATIVE_DELTA}; "
+        "see services/common/make_adapters.py)",
+    )
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES), default="float32", help="tensor dtype (default float32)"
     )
@@ -343,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
         target_modules=args.target_modules,
         alpha=args.alpha,
         dtype=dtype,
+        relative_delta=args.relative_delta,
     )
     rows: list[dict[str, Any]] = []
     for p in paths:
@@ -362,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
         "base_model": spec.name,
         "seed": args.seed,
         "dtype": args.dtype,
+        "relative_delta": args.relative_delta,
         "target_modules": list(args.target_modules),
         "adapters": rows,
     }
