@@ -1,0 +1,375 @@
+"""``plora bench replay``: replay a real trace slice against a fresh live cluster per policy.
+
+For every policy (``--policies plora,baseline``) the same experiment runs: the same base model,
+the same K adapters (written once, deterministic from ``--seed``, ranks cycled from
+``--ranks``), the same device pool size, the same trace slice and the same seed. Per policy:
+``Cluster.start()`` (embedded Redis, predictor when the policy has one, N workers, gateway), the
+adapters are registered, a few base-model requests warm the workers up (no adapter is touched),
+then the slice is replayed open loop (:mod:`services.replay.client`) while
+``GetClusterStatus`` is sampled every second, and the cluster is stopped.
+
+Pool size (``--pool-bytes auto``): per worker, ``--pool-fraction`` (default 1/4) of the total
+bytes of all K adapters (float32, all 7 projections: a rank-r adapter on SmolLM2-135M is
+``r * 10176 * 30 * 4`` bytes), rounded up to whole MiB and at least the largest adapter, so a
+worker's pool holds only a fraction of the adapter set and eviction and prefetch matter.
+
+Writes ``DIR/report.json``, ``DIR/report.md``, ``DIR/ttft_cdf.png``,
+``DIR/cold_starts_over_time.png``, ``DIR/pool_utilization_over_time.png``, and per policy
+``DIR/<policy>/requests.jsonl`` (one record per request), ``DIR/<policy>/samples.json`` and the
+cluster's logs ``DIR/<policy>/logs/*.log``. Definitions of every figure:
+:mod:`services.replay.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.traces import TRACE_FORMATS, Trace, load_trace, map_keys_to_adapters
+from services.replay.report import (
+    COMPARISON_KEYS,
+    RequestRecord,
+    StatusSample,
+    build_report,
+    compulsory_cold_rate,
+    render_markdown,
+    summarize_policy,
+    write_json,
+    write_plots,
+)
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+def _csv(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return out
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ranks must be integers, got {text!r}") from None
+    if any(r < 1 for r in out):
+        raise argparse.ArgumentTypeError(f"ranks must be >= 1, got {text!r}")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``plora bench replay``."""
+    parser.add_argument("--trace", required=True, help="trace CSV file")
+    parser.add_argument("--format", required=True, choices=TRACE_FORMATS, help="trace format")
+    parser.add_argument("--time-scale", type=float, default=60.0,
+                        help="compress the trace clock by this factor (default 60)")
+    parser.add_argument("--start", type=float, default=0.0,
+                        help="slice start, seconds of the compressed clock (default 0)")
+    parser.add_argument("--duration", type=float, default=300.0,
+                        help="slice length, seconds of the compressed clock (default 300)")
+    parser.add_argument("--drop-top", type=int, default=0,
+                        help="drop the N busiest trace keys before slicing (default 0)")
+    parser.add_argument("--adapters", type=int, default=32,
+                        help="number K of adapters (default 32)")
+    parser.add_argument("--ranks", type=_ranks, default=[8, 16, 32, 64],
+                        help="adapter ranks, cycled over the K adapters (default 8,16,32,64)")
+    parser.add_argument("--policies", type=_csv, default=["plora", "baseline"],
+                        help="comma-separated cluster policies (default plora,baseline)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
+    parser.add_argument("--pool-bytes", default="auto",
+                        help="device pool per worker (e.g. 256MiB); auto = --pool-fraction of "
+                             "all adapters' bytes")
+    parser.add_argument("--pool-fraction", type=float, default=0.25,
+                        help="pool per worker as a share of all adapters' bytes (default 0.25)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens per request (8)")
+    parser.add_argument("--prompt-token-cap", type=int, default=64,
+                        help="prompts are min(trace prompt tokens, this) words (default 64)")
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="most requests in flight; later arrivals are dropped (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="adapters, mapping and sampling seed")
+    parser.add_argument("--model", default=None, help="base model (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--adapters-dir", default=None,
+                        help="where the adapters are written (default DIR/adapters; reused when "
+                             "its manifest matches)")
+    parser.add_argument("--warmup", type=int, default=4,
+                        help="base-model requests sent before the replay (default 4)")
+    parser.add_argument("--request-timeout", type=float, default=180.0,
+                        help="deadline of each request, seconds (default 180)")
+    parser.add_argument("--progress-interval", type=float, default=5.0,
+                        help="seconds between progress lines (default 5)")
+    parser.add_argument("--worker-arg", action="append", default=[],
+                        help="extra flag passed to every worker (repeatable)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+# ------------------------------------------------------------------------------ adapters
+def prepare_adapters(
+    out_dir: Path, model: str | None, count: int, ranks: Sequence[int], seed: int
+) -> tuple[list[Path], list[int], list[int]]:
+    """Write (or reuse) the K adapters; returns their paths, ranks and sizes in bytes.
+
+    The set is reused when ``out_dir/replay_adapters.json`` records the same model, count,
+    ranks and seed and every directory exists (generation is deterministic, so the files would
+    be identical).
+    """
+    from services.common.adapters import inspect_adapter  # noqa: PLC0415
+    from services.common.make_adapters import make_adapter_set  # noqa: PLC0415
+    from services.worker.model_loader import default_cache_dir, load_model_spec  # noqa: PLC0415
+
+    spec = load_model_spec(model, default_cache_dir())
+    key = {"model": spec.name, "count": count, "ranks": list(ranks), "seed": seed}
+    manifest = out_dir / "replay_adapters.json"
+    if manifest.is_file():
+        old = json.loads(manifest.read_text())
+        if old.get("key") == key and all(Path(p).is_dir() for p in old["paths"]):
+            logger.info("reusing %d adapters in %s", count, out_dir)
+            return [Path(p) for p in old["paths"]], old["ranks"], old["sizes"]
+    paths = make_adapter_set(out_dir, spec, count=count, ranks=ranks, seed=seed)
+    metas = [inspect_adapter(p, spec) for p in paths]
+    paths = [p.resolve() for p in paths]
+    adapter_ranks = [int(m.rank) for m in metas]
+    sizes = [int(m.size_bytes) for m in metas]
+    manifest.write_text(json.dumps({"key": key, "paths": [str(p) for p in paths],
+                                    "ranks": adapter_ranks, "sizes": sizes}, indent=2))
+    return paths, adapter_ranks, sizes
+
+
+def auto_pool_bytes(sizes: Sequence[int], fraction: float, page_bytes: int = MIB) -> int:
+    """``fraction`` of ``sum(sizes)``, rounded up to whole pages, at least the largest adapter."""
+    if not sizes or not 0 < fraction:
+        raise ValueError("need at least one adapter and fraction > 0")
+    want = max(int(np.ceil(sum(sizes) * fraction)), max(sizes))
+    return int(-(-want // page_bytes) * page_bytes)
+
+
+# ------------------------------------------------------------------------------ trace
+def trace_info(trace: Trace, adapter_of: dict[str, str]) -> dict[str, Any]:
+    """Figures of the replayed slice, including its compulsory cold-start floor."""
+    keys = [str(k) for k in trace.adapter_keys]
+    adapters = [adapter_of[k] for k in keys]
+    per_s = np.bincount(trace.times.astype(np.int64)) if len(trace) else np.zeros(1)
+    return {
+        "requests": len(trace),
+        "keys": len(trace.keys),
+        "adapters_used": len(set(adapters)),
+        "last_arrival_s": trace.duration,
+        "mean_rate_req_s": len(trace) / trace.duration if trace.duration > 0 else None,
+        "peak_req_per_s": int(per_s.max()),
+        "prompt_tokens_median": float(np.median(trace.prompt_tokens)) if len(trace) else None,
+        "compulsory_cold_rate": compulsory_cold_rate(adapters),
+        "compulsory_cold_rate_keys": compulsory_cold_rate(keys),
+    }
+
+
+# ------------------------------------------------------------------------------ one policy
+def _cluster_args(args: argparse.Namespace, policy: str, run_dir: Path, pool_bytes: int,
+                  adapters_dir: Path) -> argparse.Namespace:
+    from services import launcher  # noqa: PLC0415
+
+    flags = ["--state-file", str(run_dir / "cluster.json"), "--gateway-port", "0",
+             "--policy", policy, "--workers", str(args.workers), "--demo-adapters", "0",
+             "--adapters-dir", str(adapters_dir), "--pool-bytes", str(pool_bytes),
+             "--startup-timeout", str(args.startup_timeout)]
+    if args.model:
+        flags += ["--model", args.model]
+    for extra in args.worker_arg:
+        flags += [f"--worker-arg={extra}"]
+    parser = argparse.ArgumentParser(prog="plora up")
+    launcher.add_arguments(parser)
+    return parser.parse_args(flags)
+
+
+def run_policy(
+    args: argparse.Namespace,
+    policy: str,
+    run_dir: Path,
+    adapter_paths: Sequence[Path],
+    requests: Sequence[Any],
+    pool_bytes: int,
+    adapters_dir: Path,
+) -> tuple[list[RequestRecord], list[StatusSample]]:
+    """Start a fresh cluster with ``policy``, register the adapters, replay, stop it."""
+    import grpc  # noqa: PLC0415
+
+    from plora.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: PLC0415
+    from services.common.grpc_util import CHANNEL_OPTIONS  # noqa: PLC0415
+    from services.launcher import Cluster  # noqa: PLC0415
+    from services.replay.client import ClientConfig, ReplayClient, StatusSampler  # noqa: PLC0415
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(_cluster_args(args, policy, run_dir, pool_bytes, adapters_dir))
+    try:
+        state = cluster.start()
+        gateway = str(state["gateway"])
+        with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            for p in adapter_paths:
+                stub.RegisterAdapter(
+                    gateway_pb2.RegisterAdapterRequest(adapter_id=p.name, source=str(p)),
+                    timeout=120,
+                )
+            print(f"[{policy}] registered {len(adapter_paths)} adapters; warming up", flush=True)
+            for i in range(args.warmup):
+                list(stub.Generate(gateway_pb2.GenerateRequest(
+                    request_id=f"warmup-{i}", prompt="Hello, how are you today?",
+                    max_new_tokens=args.max_new_tokens), timeout=120))
+
+        def progress(p: Any) -> None:
+            print(f"[{policy}] t={p.elapsed_s:6.1f}s sent {p.sent}/{p.total} "
+                  f"completed {p.completed} failed {p.failed} in-flight {p.in_flight}",
+                  flush=True)
+
+        config = ClientConfig(concurrency=args.concurrency,
+                              request_timeout_s=args.request_timeout,
+                              progress_interval_s=args.progress_interval, seed=args.seed)
+        t0 = time.monotonic()
+        with ReplayClient(gateway, config) as client, StatusSampler(gateway, t0) as sampler:
+            records = client.replay(requests, t0=t0, on_progress=progress)
+            time.sleep(1.5)  # let the last heartbeats reach the registry before the final sample
+        samples = sampler.samples
+    finally:
+        cluster.stop()
+    with open(run_dir / "requests.jsonl", "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r.to_dict()) + "\n")
+    write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
+    return records, samples
+
+
+# ------------------------------------------------------------------------------ the verb
+def run(args: argparse.Namespace) -> int:
+    """``plora bench replay``: see the module docstring. Returns 0, or 1 when a policy failed."""
+    from services.launcher import POLICIES  # noqa: PLC0415
+    from services.replay.client import build_requests  # noqa: PLC0415
+
+    started = time.monotonic()
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown:
+        print(f"plora bench replay: unknown policies {unknown}; choose from {sorted(POLICIES)}",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    trace = load_trace(args.trace, args.format, time_scale=args.time_scale, seed=args.seed,
+                       drop_top=args.drop_top, start=args.start, duration=args.duration)
+    if len(trace) == 0:
+        print("plora bench replay: the slice holds no requests; choose another --start/--duration",
+              file=sys.stderr)
+        return 2
+
+    adapters_dir = Path(args.adapters_dir) if args.adapters_dir else out / "adapters"
+    print(f"writing/reusing {args.adapters} adapters (ranks {args.ranks}) in {adapters_dir}",
+          flush=True)
+    paths, ranks, sizes = prepare_adapters(adapters_dir, args.model, args.adapters, args.ranks,
+                                           args.seed)
+    if args.pool_bytes == "auto":
+        pool_bytes = auto_pool_bytes(sizes, args.pool_fraction)
+    else:
+        from services.common.config import parse_bytes  # noqa: PLC0415
+
+        pool_bytes = parse_bytes(args.pool_bytes)
+
+    ids = [p.name for p in paths]
+    adapter_of = map_keys_to_adapters(trace.keys_by_popularity(), ids, seed=args.seed)
+    keys = [str(k) for k in trace.adapter_keys]
+    requests = build_requests(
+        trace.times.tolist(), [adapter_of[k] for k in keys], keys, trace.prompt_tokens.tolist(),
+        max_new_tokens=args.max_new_tokens, prompt_token_cap=args.prompt_token_cap,
+        seed=args.seed,
+    )
+    info = trace_info(trace, adapter_of)
+    print(f"slice: {info['requests']} requests, {info['keys']} keys -> {info['adapters_used']} "
+          f"adapters, last arrival {info['last_arrival_s']:.1f}s, peak {info['peak_req_per_s']}/s,"
+          f" compulsory cold rate {info['compulsory_cold_rate']:.3f}; pool {pool_bytes} B/worker "
+          f"({pool_bytes / sum(sizes):.3f} of {sum(sizes)} B of adapters)", flush=True)
+
+    summaries: dict[str, dict[str, Any]] = {}
+    all_records: dict[str, list[RequestRecord]] = {}
+    all_samples: dict[str, list[StatusSample]] = {}
+    failed_policies = []
+    for policy in args.policies:
+        print(f"[{policy}] starting a fresh cluster ({args.workers} workers)", flush=True)
+        try:
+            records, samples = run_policy(args, policy, out / policy, paths, requests,
+                                          pool_bytes, adapters_dir)
+        except Exception as exc:  # noqa: BLE001 - report the failed policy, go on with the next
+            logger.exception("policy %s failed", policy)
+            print(f"[{policy}] FAILED: {exc}; logs in {out / policy / 'logs'}", file=sys.stderr,
+                  flush=True)
+            summaries[policy] = {"error": str(exc)[:2000]}
+            failed_policies.append(policy)
+            continue
+        all_records[policy], all_samples[policy] = records, samples
+        summaries[policy] = summarize_policy(records, samples)
+
+    settings = {
+        "trace": str(args.trace),
+        "format": args.format,
+        "start": args.start,
+        "duration": args.duration,
+        "time_scale": args.time_scale,
+        "drop_top": args.drop_top,
+        "adapters": args.adapters,
+        "ranks": sorted(set(ranks)),
+        "adapter_ranks": ranks,
+        "adapter_bytes_total": int(sum(sizes)),
+        "pool_bytes": pool_bytes,
+        "pool_fraction": pool_bytes / sum(sizes),
+        "workers": args.workers,
+        "policies": list(args.policies),
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_token_cap": args.prompt_token_cap,
+        "concurrency": args.concurrency,
+        "seed": args.seed,
+        "model": args.model or "SmolLM2-135M-Instruct (default)",
+        "worker_args": list(args.worker_arg),
+        "wall_time_s": time.monotonic() - started,
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                 "load_avg_1m_at_end": os.getloadavg()[0]},
+    }
+    ok = {k: v for k, v in summaries.items() if "error" not in v}
+    report = build_report(settings, info, summaries)
+    write_json(out / "report.json", report)
+    if ok:
+        md_report = {**report, "policies": list(ok)}
+        (out / "report.md").write_text(render_markdown(md_report), encoding="utf-8")
+        write_plots(out, all_records, all_samples)
+    _print_table(report, list(ok))
+    print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots", flush=True)
+    return 1 if failed_policies else 0
+
+
+def _print_table(report: dict[str, Any], names: list[str]) -> None:
+    cols = ("requests", "completed", "failed", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
+            "throughput_req_s", "cold_starts", "cold_start_rate", "cold_start_wait_mean_s",
+            "pool_utilization_under_pressure", "external_fragmentation")
+    print(f"{'figure':34}" + "".join(f"{n:>14}" for n in names))
+    for c in cols:
+        row = []
+        for n in names:
+            v = report[n].get(c)
+            row.append("-" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v)))
+        print(f"{c:34}" + "".join(f"{x:>14}" for x in row))
+    print(f"{'compulsory_cold_rate (floor)':34}{report['compulsory_cold_rate']:>14.4f}")
+    comp = report.get("comparison")
+    if comp:
+        for k in COMPARISON_KEYS:
+            v = comp.get(k)
+            print(f"{k:34}{'-' if v is None else f'{v:.4f}':>14}")

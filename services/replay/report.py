@@ -1,0 +1,514 @@
+"""Records of a trace replay and the pure statistics over them (``plora bench replay``).
+
+Definitions (ARCHITECTURE.md "Definitions"; times in seconds):
+
+- **TTFT** here is measured by the client: send of the ``Generate`` call -> the first response
+  message that carries a token. It includes the gateway, the queue and the adapter wait.
+- **End-to-end latency**: send -> the last message of the stream.
+- **Cold start**: a completed request whose last message says ``adapter_cold``. ``cold_starts``
+  counts them, ``cold_start_rate = cold_starts / completed``. **Cold-start latency** is the
+  request's ``adapter_wait_seconds`` (0 for a warm request); ``cold_start_wait_mean_s`` is its
+  mean over *all* completed requests (so it falls when either the count or the wait falls), and
+  ``cold_start_wait_mean_cold_s`` / ``cold_start_wait_p99_cold_s`` are over the cold ones only.
+- **Throughput**: completed requests (completion tokens) / makespan, where the makespan runs
+  from the first send to the last completion. In an open-loop replay both policies see the same
+  arrivals, so the ratio departs from 1 only when one policy falls behind the arrivals (its
+  makespan stretches) or fails requests.
+- **Failed**: every request that did not complete: gRPC errors (by status code name) and
+  ``CLIENT_DROPPED`` — requests the client refused to send because ``concurrency`` calls were
+  already in flight (open-loop arrivals are never delayed; an arrival beyond the bound is
+  dropped and counted here).
+- **Pool utilization under pressure**: the workers' own figure
+  (``PoolStats.utilization_under_pressure``: live bytes / pool bytes averaged over the store's
+  pressure samples), taken from the last status sample and averaged over the workers that saw
+  pressure. ``pool_utilization_under_pressure_sampled`` is the client's cross-check: mean of
+  ``utilization`` over the 1 s status samples in which the worker's eviction counter rose.
+- **External fragmentation**: ``PoolStats.external_fragmentation`` (1 - largest allocatable
+  extent / free bytes) averaged over the same pressure samples (all samples with pages in use
+  when no sample saw pressure).
+- **Compulsory cold rate** (the trace's floor): the share of requests whose adapter never
+  appeared earlier in the slice. The pool starts empty and no predictor can forecast an adapter
+  it has never seen, so no policy can serve those warm.
+- **Comparison** (plora vs baseline): ``reduction = 1 - plora / baseline``,
+  ``ratio = plora / baseline``; ``null`` when the baseline figure is 0 or missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Status of a request the client did not send because the in-flight bound was reached.
+CLIENT_DROPPED = "CLIENT_DROPPED"
+#: Status of a request that completed.
+OK = "OK"
+
+#: Per-policy keys of report.json (the issue's contract).
+POLICY_KEYS: tuple[str, ...] = (
+    "requests",
+    "completed",
+    "failed",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "throughput_req_s",
+    "throughput_tok_s",
+    "cold_starts",
+    "cold_start_rate",
+    "cold_start_wait_mean_s",
+    "pool_utilization_under_pressure",
+    "external_fragmentation",
+)
+#: Keys of the ``comparison`` block.
+COMPARISON_KEYS: tuple[str, ...] = (
+    "ttft_mean_reduction",
+    "cold_start_wait_reduction",
+    "cold_start_count_reduction",
+    "throughput_ratio",
+)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What the client saw of one replayed request.
+
+    Attributes:
+        index: Position of the arrival in the replayed slice.
+        adapter_id: Adapter the request named.
+        trace_key: The trace's key (tenant, function) the adapter stands for.
+        scheduled_s: Arrival time in the slice, seconds (scaled clock, replay start = 0).
+        sent_s: When the call was sent, seconds since the replay start; ``None`` if never sent.
+        first_token_s: When the first token arrived; ``None`` if none did.
+        end_s: When the stream ended (or failed); ``None`` if never sent.
+        status: ``"OK"``, a gRPC status code name (``"UNAVAILABLE"``...), or ``CLIENT_DROPPED``.
+        prompt_tokens: ``usage.prompt_tokens`` of the response (0 if it failed).
+        completion_tokens: ``usage.completion_tokens`` (0 if it failed).
+        adapter_cold: The worker had to wait for the adapter to load.
+        adapter_wait_s: Seconds the request waited for its adapter (0 when warm).
+        worker_id: Worker that served it ("" if none).
+        worker_ttft_s: Worker receipt -> first token, as the worker measured it.
+        error: The error message of a failed request.
+    """
+
+    index: int
+    adapter_id: str
+    trace_key: str
+    scheduled_s: float
+    sent_s: float | None
+    first_token_s: float | None
+    end_s: float | None
+    status: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    adapter_cold: bool = False
+    adapter_wait_s: float = 0.0
+    worker_id: str = ""
+    worker_ttft_s: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Client-measured TTFT (send -> first token), ``None`` without a token."""
+        if self.sent_s is None or self.first_token_s is None:
+            return None
+        return self.first_token_s - self.sent_s
+
+    @property
+    def latency_s(self) -> float | None:
+        """Send -> end of stream, ``None`` if never sent."""
+        if self.sent_s is None or self.end_s is None:
+            return None
+        return self.end_s - self.sent_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RequestRecord:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """One worker's pool figures in one status sample (``PoolStats`` + queue)."""
+
+    worker_id: str
+    utilization: float
+    utilization_under_pressure: float
+    external_fragmentation: float
+    loads: int
+    evictions: int
+    cold_starts: int
+    pages_used: int = 0
+    pages_total: int = 0
+    live_bytes: int = 0
+    pool_bytes: int = 0
+    queue_length: int = 0
+    running: int = 0
+    resident_adapters: int = 0
+
+
+@dataclass(frozen=True)
+class StatusSample:
+    """One ``GetClusterStatus`` sample: ``t`` seconds since the replay start."""
+
+    t: float
+    workers: tuple[WorkerSample, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "workers": [asdict(w) for w in self.workers]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StatusSample:
+        return cls(float(d["t"]), tuple(WorkerSample(**w) for w in d["workers"]))
+
+
+# ------------------------------------------------------------------------- basic statistics
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100, linear interpolation as numpy); ``None`` when empty."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return None
+    return float(np.percentile(arr, q))
+
+
+def mean(values: Iterable[float]) -> float | None:
+    """Arithmetic mean; ``None`` when empty."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    return float(arr.mean()) if arr.size else None
+
+
+def reduction(plora: float | None, baseline: float | None) -> float | None:
+    """``1 - plora / baseline``; ``None`` when either is missing or the baseline is 0."""
+    if plora is None or baseline is None or baseline == 0:
+        return None
+    return 1.0 - plora / baseline
+
+
+def ratio(plora: float | None, baseline: float | None) -> float | None:
+    """``plora / baseline``; ``None`` when either is missing or the baseline is 0."""
+    if plora is None or baseline is None or baseline == 0:
+        return None
+    return plora / baseline
+
+
+def compulsory_cold_rate(keys: Sequence[str]) -> float | None:
+    """Share of requests whose key never appeared earlier in ``keys`` (first occurrences / n).
+
+    Args:
+        keys: The adapter (or trace key) of each request, in arrival order.
+
+    Returns:
+        ``distinct(keys) / len(keys)``; ``None`` for an empty sequence.
+    """
+    if not keys:
+        return None
+    return len(set(keys)) / len(keys)
+
+
+# ------------------------------------------------------------------------- per-policy figures
+def request_stats(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """TTFT, latency, throughput and cold-start figures of one replay (see the module doc)."""
+    done = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
+    by_status: dict[str, int] = {}
+    for r in failed:
+        by_status[r.status] = by_status.get(r.status, 0) + 1
+    ttft = [t for r in done if (t := r.ttft_s) is not None]
+    lat = [t for r in done if (t := r.latency_s) is not None]
+    sent = [r.sent_s for r in records if r.sent_s is not None]
+    ends = [r.end_s for r in done if r.end_s is not None]
+    makespan = (max(ends) - min(sent)) if ends and sent else 0.0
+    tokens = sum(r.completion_tokens for r in done)
+    cold = [r for r in done if r.adapter_cold]
+    waits = [r.adapter_wait_s if r.adapter_cold else 0.0 for r in done]
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(failed),
+        "dropped": by_status.get(CLIENT_DROPPED, 0),
+        "failed_by_status": dict(sorted(by_status.items())),
+        "ttft_mean_s": mean(ttft),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "latency_mean_s": mean(lat),
+        "latency_p99_s": percentile(lat, 99),
+        "makespan_s": makespan,
+        "throughput_req_s": len(done) / makespan if makespan > 0 else 0.0,
+        "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
+        "completion_tokens": tokens,
+        "cold_starts": len(cold),
+        "cold_start_rate": len(cold) / len(done) if done else None,
+        "cold_start_wait_mean_s": mean(waits),
+        "cold_start_wait_mean_cold_s": mean(r.adapter_wait_s for r in cold),
+        "cold_start_wait_p99_cold_s": percentile((r.adapter_wait_s for r in cold), 99),
+        "requests_by_worker": _count(r.worker_id for r in done),
+    }
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def pressure_flags(samples: Sequence[StatusSample]) -> list[list[tuple[WorkerSample, bool]]]:
+    """Per sample, each worker's figures and whether its eviction counter rose since that
+    worker's previous sample (the pool was under pressure in the interval)."""
+    prev: dict[str, int] = {}
+    out = []
+    for s in samples:
+        row = []
+        for w in s.workers:
+            before = prev.get(w.worker_id)
+            row.append((w, before is not None and w.evictions > before))
+            prev[w.worker_id] = w.evictions
+        out.append(row)
+    return out
+
+
+def pool_stats(samples: Sequence[StatusSample]) -> dict[str, Any]:
+    """Pool figures of one replay from its 1 s status samples (see the module doc)."""
+    flags = pressure_flags(samples)
+    pressured = [w for row in flags for w, p in row if p]
+    if pressured:
+        frag_src = pressured
+    else:
+        frag_src = [w for row in flags for w, _ in row if w.pages_used > 0]
+    last: dict[str, WorkerSample] = {}
+    first: dict[str, WorkerSample] = {}
+    for s in samples:
+        for w in s.workers:
+            first.setdefault(w.worker_id, w)
+            last[w.worker_id] = w
+    reported = [w.utilization_under_pressure for w in last.values()
+                if w.utilization_under_pressure > 0]
+    return {
+        "pool_utilization_under_pressure": mean(reported),
+        "pool_utilization_under_pressure_sampled": mean(w.utilization for w in pressured),
+        "external_fragmentation": mean(w.external_fragmentation for w in frag_src),
+        "external_fragmentation_max": max((w.external_fragmentation for w in frag_src),
+                                          default=None),
+        "pressure_samples": len(pressured),
+        "pool_bytes_per_worker": max((w.pool_bytes for w in last.values()), default=0),
+        "pool_loads": sum(last[k].loads - first[k].loads for k in last),
+        "pool_evictions": sum(last[k].evictions - first[k].evictions for k in last),
+        "pool_cold_starts": sum(last[k].cold_starts - first[k].cold_starts for k in last),
+        "status_samples": len(samples),
+    }
+
+
+def summarize_policy(
+    records: Sequence[RequestRecord], samples: Sequence[StatusSample]
+) -> dict[str, Any]:
+    """Every per-policy figure of report.json (:data:`POLICY_KEYS` and extras)."""
+    return {**request_stats(records), **pool_stats(samples)}
+
+
+def compare(plora: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, float | None]:
+    """The ``comparison`` block: plora vs baseline (reduction = 1 - p/b; ratio = p/b)."""
+    return {
+        "ttft_mean_reduction": reduction(plora.get("ttft_mean_s"), baseline.get("ttft_mean_s")),
+        "ttft_p99_reduction": reduction(plora.get("ttft_p99_s"), baseline.get("ttft_p99_s")),
+        "cold_start_wait_reduction": reduction(
+            plora.get("cold_start_wait_mean_s"), baseline.get("cold_start_wait_mean_s")
+        ),
+        "cold_start_count_reduction": reduction(
+            plora.get("cold_starts"), baseline.get("cold_starts")
+        ),
+        "cold_start_rate_reduction": reduction(
+            plora.get("cold_start_rate"), baseline.get("cold_start_rate")
+        ),
+        "throughput_ratio": ratio(plora.get("throughput_req_s"), baseline.get("throughput_req_s")),
+        "throughput_tok_ratio": ratio(
+            plora.get("throughput_tok_s"), baseline.get("throughput_tok_s")
+        ),
+    }
+
+
+def build_report(
+    settings: Mapping[str, Any],
+    trace_info: Mapping[str, Any],
+    summaries: Mapping[str, Mapping[str, Any]],
+    compare_pair: tuple[str, str] = ("plora", "baseline"),
+) -> dict[str, Any]:
+    """Assemble report.json: ``settings``, ``trace``, ``compulsory_cold_rate``, one block per
+    policy (keyed by the policy name; a policy that failed holds ``{"error": ...}``),
+    ``policies`` (their order) and ``comparison`` (``None`` unless both policies of
+    ``compare_pair`` ran without error)."""
+    a, b = compare_pair
+    report: dict[str, Any] = {
+        "settings": dict(settings),
+        "trace": dict(trace_info),
+        "compulsory_cold_rate": trace_info.get("compulsory_cold_rate"),
+        "policies": list(summaries),
+    }
+    for name, s in summaries.items():
+        report[name] = dict(s)
+    pair = [summaries.get(a), summaries.get(b)]
+    report["comparison"] = (
+        compare(pair[0], pair[1])
+        if pair[0] is not None and pair[1] is not None and "error" not in pair[0]
+        and "error" not in pair[1]
+        else None
+    )
+    return report
+
+
+# ------------------------------------------------------------------------- time series
+def series_cold_starts(samples: Sequence[StatusSample]) -> tuple[np.ndarray, np.ndarray]:
+    """``(t [n] s, cumulative cold starts [n])`` summed over workers, from the status samples."""
+    t = np.array([s.t for s in samples], dtype=np.float64)
+    c = np.array([sum(w.cold_starts for w in s.workers) for s in samples], dtype=np.float64)
+    return t, c
+
+
+def series_pool_utilization(samples: Sequence[StatusSample]) -> tuple[np.ndarray, np.ndarray]:
+    """``(t [n] s, utilization [n])``: live bytes / pool bytes averaged over the workers."""
+    t = np.array([s.t for s in samples], dtype=np.float64)
+    u = np.array([mean(w.utilization for w in s.workers) or 0.0 for s in samples],
+                 dtype=np.float64)
+    return t, u
+
+
+def ttft_cdf(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """``(sorted TTFT [n] s, cumulative share [n])`` of the completed requests."""
+    x = np.sort(np.array([t for r in records if r.ok and (t := r.ttft_s) is not None]))
+    y = np.arange(1, len(x) + 1, dtype=np.float64) / max(len(x), 1)
+    return x, y
+
+
+def write_plots(
+    out_dir: Path,
+    records: Mapping[str, Sequence[RequestRecord]],
+    samples: Mapping[str, Sequence[StatusSample]],
+) -> list[Path]:
+    """Write ``ttft_cdf.png``, ``cold_starts_over_time.png`` and
+    ``pool_utilization_over_time.png`` (one line per policy) with matplotlib's Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, recs in records.items():
+        x, y = ttft_cdf(recs)
+        if len(x):
+            ax.step(x, y, where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, client send -> first token)")
+    ax.set_ylabel("share of completed requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out_dir / "ttft_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, ss in samples.items():
+        t, c = series_cold_starts(ss)
+        ax.plot(t, c, label=name)
+    ax.set_xlabel("replay time (s)")
+    ax.set_ylabel("cold starts (cumulative, all workers)")
+    ax.set_title("Cold starts over time")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out_dir / "cold_starts_over_time.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, ss in samples.items():
+        t, u = series_pool_utilization(ss)
+        ax.plot(t, u, label=name)
+    ax.set_xlabel("replay time (s)")
+    ax.set_ylabel("pool utilization (live / pool bytes, mean over workers)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Device pool utilization over time")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out_dir / "pool_utilization_over_time.png"))
+    plt.close("all")
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ------------------------------------------------------------------------- Markdown
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """report.md: settings, the per-policy table, the comparison beside the targets and the
+    trace floor, and the definitions used."""
+    s = report["settings"]
+    tr = report["trace"]
+    names = list(report["policies"])
+    lines = [
+        "# Trace replay on the live cluster",
+        "",
+        f"Trace `{s.get('trace')}` ({s.get('format')}), slice start {s.get('start')} s, "
+        f"duration {s.get('duration')} s of the clock compressed {s.get('time_scale')}x: "
+        f"{tr.get('requests')} requests over {tr.get('keys')} trace keys mapped onto "
+        f"{tr.get('adapters_used')} of {s.get('adapters')} adapters (ranks {s.get('ranks')}).",
+        "",
+        f"Cluster per policy: {s.get('workers')} workers, device pool {s.get('pool_bytes')} "
+        f"bytes per worker ({_fmt(s.get('pool_fraction'), 3)} of the "
+        f"{s.get('adapter_bytes_total')} bytes of all adapters), max_new_tokens "
+        f"{s.get('max_new_tokens')}, prompts capped at "
+        f"{s.get('prompt_token_cap')} tokens, client concurrency {s.get('concurrency')}, "
+        f"seed {s.get('seed')}. Wall time {_fmt(s.get('wall_time_s'), 1)} s.",
+        "",
+        "| figure | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    extra = ("dropped", "latency_mean_s", "cold_start_wait_mean_cold_s",
+             "pool_utilization_under_pressure_sampled", "pool_loads", "pool_evictions",
+             "pool_cold_starts")
+    for key in (*POLICY_KEYS, *extra):
+        lines.append(f"| {key} | " + " | ".join(_fmt(report[n].get(key)) for n in names) + " |")
+    lines += ["", f"Trace floor: compulsory_cold_rate = {_fmt(report.get('compulsory_cold_rate'))} "
+              "(share of requests whose adapter had not appeared earlier in the slice; no "
+              "policy can serve those warm).", ""]
+    comp = report.get("comparison")
+    if comp:
+        targets = {"cold_start_wait_reduction": ">= 0.68", "ttft_mean_reduction": ">= 0.35",
+                   "throughput_ratio": ">= 1.0"}
+        lines += ["| comparison (plora vs baseline) | measured | paper target |", "|---|---|---|"]
+        for k, v in comp.items():
+            lines.append(f"| {k} | {_fmt(v)} | {targets.get(k, '')} |")
+        lines.append("")
+    lines += ["Definitions: see `services/replay/report.py` (module docstring).", ""]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON (NaN is not valid JSON: figures use ``None`` instead)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, allow_nan=False) + "\n", encoding="utf-8")

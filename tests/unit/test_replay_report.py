@@ -1,0 +1,316 @@
+"""Table-driven tests of the replay statistics (services.replay.report) and the pure helpers of
+the replay client and CLI (prompt synthesis, request building, pool sizing, trace floor)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from services.common.traces import Trace
+from services.replay.bench import auto_pool_bytes, trace_info
+from services.replay.client import PROMPT_WORDS, build_requests, synth_prompt
+from services.replay.report import (
+    CLIENT_DROPPED,
+    COMPARISON_KEYS,
+    OK,
+    POLICY_KEYS,
+    RequestRecord,
+    StatusSample,
+    WorkerSample,
+    build_report,
+    compare,
+    compulsory_cold_rate,
+    mean,
+    percentile,
+    pool_stats,
+    ratio,
+    reduction,
+    render_markdown,
+    request_stats,
+    series_cold_starts,
+    series_pool_utilization,
+    summarize_policy,
+    ttft_cdf,
+    write_plots,
+)
+
+
+def rec(i: int, sent: float | None, first: float | None, end: float | None, status: str = OK,
+        *, cold: bool = False, wait: float = 0.0, tokens: int = 8, worker: str = "w0",
+        adapter: str = "a") -> RequestRecord:
+    return RequestRecord(i, adapter, f"k{adapter}", float(i), sent, first, end, status,
+                         prompt_tokens=10, completion_tokens=tokens if status == OK else 0,
+                         adapter_cold=cold, adapter_wait_s=wait, worker_id=worker)
+
+
+def ws(wid: str, util: float, evictions: int, *, upp: float = 0.0, frag: float = 0.0,
+       cold: int = 0, loads: int = 0, pages_used: int = 1) -> WorkerSample:
+    return WorkerSample(wid, util, upp, frag, loads, evictions, cold, pages_used=pages_used,
+                        pages_total=10, pool_bytes=10 << 20)
+
+
+# ------------------------------------------------------------------------------ basics
+@pytest.mark.parametrize(
+    ("values", "q", "want"),
+    [
+        ([], 50, None),
+        ([3.0], 99, 3.0),
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
+        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
+        (list(range(101)), 99, 99.0),
+    ],
+)
+def test_percentile(values: list[float], q: float, want: float | None) -> None:
+    got = percentile(values, q)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+@pytest.mark.parametrize(("values", "want"), [([], None), ([2.0], 2.0), ([1.0, 2.0, 6.0], 3.0)])
+def test_mean(values: list[float], want: float | None) -> None:
+    assert mean(values) == (pytest.approx(want) if want is not None else None)
+
+
+@pytest.mark.parametrize(
+    ("p", "b", "red", "rat"),
+    [
+        (1.0, 4.0, 0.75, 0.25),
+        (4.0, 4.0, 0.0, 1.0),
+        (6.0, 4.0, -0.5, 1.5),
+        (0.0, 4.0, 1.0, 0.0),
+        (1.0, 0.0, None, None),
+        (None, 4.0, None, None),
+        (1.0, None, None, None),
+    ],
+)
+def test_reduction_and_ratio(p: float | None, b: float | None, red: float | None,
+                             rat: float | None) -> None:
+    assert reduction(p, b) == (pytest.approx(red) if red is not None else None)
+    assert ratio(p, b) == (pytest.approx(rat) if rat is not None else None)
+
+
+@pytest.mark.parametrize(
+    ("keys", "want"),
+    [
+        ([], None),
+        (["a"], 1.0),
+        (["a", "a", "a", "a"], 0.25),
+        (["a", "b", "a", "b"], 0.5),
+        (["a", "b", "c", "a", "b"], 0.6),
+    ],
+)
+def test_compulsory_cold_rate(keys: list[str], want: float | None) -> None:
+    assert compulsory_cold_rate(keys) == (pytest.approx(want) if want is not None else None)
+
+
+# ------------------------------------------------------------------------------ per request
+RECORDS = [
+    # sent, first token, end: TTFTs 0.5, 1.0, 1.5 and 3.0; last completion at 12.0
+    rec(0, 0.0, 0.5, 1.0, cold=True, wait=0.4, worker="w0", adapter="a"),
+    rec(1, 2.0, 3.0, 4.0, worker="w1", adapter="a"),
+    rec(2, 4.0, 5.5, 6.0, cold=True, wait=0.2, worker="w0", adapter="b", tokens=4),
+    rec(3, 9.0, 12.0, 12.0, worker="w1", adapter="c"),
+    rec(4, 5.0, None, 7.0, "UNAVAILABLE"),
+    rec(5, None, None, None, CLIENT_DROPPED),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "want"),
+    [
+        ("requests", 6),
+        ("completed", 4),
+        ("failed", 2),
+        ("dropped", 1),
+        ("failed_by_status", {CLIENT_DROPPED: 1, "UNAVAILABLE": 1}),
+        ("ttft_mean_s", (0.5 + 1.0 + 1.5 + 3.0) / 4),
+        ("ttft_p50_s", 1.25),
+        ("ttft_p99_s", 1.5 + 0.97 * 1.5),  # numpy linear: rank 0.99 * 3 = 2.97
+        ("latency_mean_s", (1.0 + 2.0 + 2.0 + 3.0) / 4),
+        ("makespan_s", 12.0),
+        ("throughput_req_s", 4 / 12.0),
+        ("throughput_tok_s", (8 + 8 + 4 + 8) / 12.0),
+        ("cold_starts", 2),
+        ("cold_start_rate", 0.5),
+        ("cold_start_wait_mean_s", (0.4 + 0.2) / 4),  # warm requests count as 0 s
+        ("cold_start_wait_mean_cold_s", 0.3),
+        ("requests_by_worker", {"w0": 2, "w1": 2}),
+    ],
+)
+def test_request_stats(key: str, want: object) -> None:
+    got = request_stats(RECORDS)[key]
+    assert got == (pytest.approx(want) if isinstance(want, float) else want)
+
+
+def test_request_stats_with_nothing_completed() -> None:
+    s = request_stats([rec(0, 0.0, None, 1.0, "DEADLINE_EXCEEDED"),
+                       rec(1, None, None, None, CLIENT_DROPPED)])
+    assert (s["completed"], s["failed"], s["dropped"]) == (0, 2, 1)
+    assert s["ttft_mean_s"] is None and s["cold_start_rate"] is None
+    assert s["throughput_req_s"] == 0.0 and s["makespan_s"] == 0.0
+
+
+def test_record_properties_and_round_trip() -> None:
+    r = RECORDS[2]
+    assert r.ok and r.ttft_s == pytest.approx(1.5) and r.latency_s == pytest.approx(2.0)
+    assert RECORDS[5].ttft_s is None and RECORDS[5].latency_s is None and not RECORDS[5].ok
+    assert RequestRecord.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+# ------------------------------------------------------------------------------ pool samples
+SAMPLES = [
+    StatusSample(0.0, (ws("w0", 0.2, 0), ws("w1", 0.1, 0))),
+    # w0 evicts: under pressure (util 0.9, frag 0.1); w1 does not
+    StatusSample(1.0, (ws("w0", 0.9, 2, frag=0.1, cold=3, loads=4), ws("w1", 0.5, 0, frag=0.4))),
+    # w0 steady (no pressure); w1 evicts (util 0.8, frag 0.3)
+    StatusSample(2.0, (ws("w0", 0.7, 2, frag=0.0, cold=3, loads=4),
+                       ws("w1", 0.8, 1, frag=0.3, cold=2, loads=3))),
+    # both evict; workers report their own under-pressure means
+    StatusSample(3.0, (ws("w0", 1.0, 5, upp=0.92, frag=0.2, cold=5, loads=7),
+                       ws("w1", 0.6, 3, upp=0.84, frag=0.0, cold=4, loads=5))),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "want"),
+    [
+        ("pressure_samples", 4),
+        ("pool_utilization_under_pressure", (0.92 + 0.84) / 2),
+        ("pool_utilization_under_pressure_sampled", (0.9 + 0.8 + 1.0 + 0.6) / 4),
+        ("external_fragmentation", (0.1 + 0.3 + 0.2 + 0.0) / 4),
+        ("external_fragmentation_max", 0.3),
+        ("pool_loads", 7 + 5),
+        ("pool_evictions", 5 + 3),
+        ("pool_cold_starts", 5 + 4),
+        ("status_samples", 4),
+        ("pool_bytes_per_worker", 10 << 20),
+    ],
+)
+def test_pool_stats(key: str, want: object) -> None:
+    got = pool_stats(SAMPLES)[key]
+    assert got == (pytest.approx(want) if isinstance(want, float) else want)
+
+
+def test_pool_stats_without_pressure_falls_back_to_samples_in_use() -> None:
+    samples = [StatusSample(0.0, (ws("w0", 0.3, 0, frag=0.5), ws("w1", 0.0, 0, frag=0.9,
+                                                                   pages_used=0))),
+               StatusSample(1.0, (ws("w0", 0.3, 0, frag=0.1), ws("w1", 0.0, 0, pages_used=0)))]
+    s = pool_stats(samples)
+    assert s["pressure_samples"] == 0
+    assert s["pool_utilization_under_pressure"] is None
+    assert s["pool_utilization_under_pressure_sampled"] is None
+    assert s["external_fragmentation"] == pytest.approx(0.3)  # w0 only: pages in use
+    assert pool_stats([])["external_fragmentation"] is None
+
+
+def test_series_and_cdf() -> None:
+    t, c = series_cold_starts(SAMPLES)
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0] and c.tolist() == [0, 3, 5, 9]
+    _, u = series_pool_utilization(SAMPLES)
+    assert u.tolist() == pytest.approx([0.15, 0.7, 0.75, 0.8])
+    x, y = ttft_cdf(RECORDS)
+    assert x.tolist() == pytest.approx([0.5, 1.0, 1.5, 3.0]) and y.tolist() == [0.25, 0.5, 0.75, 1]
+    assert StatusSample.from_dict(json.loads(json.dumps(SAMPLES[3].to_dict()))) == SAMPLES[3]
+
+
+# ------------------------------------------------------------------------------ comparison
+@pytest.mark.parametrize(
+    ("key", "want"),
+    [
+        ("ttft_mean_reduction", 1 - 0.65 / 1.0),
+        ("ttft_p99_reduction", 1 - 2.0 / 4.0),
+        ("cold_start_wait_reduction", 1 - 0.032 / 0.1),
+        ("cold_start_count_reduction", 1 - 10 / 40),
+        ("cold_start_rate_reduction", 1 - 0.05 / 0.2),
+        ("throughput_ratio", 3.0 / 2.0),
+        ("throughput_tok_ratio", 24.0 / 16.0),
+    ],
+)
+def test_compare(key: str, want: float) -> None:
+    plora = {"ttft_mean_s": 0.65, "ttft_p99_s": 2.0, "cold_start_wait_mean_s": 0.032,
+             "cold_starts": 10, "cold_start_rate": 0.05, "throughput_req_s": 3.0,
+             "throughput_tok_s": 24.0}
+    baseline = {"ttft_mean_s": 1.0, "ttft_p99_s": 4.0, "cold_start_wait_mean_s": 0.1,
+                "cold_starts": 40, "cold_start_rate": 0.2, "throughput_req_s": 2.0,
+                "throughput_tok_s": 16.0}
+    assert compare(plora, baseline)[key] == pytest.approx(want)
+
+
+def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) -> None:
+    plora = summarize_policy(RECORDS, SAMPLES)
+    baseline = summarize_policy(RECORDS[:4], SAMPLES[:2])
+    settings = {"trace": "t.csv", "format": "azure2021", "start": 0.0, "duration": 30.0,
+                "time_scale": 10.0, "adapters": 4, "ranks": [8, 16], "pool_bytes": 1 << 20,
+                "pool_fraction": 0.25, "adapter_bytes_total": 4 << 20, "workers": 2,
+                "max_new_tokens": 8, "prompt_token_cap": 64, "concurrency": 8, "seed": 0,
+                "wall_time_s": 12.5}
+    info = {"requests": 6, "keys": 3, "adapters_used": 3, "compulsory_cold_rate": 0.5}
+    report = build_report(settings, info, {"plora": plora, "baseline": baseline})
+    for name in ("plora", "baseline"):
+        missing = [k for k in POLICY_KEYS if k not in report[name]]
+        assert not missing, f"{name} lacks {missing}"
+    assert set(COMPARISON_KEYS) <= set(report["comparison"])
+    assert report["compulsory_cold_rate"] == 0.5 and report["policies"] == ["plora", "baseline"]
+    assert report["comparison"]["cold_start_count_reduction"] == pytest.approx(1 - 2 / 2)
+    json.dumps(report, allow_nan=False)  # no NaN/inf anywhere
+    md = render_markdown(report)
+    assert "| ttft_mean_s |" in md and "compulsory_cold_rate = 0.500" in md
+    assert "| throughput_ratio |" in md
+    failed = build_report(settings, info, {"plora": plora, "baseline": {"error": "boom"}})
+    assert failed["comparison"] is None and failed["baseline"] == {"error": "boom"}
+    paths = write_plots(tmp_path, {"plora": RECORDS}, {"plora": SAMPLES})
+    assert [p.name for p in paths] == ["ttft_cdf.png", "cold_starts_over_time.png",
+                                       "pool_utilization_over_time.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+# ------------------------------------------------------------------------------ client / CLI
+@pytest.mark.parametrize(("n", "words"), [(0, 1), (1, 1), (7, 7), (64, 64)])
+def test_synth_prompt_length_and_determinism(n: int, words: int) -> None:
+    text = synth_prompt(n, seed=3, index=5)
+    assert len(text.split(" ")) == words
+    assert text == synth_prompt(n, seed=3, index=5)
+    assert all(w.lower() in PROMPT_WORDS for w in text.split(" "))
+    if n >= 7:
+        assert text != synth_prompt(n, seed=3, index=6) and text != synth_prompt(n, 4, 5)
+
+
+def test_build_requests_caps_prompts_and_keeps_order() -> None:
+    reqs = build_requests([0.0, 0.5, 2.0], ["a", "b", "a"], ["k1", "k2", "k1"], [3, 500, 64],
+                          max_new_tokens=8, prompt_token_cap=64, seed=0)
+    assert [r.index for r in reqs] == [0, 1, 2] and [r.t for r in reqs] == [0.0, 0.5, 2.0]
+    assert [len(r.prompt.split()) for r in reqs] == [3, 64, 64]
+    assert [r.adapter_id for r in reqs] == ["a", "b", "a"] and reqs[1].trace_key == "k2"
+    assert all(r.max_new_tokens == 8 for r in reqs)
+    with pytest.raises(ValueError):
+        build_requests([0.0], ["a"], ["k"], [3], max_new_tokens=0, prompt_token_cap=64, seed=0)
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fraction", "want"),
+    [
+        ([4 * MIB] * 4, 0.25, 4 * MIB),  # a quarter of 16 MiB
+        ([MIB, MIB, MIB, 10 * MIB], 0.25, 10 * MIB),  # at least the largest adapter
+        ([3 * MIB + 1, 3 * MIB], 0.5, 4 * MIB),  # rounded up to whole MiB
+        ([8 * MIB] * 10, 1.0, 80 * MIB),
+    ],
+)
+def test_auto_pool_bytes(sizes: list[int], fraction: float, want: int) -> None:
+    assert auto_pool_bytes(sizes, fraction) == want
+
+
+def test_trace_info_floor_uses_adapters_and_keys() -> None:
+    trace = Trace.from_arrays([0.0, 0.2, 1.1, 1.5, 3.0], ["x", "y", "x", "z", "y"],
+                              prompt_tokens=[10, 20, 30, 40, 50])
+    info = trace_info(trace, {"x": "A", "y": "B", "z": "A"})  # z shares x's adapter
+    assert info["requests"] == 5 and info["keys"] == 3 and info["adapters_used"] == 2
+    assert info["compulsory_cold_rate"] == pytest.approx(2 / 5)
+    assert info["compulsory_cold_rate_keys"] == pytest.approx(3 / 5)
+    assert info["peak_req_per_s"] == 2 and info["prompt_tokens_median"] == 30
+    assert math.isclose(info["mean_rate_req_s"], 5 / 3.0)
