@@ -1,0 +1,263 @@
+"""Rank-aware placement of adapters across workers, request routing, and prefetch choice.
+
+Pure policy code (no I/O), shared by the predictor service, the gateway and the simulator so a
+policy change shows up in all three.
+
+* **Placement** (LoRAServe, arXiv 2511.22880, sections 4-5): the serving cost of an adapter is its
+  expected demand times a rank-dependent cost per request, :func:`rank_cost`; adapters are
+  assigned to workers greedily, heaviest first (longest-processing-time), so the expected load is
+  balanced; an adapter whose load exceeds one worker's fair share is replicated; pool capacity is
+  respected; a previous assignment is kept while it stays within the balance tolerance, so the
+  placement does not churn (the number of changed assignments is reported as *moves*).
+* **Routing**: ``rank_aware`` sends a request to a worker that holds the adapter resident with the
+  shortest queue, else to a worker the placement assigns it to, else to the least-loaded worker;
+  ``round_robin`` is the residency- and rank-oblivious baseline.
+* **Prefetch choice** (Predictive-LoRA, arXiv 2512.20210, section 3): adapters whose forecast
+  demand crosses a threshold are prefetched onto their placed workers, with hysteresis (an adapter
+  stays chosen until its forecast falls below a lower threshold) so residency does not thrash.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+#: Reference rank of :func:`rank_cost` (cost 1 + beta at this rank).
+RANK_REF = 64
+#: Extra cost of a rank-``RANK_REF`` adapter relative to a base-model request.
+RANK_BETA = 0.5
+
+
+def rank_cost(rank: int, beta: float = RANK_BETA, rank_ref: int = RANK_REF) -> float:
+    """Relative serving cost of one request for an adapter of ``rank``.
+
+    ``1 + beta * rank / rank_ref``: the base model's work plus the LoRA work, which grows
+    linearly in the rank (the shrink/expand matmuls are ``O(r * (d_in + d_out))`` per token;
+    LoRAServe section 3 measures the same linear trend). ``rank = 0`` (the base model) costs 1.
+    """
+    return 1.0 + beta * max(0, rank) / rank_ref
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What placement and routing know of a worker (from its heartbeat).
+
+    Attributes:
+        worker_id: Registry id.
+        pool_bytes: Device adapter pool size.
+        free_bytes: Pool bytes not holding live adapters.
+        resident: Adapter ids resident in its pool.
+        queue_length: Requests queued or running on it.
+    """
+
+    worker_id: str
+    pool_bytes: int = 0
+    free_bytes: int = 0
+    resident: frozenset[str] = field(default_factory=frozenset)
+    queue_length: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterDemand:
+    """Forecast demand of one adapter.
+
+    Attributes:
+        rank: Largest LoRA rank (cost model input).
+        size_bytes: Device bytes when resident.
+        expected: Expected requests over the forecast horizon.
+    """
+
+    rank: int
+    size_bytes: int
+    expected: float
+
+    @property
+    def load(self) -> float:
+        """Expected demand times the rank-dependent cost."""
+        return self.expected * rank_cost(self.rank)
+
+
+def plan_placement(
+    demand: Mapping[str, AdapterDemand],
+    workers: Sequence[WorkerView],
+    previous: Mapping[str, Sequence[str]] | None = None,
+    *,
+    tolerance: float = 0.25,
+) -> tuple[dict[str, list[str]], int]:
+    """Assign adapters with positive demand to workers, balancing rank-weighted load.
+
+    Args:
+        demand: ``adapter_id -> AdapterDemand``; adapters with ``expected <= 0`` are not placed.
+        workers: Healthy workers.
+        previous: The last placement; an assignment is kept while the worker stays within
+            ``(1 + tolerance)`` of the fair share and has pool room.
+        tolerance: Allowed overshoot of the fair share before a kept assignment is moved.
+
+    Returns:
+        ``(placement, moves)``: ``adapter_id -> [worker_id, ...]`` (replicas, heaviest first) and
+        the number of (adapter, worker) assignments that are new compared with ``previous``
+        for adapters placed in both.
+    """
+    if not workers:
+        return {}, 0
+    previous = previous or {}
+    active = {a: d for a, d in demand.items() if d.expected > 0}
+    total = sum(d.load for d in active.values())
+    share = total / len(workers) if total > 0 else 0.0
+    load = {w.worker_id: 0.0 for w in workers}
+    room = {w.worker_id: w.pool_bytes if w.pool_bytes > 0 else math.inf for w in workers}
+    order = sorted(active, key=lambda a: (-active[a].load, a))
+    placement: dict[str, list[str]] = {}
+    for a in order:
+        d = active[a]
+        replicas = 1 if share <= 0 else max(1, min(len(workers), math.ceil(d.load / share - 1e-9)))
+        per_replica = d.load / replicas
+        chosen: list[str] = []
+        kept = [w for w in previous.get(a, ()) if w in load]
+        for w in kept:
+            if len(chosen) == replicas:
+                break
+            if load[w] + per_replica <= share * (1 + tolerance) + 1e-9 and room[w] >= d.size_bytes:
+                chosen.append(w)
+        while len(chosen) < replicas:
+            candidates = [w for w in load if w not in chosen and room[w] >= d.size_bytes]
+            if not candidates:
+                break
+            chosen.append(min(candidates, key=lambda w: (load[w], w)))
+        for w in chosen:
+            load[w] += per_replica
+            room[w] -= d.size_bytes
+        if chosen:
+            placement[a] = chosen
+    moves = sum(
+        len(set(ws) - set(previous[a])) for a, ws in placement.items() if a in previous
+    )
+    return placement, moves
+
+
+def route_rank_aware(
+    adapter_id: str,
+    workers: Sequence[WorkerView],
+    placement: Mapping[str, Sequence[str]],
+    *,
+    queue_slack: int = 4,
+) -> tuple[str, str]:
+    """Choose a worker for one request (LoRAServe-style routing).
+
+    Order: a worker with the adapter resident and the shortest queue, unless its queue exceeds
+    the cluster's shortest by more than ``queue_slack``; else a worker the placement assigns the
+    adapter to (shortest queue); else the least-loaded worker. Ties break on worker id.
+
+    Args:
+        adapter_id: Requested adapter ("" = base model).
+        workers: Healthy candidate workers (non-empty).
+        placement: ``adapter_id -> [worker_id, ...]``.
+        queue_slack: Queue difference tolerated to keep a request on a resident worker.
+
+    Returns:
+        ``(worker_id, reason)`` with reason ``"resident"``, ``"placed"``, ``"least_loaded"``.
+
+    Raises:
+        ValueError: ``workers`` is empty.
+    """
+    if not workers:
+        raise ValueError("no workers to route to")
+    least = min(workers, key=lambda w: (w.queue_length, w.worker_id))
+    if adapter_id:
+        resident = [w for w in workers if adapter_id in w.resident]
+        if resident:
+            best = min(resident, key=lambda w: (w.queue_length, w.worker_id))
+            if best.queue_length <= least.queue_length + queue_slack:
+                return best.worker_id, "resident"
+        placed_ids = set(placement.get(adapter_id, ()))
+        placed = [w for w in workers if w.worker_id in placed_ids]
+        if placed:
+            best = min(placed, key=lambda w: (w.queue_length, w.worker_id))
+            if best.queue_length <= least.queue_length + queue_slack:
+                return best.worker_id, "placed"
+    return least.worker_id, "least_loaded"
+
+
+class RoundRobinRouter:
+    """The rank- and residency-oblivious baseline: workers in id order, one after another."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def route(self, workers: Sequence[WorkerView]) -> str:
+        """Next worker id in turn.
+
+        Raises:
+            ValueError: ``workers`` is empty.
+        """
+        if not workers:
+            raise ValueError("no workers to route to")
+        ordered = sorted(w.worker_id for w in workers)
+        with self._lock:
+            chosen = ordered[self._next % len(ordered)]
+            self._next += 1
+        return chosen
+
+
+class PrefetchSelector:
+    """Chooses which adapters each worker should prefetch, with hysteresis.
+
+    An adapter is *hot* once its expected count over the horizon reaches ``high`` and stays hot
+    until it drops below ``low`` (``low <= high``), so an adapter hovering at the threshold is not
+    loaded and evicted in turn.
+
+    Args:
+        high: Expected count at which an adapter becomes hot.
+        low: Expected count below which a hot adapter stops being hot.
+    """
+
+    def __init__(self, high: float = 0.5, low: float = 0.25) -> None:
+        if not 0 <= low <= high:
+            raise ValueError("need 0 <= low <= high")
+        self.high = high
+        self.low = low
+        self.hot: set[str] = set()
+
+    def update(self, demand: Mapping[str, AdapterDemand]) -> set[str]:
+        """Update and return the hot set from the latest forecast."""
+        hot = set()
+        for a, d in demand.items():
+            threshold = self.low if a in self.hot else self.high
+            if d.expected >= threshold:
+                hot.add(a)
+        self.hot = hot
+        return hot
+
+    def select(
+        self,
+        demand: Mapping[str, AdapterDemand],
+        placement: Mapping[str, Sequence[str]],
+        workers: Sequence[WorkerView],
+        *,
+        max_per_worker: int = 8,
+    ) -> dict[str, list[tuple[str, float]]]:
+        """Per worker, the hot adapters placed on it and not resident there, best first.
+
+        Each worker's list holds at most ``max_per_worker`` adapters whose sizes add up to at
+        most its pool (the worker itself decides whether to evict for them).
+
+        Returns:
+            ``worker_id -> [(adapter_id, expected), ...]``.
+        """
+        hot = self.update(demand)
+        by_id = {w.worker_id: w for w in workers}
+        plan: dict[str, list[tuple[str, float]]] = {w.worker_id: [] for w in workers}
+        budget = {w.worker_id: w.pool_bytes if w.pool_bytes > 0 else math.inf for w in workers}
+        for a in sorted(hot, key=lambda a: (-demand[a].expected, a)):
+            for w in placement.get(a, ()):
+                view = by_id.get(w)
+                if view is None or a in view.resident or len(plan[w]) >= max_per_worker:
+                    continue
+                if demand[a].size_bytes > budget[w]:
+                    continue
+                budget[w] -= demand[a].size_bytes
+                plan[w].append((a, demand[a].expected))
+        return plan

@@ -1,0 +1,139 @@
+"""Table-driven tests of placement, routing and prefetch choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.predictor.placement import (
+    AdapterDemand,
+    PrefetchSelector,
+    RoundRobinRouter,
+    WorkerView,
+    plan_placement,
+    rank_cost,
+    route_rank_aware,
+)
+
+MB = 1 << 20
+
+
+def views(n: int, pool: int = 1000 * MB, **kw: object) -> list[WorkerView]:
+    return [WorkerView(f"w{i}", pool_bytes=pool, free_bytes=pool, **kw) for i in range(n)]
+
+
+@pytest.mark.parametrize(("rank", "cost"), [(0, 1.0), (64, 1.5), (128, 2.0), (8, 1.0625)])
+def test_rank_cost_is_linear_in_rank(rank: int, cost: float) -> None:
+    assert rank_cost(rank) == pytest.approx(cost)
+
+
+def test_hot_high_rank_adapters_do_not_pile_onto_one_worker() -> None:
+    demand = {f"r128-{i}": AdapterDemand(128, 10 * MB, 10.0) for i in range(4)}
+    placement, _ = plan_placement(demand, views(2))
+    per_worker = {"w0": 0, "w1": 0}
+    for ws in placement.values():
+        assert len(ws) == 1
+        per_worker[ws[0]] += 1
+    assert per_worker == {"w0": 2, "w1": 2}
+
+
+def test_rank_weighted_balance() -> None:
+    # One rank-128 adapter (cost 2) against four rank-8 adapters of the same demand.
+    demand = {"big": AdapterDemand(128, 10 * MB, 4.0)}
+    demand |= {f"small-{i}": AdapterDemand(8, MB, 2.0) for i in range(4)}
+    placement, _ = plan_placement(demand, views(2))
+    big_worker = placement["big"][0]
+    smalls_with_big = sum(1 for i in range(4) if placement[f"small-{i}"] == [big_worker])
+    assert smalls_with_big <= 1
+
+
+def test_an_adapter_hotter_than_one_worker_is_replicated() -> None:
+    demand = {"hot": AdapterDemand(16, MB, 100.0), "cold": AdapterDemand(16, MB, 1.0)}
+    placement, _ = plan_placement(demand, views(3))
+    assert len(placement["hot"]) >= 2
+    assert len(placement["cold"]) == 1
+
+
+def test_pool_capacity_is_respected() -> None:
+    demand = {f"a{i}": AdapterDemand(64, 60 * MB, 5.0 - i) for i in range(4)}
+    placement, _ = plan_placement(demand, views(2, pool=100 * MB))
+    used = {"w0": 0, "w1": 0}
+    for a, ws in placement.items():
+        for w in ws:
+            used[w] += demand[a].size_bytes
+    assert all(u <= 100 * MB for u in used.values())
+    assert len(placement) == 2
+
+
+def test_stable_demand_keeps_the_placement() -> None:
+    demand = {f"a{i}": AdapterDemand(8 * (i + 1), MB, 3.0) for i in range(6)}
+    first, _ = plan_placement(demand, views(2))
+    nudged = {a: AdapterDemand(d.rank, d.size_bytes, d.expected * 1.05) for a, d in demand.items()}
+    second, moves = plan_placement(nudged, views(2), first)
+    assert second == first and moves == 0
+
+
+def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
+    assert plan_placement({"a": AdapterDemand(8, MB, 0.0)}, views(2)) == ({}, 0)
+    assert plan_placement({"a": AdapterDemand(8, MB, 1.0)}, []) == ({}, 0)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "workers", "placement", "expected"),
+    [
+        # resident beats placed and least loaded
+        ("a", [WorkerView("w0", queue_length=2, resident=frozenset({"a"})),
+               WorkerView("w1", queue_length=0)], {"a": ["w1"]}, ("w0", "resident")),
+        # resident with the shortest queue among residents
+        ("a", [WorkerView("w0", queue_length=3, resident=frozenset({"a"})),
+               WorkerView("w1", queue_length=1, resident=frozenset({"a"}))], {},
+         ("w1", "resident")),
+        # resident but overloaded beyond the slack -> placed / least loaded
+        ("a", [WorkerView("w0", queue_length=20, resident=frozenset({"a"})),
+               WorkerView("w1", queue_length=0)], {}, ("w1", "least_loaded")),
+        # not resident anywhere -> placed worker
+        ("a", [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1)],
+         {"a": ["w1"]}, ("w1", "placed")),
+        # unknown adapter -> least loaded, ties on id
+        ("a", [WorkerView("w1", queue_length=0), WorkerView("w0", queue_length=0)], {},
+         ("w0", "least_loaded")),
+        # base model -> least loaded
+        ("", [WorkerView("w0", queue_length=5), WorkerView("w1", queue_length=1)], {},
+         ("w1", "least_loaded")),
+    ],
+)
+def test_rank_aware_routing(adapter, workers, placement, expected) -> None:
+    assert route_rank_aware(adapter, workers, placement) == expected
+
+
+def test_round_robin_ignores_residency_and_cycles() -> None:
+    router = RoundRobinRouter()
+    ws = [WorkerView("w1", resident=frozenset({"a"})), WorkerView("w0")]
+    assert [router.route(ws) for _ in range(4)] == ["w0", "w1", "w0", "w1"]
+    with pytest.raises(ValueError):
+        router.route([])
+
+
+def test_prefetch_selector_hysteresis_and_residency() -> None:
+    sel = PrefetchSelector(high=1.0, low=0.5)
+    ws = [WorkerView("w0", pool_bytes=100 * MB, resident=frozenset({"r"})), WorkerView("w1", 100 * MB)]
+    placement = {"a": ["w1"], "b": ["w0"], "r": ["w0"]}
+    demand = {"a": AdapterDemand(8, MB, 2.0), "b": AdapterDemand(8, MB, 0.7),
+              "r": AdapterDemand(8, MB, 5.0)}
+    plan = sel.select(demand, placement, ws)
+    assert plan == {"w0": [], "w1": [("a", 2.0)]}  # b below high; r already resident
+    demand["a"] = AdapterDemand(8, MB, 0.6)  # drops below high but stays above low: still hot
+    demand["b"] = AdapterDemand(8, MB, 1.2)
+    plan = sel.select(demand, placement, ws)
+    assert plan == {"w0": [("b", 1.2)], "w1": [("a", 0.6)]}
+    demand["a"] = AdapterDemand(8, MB, 0.4)
+    assert sel.select(demand, placement, ws)["w1"] == []
+
+
+def test_prefetch_respects_count_and_pool_budget() -> None:
+    sel = PrefetchSelector(high=0.1, low=0.1)
+    ws = [WorkerView("w0", pool_bytes=10 * MB)]
+    demand = {f"a{i}": AdapterDemand(8, 4 * MB, 10.0 - i) for i in range(5)}
+    placement = {a: ["w0"] for a in demand}
+    assert [a for a, _ in sel.select(demand, placement, ws)["w0"]] == ["a0", "a1"]
+    assert len(sel.select(demand, placement, [WorkerView("w0", pool_bytes=100 * MB)],
+                          max_per_worker=3)["w0"]) == 3
