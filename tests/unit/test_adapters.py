@@ -757,3 +757,9 @@ def test_loraadapterconfig_is_frozen():
     c = LoraAdapterConfig(r=4, lora_alpha=8)
     with pytest.raises(AttributeError):
         c.r = 5  # type: ignore[misc]
+
+
+def test_refuse_no_lora_tensors(good):
+    _rewrite_tensors(good, lambda t: {})
+    with pytest.raises(InvalidAdapterError, match="holds no LoRA tensors"):
+        inspect_adapter(good, TINY)
