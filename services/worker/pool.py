@@ -318,17 +318,32 @@ class Allocator(ABC):
         self._free_len[start] = length
 
     # ------------------------------------------------------------------ compaction
-    def plan_compaction(self, pinned: Iterable[int] = ()) -> list[Move]:
-        """Moves that pack movable allocations toward address 0 (none for the baseline).
+    def plan_compaction(
+        self, pinned: Iterable[int] = (), need_units: int | None = None
+    ) -> list[Move]:
+        """Moves that join free space (none for the baseline).
 
-        Pure: the allocator does not change until :meth:`apply_moves`. Each allocation, in
-        address order, goes to the first free position (its own run counted as free) at or
-        below its current start; allocations in ``pinned`` never move. Moves are to be applied
-        in the order given (each is valid after the previous ones); a move may overlap its own
+        Pure: the allocator does not change until :meth:`apply_moves`. Allocations in
+        ``pinned`` never move; every move goes to a lower address. Moves are to be applied in
+        the order given (each is valid after the previous ones); a move may overlap its own
         source (a slide), never another allocation.
+
+        With ``need_units``, the cheapest of these that yields one free run of that length:
+
+        1. *relocation*: a window of ``need_units`` starting or ending at a free run, whose
+           (unpinned) allocations move out into free runs elsewhere (best fit, largest
+           first); the window with the fewest allocated units that can be cleared wins;
+        2. *slide*: the window of consecutive free runs and movable allocations gathering
+           enough free units with the fewest allocated units inside; its allocations slide
+           down, joining its free runs at the window's end.
+
+        Without ``need_units``, or when neither works: a full compaction (each allocation, in
+        address order, moves to the first free position that holds it, its own run counted
+        as free).
 
         Args:
             pinned: Handles that must stay where they are (in use, or being written).
+            need_units: Length of the free run wanted.
         """
         return []
 
@@ -478,18 +493,140 @@ class PagedAllocator(Allocator):
                 moves.append(Move(a.handle, a.start, dst, a.units))
         return moves, [(s, ln) for s, ln in free]
 
-    def plan_compaction(self, pinned: Iterable[int] = ()) -> list[Move]:
-        moves, _ = self._simulate(set(pinned))
+    def plan_compaction(
+        self, pinned: Iterable[int] = (), need_units: int | None = None
+    ) -> list[Move]:
+        pins = set(pinned)
+        if need_units is not None:
+            for planner in (self._relocation_plan, self._cheapest_window):
+                plan = planner(pins, need_units)
+                if plan is not None:
+                    return plan
+        moves, _ = self._simulate(pins)
+        return moves
+
+    def _relocation_plan(self, pinned: set[int], need: int) -> list[Move] | None:
+        """Clear the cheapest clearable window of ``need`` units by moving its allocations out."""
+        cap = self.capacity_units
+        windows = set()
+        for e in self.free_extents():
+            if e.start + need <= cap:
+                windows.add(e.start)
+            if e.end - need >= 0:
+                windows.add(e.end - need)
+        scored: list[tuple[int, int, list[Allocation]]] = []
+        for ws in windows:
+            we = ws + need
+            i = bisect.bisect_right(self._alloc_starts, ws) - 1
+            if (
+                i < 0
+                or self._alloc_starts[i] + self._allocs[self._by_start[self._alloc_starts[i]]].units
+                <= ws
+            ):
+                i += 1
+            inside: list[Allocation] = []
+            ok = True
+            while i < len(self._alloc_starts) and self._alloc_starts[i] < we:
+                a = self._allocs[self._by_start[self._alloc_starts[i]]]
+                if a.handle in pinned:
+                    ok = False
+                    break
+                inside.append(a)
+                i += 1
+            if ok:
+                scored.append((sum(a.units for a in inside), ws, inside))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        for _, ws, inside in scored:
+            lo = min([ws] + [a.start for a in inside])
+            hi = max([ws + need] + [a.start + a.units for a in inside])
+            # free runs outside the cleared span [lo, hi)
+            holes: list[list[int]] = []
+            for e in self.free_extents():
+                if e.end <= lo or e.start >= hi:
+                    holes.append([e.start, e.length])
+                else:
+                    if e.start < lo:
+                        holes.append([e.start, lo - e.start])
+                    if e.end > hi:
+                        holes.append([hi, e.end - hi])
+            moves = []
+            for a in sorted(inside, key=lambda a: (-a.units, a.start)):
+                fits = [h for h in holes if h[1] >= a.units]
+                if not fits:
+                    break
+                h = min(fits, key=lambda h: (h[1], h[0]))  # best fit
+                moves.append(Move(a.handle, a.start, h[0], a.units))
+                h[0] += a.units
+                h[1] -= a.units
+            else:
+                return moves
+        return None
+
+    def _cheapest_window(self, pinned: set[int], need: int) -> list[Move] | None:
+        """Slide plan of the cheapest window gathering ``need`` free units (None if none)."""
+        # spans in address order: (start, length, handle or -1 for free)
+        spans = [(e.start, e.length, -1) for e in self.free_extents()]
+        spans += [(a.start, a.units, a.handle) for a in self._allocs.values()]
+        spans.sort()
+        best: tuple[int, int, int] | None = None  # (cost units, lo index, hi index)
+        lo = 0
+        gathered = cost = 0
+        for hi, (_, length, h) in enumerate(spans):
+            if h >= 0 and h in pinned:
+                lo, gathered, cost = hi + 1, 0, 0
+                continue
+            if h < 0:
+                gathered += length
+            else:
+                cost += length
+            if h >= 0:
+                continue  # a window never needs to end on an allocation
+            # drop items from the left while the window still gathers enough
+            while lo < hi:
+                s_len, s_h = spans[lo][1], spans[lo][2]
+                if s_h < 0 and gathered - s_len < need:
+                    break
+                if s_h < 0:
+                    gathered -= s_len
+                else:
+                    cost -= s_len
+                lo += 1
+            if gathered >= need and (best is None or cost < best[0]):
+                best = (cost, lo, hi)
+        if best is None:
+            return None
+        _, lo, hi = best
+        cursor = spans[lo][0]
+        moves = []
+        for start, length, h in spans[lo : hi + 1]:
+            if h < 0:
+                continue
+            if start != cursor:
+                moves.append(Move(h, start, cursor, length))
+            cursor += length
         return moves
 
     def allocatable_units(self, pinned: Iterable[int] = ()) -> int:
+        """Free units of the richest stretch between pinned allocations: sliding that
+        stretch's movable allocations together (the slide plan) joins all of them."""
         pins = set(pinned)
         if self._free_units == 0:
             return 0
         if len(self._free_starts) <= 1:
             return self.largest_free_run()
-        _, free = self._simulate(pins)
-        return max((ln for _, ln in free), default=0)
+        best = seg = 0
+        fi = ai = 0
+        fs, as_ = self._free_starts, self._alloc_starts
+        # merge free runs and allocations in address order
+        while fi < len(fs) or ai < len(as_):
+            if ai >= len(as_) or (fi < len(fs) and fs[fi] < as_[ai]):
+                seg += self._free_len[fs[fi]]
+                fi += 1
+            else:
+                if self._by_start[as_[ai]] in pins:
+                    best, seg = max(best, seg), 0
+                ai += 1
+        return max(best, seg)
 
     def check_invariants(self) -> None:
         super().check_invariants()
@@ -610,14 +747,16 @@ class DevicePool:
         start = a.start * self._unit_elems
         return self.buffer[start : start + n]
 
-    def compact(self, pinned: Iterable[int] = ()) -> CompactionResult:
+    def compact(
+        self, pinned: Iterable[int] = (), need_units: int | None = None
+    ) -> CompactionResult:
         """Plan and apply a compaction, moving bytes with it; zeroes what is vacated.
 
         The caller must guarantee that nothing reads the pool meanwhile (the store holds the
         engine's compute guard exclusively) and pass every allocation in use or being written
-        as ``pinned``.
+        as ``pinned``. ``need_units``: see :meth:`Allocator.plan_compaction`.
         """
-        moves = self.allocator.plan_compaction(pinned)
+        moves = self.allocator.plan_compaction(pinned, need_units)
         moved = 0
         for m in moves:
             self._move_bytes(m)
@@ -631,12 +770,14 @@ class DevicePool:
         u = self._unit_elems
         src, dst, n = m.src * u, m.dst * u, m.units * u
         shift = src - dst
-        if shift <= 0:
-            raise ValueError(f"compaction moves go to lower addresses, got {m}")
         buf = self.buffer
-        if shift >= n:
+        if abs(shift) >= n:  # disjoint: one copy, then the whole source is vacated
             buf[dst : dst + n].copy_(buf[src : src + n])
-        elif n // shift <= 16:
+            buf[src : src + n].zero_()
+            return
+        if shift <= 0:
+            raise ValueError(f"an overlapping move must go to a lower address, got {m}")
+        if n // shift <= 16:
             # overlapping slide to lower addresses: copy front to back in chunks <= shift
             for i in range(0, n, shift):
                 c = min(shift, n - i)

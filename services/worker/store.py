@@ -496,7 +496,7 @@ class _Entry:
         self.state = _State.LOADING
         self.alloc: Allocation | None = None
         self.slots: tuple[ModuleSlot, ...] = ()
-        self.views: dict[tuple[int, str], LoRAModuleWeights] = {}
+        self.views: dict[tuple[int, str], LoRAModuleWeights] | None = None  # built lazily
         self.refcount = 0
         self.last_used = now
         self.prefetch = not demanded
@@ -552,7 +552,11 @@ class StoreLease:
             raise RuntimeError(f"lease on {e.ref.adapter_id!r} was released")
         if not e.event.is_set():
             raise RuntimeError(f"adapter {e.ref.adapter_id!r} is not resident yet; wait() first")
-        return dict(e.views)
+        with self._store._lock:
+            if e.views is None:
+                assert e.alloc is not None
+                e.views = module_views(self._store._pool.view(e.alloc), e.slots)
+            return dict(e.views)
 
     def flat(self) -> torch.Tensor:
         """``dtype [numel]``: the adapter's whole live region of the pool (a view).
@@ -970,7 +974,7 @@ class AdapterStore:
             self._holders.pop(e.alloc.handle, None)
             self._pool.free(e.alloc)
             e.alloc = None
-            e.views = {}
+            e.views = None
             self._cv.notify_all()
 
     def _detach(self, e: _Entry, reason: str) -> None:
@@ -1162,7 +1166,7 @@ class AdapterStore:
                 self._free_alloc(e)
                 return
             e.slots = packed.slots
-            e.views = module_views(self._pool.view(e.alloc), packed.slots)  # type: ignore[arg-type]
+            e.views = None  # built on the first weights() call
             e.state = _State.RESIDENT
             e.ready_at = t1
             e.event.set()
@@ -1211,7 +1215,7 @@ class AdapterStore:
         deadline: float | None = None
         al = self._pool.allocator
         while True:
-            compact = False
+            compact = 0
             with self._cv:
                 if e.detached:
                     raise _Detached()
@@ -1220,9 +1224,10 @@ class AdapterStore:
                 except TooLargeError as err:
                     raise PoolExhaustedError(str(err)) from err
                 except FragmentationError as err:
-                    compact = al.supports_compaction and (
+                    if al.supports_compaction and (
                         al.allocatable_units(self._pinned()) >= err.needed_units
-                    )
+                    ):
+                        compact = err.needed_units
                 except OutOfSpaceError:
                     pass
                 else:
@@ -1263,9 +1268,9 @@ class AdapterStore:
                     finally:
                         self._waiting -= 1
                     continue
-            self._compact()
+            self._compact(compact)
 
-    def _compact(self) -> None:
+    def _compact(self, need_units: int) -> None:
         """Compact the pool with the compute guard held exclusively (no step running)."""
         with self._guard.write(), self._lock:
             ctx = (
@@ -1274,14 +1279,13 @@ class AdapterStore:
                 else contextlib.nullcontext()
             )
             with ctx:
-                res = self._pool.compact(self._pinned())
+                res = self._pool.compact(self._pinned(), need_units)
             if self.device.type == "cuda":
                 torch.cuda.default_stream(self.device).synchronize()
             for m in res.moves:
                 holder = self._holders[m.handle]
                 holder.alloc = self._pool.allocator.get(m.handle)
-                if holder.state is _State.RESIDENT and not holder.detached:
-                    holder.views = module_views(self._pool.view(holder.alloc), holder.slots)
+                holder.views = None  # re-pointed: rebuilt from the new run on next use
             self._c.compactions += 1
             self._c.bytes_moved += res.bytes_moved
             self._emit(StoreEvent("compact", nbytes=res.bytes_moved))

@@ -1,0 +1,465 @@
+"""AdapterStore: tiers, leases, versions, prefetch, eviction, compaction, stats, concurrency.
+
+Adapters here are tiny (2 layers x q/v, 16 wide: 512 bytes per rank unit in fp32) so pools of
+a few KiB exercise every path in milliseconds; the loader builds real ``LoRAWeights`` whose
+values are a deterministic function of (adapter id, version), so integrity checks are exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.common.errors import (
+    AdapterNotFoundError,
+    ConfigError,
+    InvalidAdapterError,
+    PoolExhaustedError,
+)
+from services.common.types import LoRAModuleWeights, LoRAWeights
+from services.worker.adapter_api import AdapterProvider, AdapterRef
+from services.worker.store import (
+    AdapterStore,
+    StoreConfig,
+    StoreEvent,
+    flat_checksum,
+    module_views,
+    pack_weights,
+)
+
+PAGE = 256
+UNIT = 512  # bytes per rank unit of the tiny adapters in fp32
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def make_weights(adapter_id: str, version: int, rank: int) -> LoRAWeights:
+    seed = (sum(map(ord, adapter_id)) * 1009 + version) % (2**31)
+    g = torch.Generator().manual_seed(seed)
+    mods = {
+        (layer, p): LoRAModuleWeights(
+            torch.randn(rank, 16, generator=g), torch.randn(16, rank, generator=g), 2.0 / rank
+        )
+        for layer in range(2)
+        for p in ("q_proj", "v_proj")
+    }
+    return LoRAWeights(adapter_id, version, mods, alpha=2.0)
+
+
+class Source:
+    """Source tier for tests: rank from ``ref.source`` ("rank:N"); counts calls; can gate."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.gate: threading.Event | None = None
+        self.fail: dict[str, Exception] = {}
+
+    def __call__(self, ref: AdapterRef) -> LoRAWeights:
+        self.calls.append(ref.adapter_id)
+        if self.gate is not None:
+            self.gate.wait(5)
+        if ref.adapter_id in self.fail:
+            raise self.fail[ref.adapter_id]
+        return make_weights(ref.adapter_id, ref.version, int(ref.source.split(":")[1]))
+
+
+def ref(name: str, rank: int = 2, version: int = 1) -> AdapterRef:
+    return AdapterRef(name, version, f"rank:{rank}", rank * UNIT)
+
+
+def expected_flat(name: str, rank: int, version: int = 1) -> torch.Tensor:
+    return pack_weights(make_weights(name, version, rank), torch.float32).flat
+
+
+def store(pages: int = 16, device: str = "cpu", **kw: object) -> tuple[AdapterStore, Source]:
+    src = Source()
+    cfg = StoreConfig(
+        pool_bytes=pages * PAGE,
+        page_bytes=PAGE,
+        host_cache_bytes=kw.pop("host_cache_bytes", 64 * PAGE),  # type: ignore[arg-type]
+        device=device,
+        load_wait_timeout_s=kw.pop("load_wait_timeout_s", 0.3),  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+    return AdapterStore(cfg, src), src
+
+
+def ready(lease, timeout: float = 5.0):  # noqa: ANN001, ANN201
+    assert lease.wait(timeout), "load did not finish"
+    return lease
+
+
+# ---------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"allocator": "buddy"},
+        {"eviction": "fifo"},
+        {"dtype": "int8"},
+        {"pool_bytes": 1024, "host_cache_bytes": 512},
+        {"page_bytes": 6},
+        {"load_wait_timeout_s": -1},
+        {"loader_threads": 0},
+        {"pool_bytes": 10, "page_bytes": 256},
+    ],
+)
+def test_config_rejects(kw: dict) -> None:
+    with pytest.raises(ConfigError):
+        StoreConfig(**kw)
+
+
+def test_cuda_without_cuda_is_a_config_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ConfigError):
+        AdapterStore(StoreConfig(device="cuda"), Source())
+
+
+def test_pack_and_views_roundtrip() -> None:
+    w = make_weights("a", 1, 3)
+    p = pack_weights(w, torch.float32)
+    assert p.nbytes == 3 * UNIT == w.nbytes
+    views = module_views(p.flat, p.slots)
+    for key, m in w.modules.items():
+        assert torch.equal(views[key].lora_a, m.lora_a)
+        assert torch.equal(views[key].lora_b, m.lora_b)
+        assert views[key].scaling == m.scaling
+
+
+# ---------------------------------------------------------------------- leases and tiers
+@pytest.mark.parametrize("device", DEVICES)
+def test_cold_then_warm_lease_serves_pool_views(device: str) -> None:
+    s, src = store(device=device)
+    with s:
+        provider: AdapterProvider = s  # the engine-facing contract (checked by mypy)
+        assert provider.compute_guard() is not None
+        lease = ready(s.acquire(ref("a", 3)))
+        assert lease.cold and lease.error() is None and lease.wait_seconds >= 0
+        w = lease.weights()
+        base = s.pool.buffer
+        lo, hi = base.data_ptr(), base.data_ptr() + base.numel() * base.element_size()
+        for m in w.values():  # views of pool memory, not copies
+            assert lo <= m.lora_a.data_ptr() < hi and lo <= m.lora_b.data_ptr() < hi
+        assert torch.equal(lease.flat().cpu(), expected_flat("a", 3))
+        warm = s.acquire(ref("a", 3))
+        assert warm.ready() and not warm.cold and warm.wait_seconds == 0.0
+        lease.release()
+        lease.release()  # idempotent
+        warm.release()
+        with pytest.raises(RuntimeError):
+            warm.weights()
+        st = s.stats()
+        assert (st.cold_starts, st.device_hits, st.loads_by_tier["source"]) == (1, 1, 1)
+        assert src.calls == ["a"]
+
+
+def test_reload_after_eviction_comes_from_host_tier() -> None:
+    s, src = store(pages=8)
+    with s:
+        ready(s.acquire(ref("a", 4))).release()  # 8 pages: the whole pool
+        ready(s.acquire(ref("b", 4))).release()  # evicts a
+        lease = ready(s.acquire(ref("a", 4)))  # back from the host cache
+        assert torch.equal(lease.flat(), expected_flat("a", 4))
+        lease.release()
+        st = s.stats()
+        assert st.loads_by_tier == {"source": 2, "host": 1}
+        assert st.evictions_by_reason == {"demand": 2}
+        assert src.calls == ["a", "b"]
+
+
+def test_freed_pages_are_zeroed() -> None:
+    s, _ = store(pages=8)
+    with s:
+        ready(s.acquire(ref("a", 4))).release()
+        ready(s.acquire(ref("b", 1))).release()  # evicts a; b's 2 pages are rewritten
+        assert [r.adapter_id for r in s.resident_adapters()] == ["b"]
+        assert bool((s.pool.buffer[2 * PAGE // 4 :] == 0).all())
+
+
+def test_adapter_bigger_than_pool() -> None:
+    s, src = store(pages=4)
+    with s:
+        with pytest.raises(PoolExhaustedError):
+            s.acquire(ref("huge", 8))  # declared size > pool: refused up front
+        lease = ready(s.acquire(AdapterRef("huge2", 1, "rank:8", 0)))  # size unknown
+        assert isinstance(lease.error(), PoolExhaustedError)
+        with pytest.raises(PoolExhaustedError):
+            lease.weights()
+        assert s.stats().failed_loads == 1
+
+
+def test_loader_errors_fail_only_that_lease() -> None:
+    s, src = store()
+    src.fail["bad"] = InvalidAdapterError("bad adapter")
+    src.fail["gone"] = FileNotFoundError("no such dir")
+    with s:
+        bad, gone, good = s.acquire(ref("bad")), s.acquire(ref("gone")), s.acquire(ref("ok"))
+        for lease in (bad, gone, good):
+            ready(lease)
+        assert isinstance(bad.error(), InvalidAdapterError)
+        assert isinstance(gone.error(), AdapterNotFoundError)
+        assert good.error() is None and len(good.weights()) == 4
+
+
+def test_sha_mismatch_is_refused() -> None:
+    s, _ = store()
+    with s:
+        r = AdapterRef("a", 1, "rank:2", 2 * UNIT, sha256="f" * 64)
+
+        def loader(x: AdapterRef) -> LoRAWeights:
+            w = make_weights("a", 1, 2)
+            w.sha256 = "0" * 64
+            return w
+
+        s._loader = loader
+        assert isinstance(ready(s.acquire(r)).error(), InvalidAdapterError)
+
+
+# ---------------------------------------------------------------------- versions and unload
+def test_new_version_drops_old_from_every_tier() -> None:
+    s, src = store()
+    with s:
+        old = ready(s.acquire(ref("a", 2, version=1)))
+        new = ready(s.acquire(ref("a", 2, version=2)))
+        assert torch.equal(new.flat(), expected_flat("a", 2, version=2))
+        assert not torch.equal(new.flat(), expected_flat("a", 2, version=1))
+        # the old copy stays intact for its holder until released, then is freed
+        assert torch.equal(old.flat(), expected_flat("a", 2, version=1))
+        used = s.stats().pages_used
+        old.release()
+        assert s.stats().pages_used == used - 4
+        with pytest.raises(AdapterNotFoundError):
+            s.acquire(ref("a", 2, version=1))
+        new.release()
+        # evict v2 from the device, then reload: must come from source or host as v2
+        ready(s.acquire(ref("b", 8))).release()
+        again = ready(s.acquire(ref("a", 2, version=2)))
+        assert torch.equal(again.flat(), expected_flat("a", 2, version=2))
+        assert s.stats().evictions_by_reason.get("superseded") == 1
+
+
+def test_unload_drops_all_tiers_and_pending_loads() -> None:
+    s, src = store()
+    with s:
+        ready(s.acquire(ref("a"))).release()
+        assert s.unload("a")
+        assert s.resident_adapters() == [] and s.stats().host_cache_adapters == 0
+        assert not s.unload("a")
+        src.gate = threading.Event()
+        pending = s.acquire(ref("p"))
+        time.sleep(0.05)
+        s.unload("p")
+        src.gate.set()
+        ready(pending)
+        assert isinstance(pending.error(), AdapterNotFoundError)
+        time.sleep(0.05)
+        assert s.stats().pages_used == 0
+
+
+# ---------------------------------------------------------------------- waiting for space
+def test_load_waits_for_a_release_then_succeeds() -> None:
+    s, _ = store(pages=8, load_wait_timeout_s=5.0)
+    with s:
+        a = ready(s.acquire(ref("a", 4)))  # whole pool, in use
+        b = s.acquire(ref("b", 2))
+        time.sleep(0.1)
+        assert not b.ready() and s.stats().waiting_loads == 1
+        a.release()
+        assert ready(b).error() is None
+        assert s.stats().evictions_by_reason == {"demand": 1}
+
+
+def test_load_fails_cleanly_when_everything_stays_in_use() -> None:
+    s, _ = store(pages=8, load_wait_timeout_s=0.1)
+    with s:
+        a = ready(s.acquire(ref("a", 4)))
+        b = ready(s.acquire(ref("b", 2)))
+        assert isinstance(b.error(), PoolExhaustedError)
+        assert torch.equal(a.flat(), expected_flat("a", 4))  # untouched
+        a.release()
+        b.release()
+        assert ready(s.acquire(ref("b", 2))).error() is None  # a retry works
+
+
+# ---------------------------------------------------------------------- prefetch and forecast
+def test_prefetch_counts_and_use() -> None:
+    s, _ = store(pages=16)
+    with s:
+        ready(s.acquire(ref("r", 2))).release()
+        res = s.prefetch([(ref("p", 2), 3.0), (ref("r", 2), 1.0), (ref("big", 99), 9.0)])
+        assert tuple(res) == (1, 1, 1)
+        deadline = time.monotonic() + 5
+        while "p" not in {r.adapter_id for r in s.resident_adapters()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        lease = s.acquire(ref("p", 2))
+        assert lease.ready() and not lease.cold
+        lease.release()
+        st = s.stats()
+        assert (st.prefetches_issued, st.prefetches_used, st.prefetches_wasted) == (1, 1, 0)
+
+
+def test_prefetch_never_evicts_more_wanted_or_in_use() -> None:
+    s, _ = store(pages=8)
+    with s:
+        s.set_forecast({"hot": 10.0})
+        ready(s.acquire(ref("hot", 2))).release()  # 4 pages, expected 10
+        busy = ready(s.acquire(ref("busy", 2)))  # 4 pages, in use
+        assert tuple(s.prefetch([(ref("p", 2), 5.0)])) == (0, 0, 1)
+        busy.release()
+        s.set_forecast({"hot": 10.0, "busy": 1.0})
+        assert tuple(s.prefetch([(ref("p", 2), 5.0)])) == (1, 0, 0)
+        deadline = time.monotonic() + 5
+        while "p" not in {r.adapter_id for r in s.resident_adapters()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert {r.adapter_id for r in s.resident_adapters()} == {"hot", "p"}
+        assert s.stats().evictions_by_reason == {"prefetch": 1}
+
+
+def test_demand_loads_run_before_queued_prefetches() -> None:
+    s, src = store(pages=64, loader_threads=1)
+    with s:
+        src.gate = threading.Event()
+        first = s.acquire(ref("first"))  # occupies the only loader thread
+        time.sleep(0.05)
+        s.prefetch([(ref(f"p{i}"), 1.0) for i in range(3)])
+        demand = s.acquire(ref("need"))
+        src.gate.set()
+        ready(first)
+        ready(demand)
+        assert src.calls[:2] == ["first", "need"]
+
+
+def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
+    s, _ = store(pages=8, eviction="predictive")
+    with s:
+        ready(s.acquire(ref("a", 2))).release()
+        ready(s.acquire(ref("b", 2))).release()
+        ready(s.acquire(ref("c", 2))).release()  # no forecast: LRU evicts a
+        assert {r.adapter_id for r in s.resident_adapters()} == {"b", "c"}
+        s.set_forecast({"b": 5.0, "c": 0.5})
+        ready(s.acquire(ref("d", 2))).release()  # evicts c (lowest demand per byte)
+        assert {r.adapter_id for r in s.resident_adapters()} == {"b", "d"}
+
+
+# ---------------------------------------------------------------------- compaction
+def test_compaction_repoints_views_and_keeps_leased_in_place() -> None:
+    s, _ = store(pages=10)
+    with s:
+        leases = {n: ready(s.acquire(ref(n, 1))) for n in "abcde"}  # 2 pages each
+        for n in "bd":
+            leases.pop(n).release()
+        s.unload("b")
+        s.unload("d")  # holes at pages 2-3 and 6-7
+        pinned_at = {n: leases[n].flat().data_ptr() for n in "ace"}
+        for n in "ace":
+            leases[n].release()
+        keep = ready(s.acquire(ref("c", 1)))  # c in use: must not move
+        big = ready(s.acquire(ref("f", 2)))  # 4 pages: needs compaction or eviction
+        assert big.error() is None
+        assert keep.flat().data_ptr() == pinned_at["c"]
+        for n, lease in (("c", keep), ("f", big)):
+            assert torch.equal(lease.flat(), expected_flat(n, 1 if n == "c" else 2))
+        for r in s.resident_adapters():
+            lease = ready(s.acquire(ref(r.adapter_id, r.pages // 2)))
+            assert torch.equal(lease.flat(), expected_flat(r.adapter_id, r.pages // 2))
+            lease.release()
+        s.pool.allocator.check_invariants()
+
+
+def test_compaction_waits_for_running_step() -> None:
+    s, _ = store(pages=6)
+    with s:
+        for n in "abc":
+            ready(s.acquire(ref(n, 1))).release()
+        s.unload("a")
+        s.unload("c")  # free: pages 0-1 and 4-5; b in the middle
+        step_done = threading.Event()
+        order: list[str] = []
+
+        def step() -> None:
+            with s.compute_guard():
+                order.append("step start")
+                time.sleep(0.2)
+                order.append("step end")
+            step_done.set()
+
+        t = threading.Thread(target=step)
+        t.start()
+        time.sleep(0.05)
+        big = ready(s.acquire(ref("d", 2)))  # 4 pages: b must move
+        order.append("loaded")
+        t.join()
+        assert big.error() is None
+        assert order == ["step start", "step end", "loaded"]
+        assert s.stats().compactions == 1 and s.stats().bytes_moved == 2 * PAGE
+
+
+# ---------------------------------------------------------------------- stats and events
+def test_stats_and_event_hook() -> None:
+    events: list[StoreEvent] = []
+    src = Source()
+    cfg = StoreConfig(pool_bytes=8 * PAGE, page_bytes=PAGE, host_cache_bytes=64 * PAGE)
+    with AdapterStore(cfg, src, on_event=events.append) as s:
+        ready(s.acquire(AdapterRef("a", 1, "rank:3", 3 * UNIT))).release()
+        ready(s.acquire(ref("b", 2))).release()  # needs 4 pages, 2 free: evicts a
+        st = s.stats()
+        assert st.pages_total == 8 and st.pages_used == 4 and st.live_bytes == 4 * PAGE
+        assert st.utilization == pytest.approx(0.5)
+        assert st.pressure_samples == 1 and st.utilization_under_pressure == pytest.approx(0.5)
+        assert st.internal_waste == 0.0 and st.external_fragmentation == 0.0
+        kinds = [e.kind for e in events]
+        assert kinds.count("load") == 2 and kinds.count("evict") == 1
+        assert kinds.count("cold_start") == 2
+        assert st.to_dict()["evictions_by_reason"] == {"demand": 1}
+
+
+# ---------------------------------------------------------------------- concurrency
+@pytest.mark.parametrize("device", DEVICES)
+def test_streaming_adapter_stays_intact_while_others_load_and_evict(device: str) -> None:
+    """A is leased and read every "step" while B, C, D load (forcing E out, and compactions)."""
+    s, src = store(pages=32, device=device, load_wait_timeout_s=5.0)
+    with s:
+        a = ready(s.acquire(ref("A", 3)))
+        ready(s.acquire(ref("E", 4))).release()
+        want = expected_flat("A", 3).to(device)
+        stop = threading.Event()
+        errors: list[str] = []
+        steps = 0
+
+        def engine() -> None:
+            nonlocal steps
+            x = torch.ones(1, 16, device=device)
+            ref_out = None
+            while not stop.is_set():
+                with s.compute_guard():
+                    w = a.weights()
+                    out = sum((x @ m.lora_a.T @ m.lora_b.T) * m.scaling for m in w.values())
+                    if ref_out is None:
+                        ref_out = out
+                    if not torch.equal(out, ref_out) or not torch.equal(a.flat(), want):
+                        errors.append(f"step {steps}: A changed")
+                steps += 1
+
+        t = threading.Thread(target=engine)
+        t.start()
+        others = []
+        for _ in range(5):
+            for n, r in (("B", 4), ("C", 3), ("D", 4)):
+                lease = ready(s.acquire(ref(n, r)))
+                assert lease.error() is None
+                others.append(lease)
+            for lease in others:
+                lease.release()
+            others.clear()
+            ready(s.acquire(ref("E", 4))).release()
+        stop.set()
+        t.join()
+        assert not errors, errors[:3]
+        assert steps > 0
+        assert s.stats().evictions_by_reason.get("demand", 0) > 0
+        assert torch.equal(a.flat(), want)
+        a.release()
