@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,7 +93,7 @@ def assign_ranks(keys: Sequence[str], ranks: Sequence[int], seed: int) -> dict[s
 
 
 def page_waste(nbytes: int, page_bytes: int) -> float:
-    """Internal waste of one adapter of ``nbytes`` in pages of ``page_bytes``: unused / allocated."""
+    """Internal waste of one ``nbytes`` adapter in ``page_bytes`` pages: unused / allocated."""
     pages = -(-nbytes // page_bytes)
     return (pages * page_bytes - nbytes) / (pages * page_bytes)
 
@@ -135,7 +136,7 @@ def replay(
     dtype: str,
     eviction: str = "lru",
     spec: ModelSpec = SMOLLM2_135M,
-) -> dict[str, float | int | str]:
+) -> dict[str, Any]:
     """Replay ``trace`` through one store configuration; returns its figures (JSON-ready)."""
     config = StoreConfig(
         allocator=allocator,
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "eviction": args.eviction,
     }
-    results: dict[str, object] = {
+    results: dict[str, Any] = {
         "config": {
             "trace": str(path),
             "requests": len(trace),
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(results: dict[str, object]) -> None:
+def _print_table(results: dict[str, Any]) -> None:
     cfg = results["config"]
     assert isinstance(cfg, dict)
     print(
@@ -332,7 +333,7 @@ def _print_table(results: dict[str, object]) -> None:
     )
     print(f"{'run':<22}" + "".join(f"{c:>11}" for c in cols))
     rows = [("paged", results["paged"]), ("contiguous", results["contiguous"])]
-    rows += [(f"paged page={f['page_bytes'] >> 10}KiB", f) for f in results["page_sweep"]]  # type: ignore[index,union-attr]
+    rows += [(f"paged page={f['page_bytes'] >> 10}KiB", f) for f in results["page_sweep"]]
     for name, f in rows:
         assert isinstance(f, dict)
         vals = (

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-from abc import ABC
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -136,7 +135,7 @@ class Move:
     units: int
 
 
-class Allocator(ABC):
+class Allocator:
     """First-fit allocation of unit runs over a fixed capacity.
 
     Args:

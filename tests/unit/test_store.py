@@ -25,7 +25,6 @@ from services.worker.store import (
     AdapterStore,
     StoreConfig,
     StoreEvent,
-    flat_checksum,
     module_views,
     pack_weights,
 )
