@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo-adapters", type=int, default=8,
                         help="demo adapters to generate and register (0 = none)")
     parser.add_argument("--demo-ranks", default="8,16,32,64")
+    parser.add_argument("--demo-relative-delta", type=float, default=0.45,
+                        help="strength of the demo adapters (||dW x|| / ||W x|| scale); strong "
+                        "enough that most of them visibly change the base model's answers")
     parser.add_argument("--adapters-dir", default=".plora/adapters")
     parser.add_argument("--pool-bytes", default=None, help="device adapter pool per worker")
     parser.add_argument("--worker-arg", action="append", default=[],
@@ -254,7 +257,8 @@ class Cluster:
         spec = ModelSpec.from_hf_config(read_config(Path(model_dir)), name=Path(model_dir).name)
         ranks = [int(r) for r in a.demo_ranks.split(",") if r]
         out = Path(a.adapters_dir)
-        paths = make_adapter_set(out, spec, count=a.demo_adapters, ranks=ranks, seed=0)
+        paths = make_adapter_set(out, spec, count=a.demo_adapters, ranks=ranks, seed=0,
+                                 relative_delta=a.demo_relative_delta)
         ids = []
         with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
