@@ -1,0 +1,1055 @@
+"""Discrete-event simulator of the cluster (gateway, N workers, predictor) on a virtual clock.
+
+Nothing here re-implements a policy: the simulated workers drive the production allocators
+(:mod:`services.worker.pool`), eviction policies (:mod:`services.worker.eviction`) and host
+cache (:class:`services.worker.store.HostCache`) directly, the simulated predictor runs the
+production forecaster (:mod:`services.predictor.forecast`) and the LoRAServe placement,
+prefetch choice and routing (:mod:`services.predictor.placement`), and arrivals come from the
+production trace loaders (:mod:`services.common.traces`). The :class:`AdapterStore` itself runs
+loader threads on the wall clock, so the simulator replays its decisions (the same order of
+alloc, compaction, victim choice, prefetch admission) on the virtual clock instead; see
+:class:`SimWorker`.
+
+Model of one worker (the engine of :mod:`services.worker.engine`):
+
+* A request routed to a worker takes a lease at once (so its adapter is pinned); if the adapter
+  is resident it is *ready*, otherwise it is a **cold start**: it waits for its adapter's load
+  (a demand load at high priority), while every other request keeps running.
+* Continuous batching: at each step boundary, ready requests are admitted in arrival order up
+  to ``max_batch_size`` running sequences and a prefill budget of ``max_num_batched_tokens``
+  prompt tokens. A step that prefills emits the first token of the admitted requests at its end
+  (their **TTFT** = that time + the network overhead - the gateway receipt); each later step
+  emits one token per running sequence; a sequence leaves the batch at the step of its last
+  output token. Step durations come from the preset's :class:`StepTimeModel` (batch rows,
+  prefill tokens, adapters and ranks in the batch).
+* Steps with an unchanged batch are merged: a worker schedules one event at the next
+  completion, and an arrival that can join the batch moves that event to the next step
+  boundary. Per-request work is O(log n), independent of the number of steps.
+* Loads: ``loader_threads`` at once, demand before prefetch (by expected demand): the source
+  tier (a draw from the real Alibaba load latencies, or a fixed cost plus bytes / bandwidth)
+  unless the host cache holds the adapter, then the allocation (first fit; compaction of the
+  paged pool when enough pages are free but no run fits; eviction by the policy otherwise;
+  waiting while every resident adapter is leased), then the host-to-device copy (bytes /
+  bandwidth, plus the bytes moved by compaction / device copy bandwidth).
+
+Determinism: every random draw comes from ``numpy.random.default_rng`` seeded from
+``SimConfig.seed``; ties of the event queue are broken by insertion order and events run before
+arrivals of the same instant. The same inputs give the same result, bit for bit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.common.errors import PoolExhaustedError
+from services.common.traces import Trace, map_keys_to_adapters
+from services.predictor.forecast import DEFAULT_FORECASTER, Forecaster, make_forecaster
+from services.predictor.placement import (
+    AdapterDemand,
+    PrefetchSelector,
+    RoundRobinRouter,
+    WorkerView,
+    plan_placement,
+    route_rank_aware,
+)
+from services.simulator.presets import Preset
+from services.worker.eviction import Candidate, EvictionPolicy, make_policy
+from services.worker.pool import (
+    Allocator,
+    FragmentationError,
+    OutOfSpaceError,
+    TooLargeError,
+    make_allocator,
+)
+from services.worker.store import HostCache, PackedAdapter
+
+logger = logging.getLogger(__name__)
+
+_NAN = float("nan")
+_INF = float("inf")
+
+# event kinds
+_EV_BOUNDARY = 0  # a worker's planned step boundary
+_EV_READ = 1  # a load's source/host read finished
+_EV_LOADED = 2  # a load's copy finished: adapter resident
+_EV_RETRY = 3  # a demand load's wait for pool space timed out: retry once more
+_EV_TICK = 4  # predictor tick
+
+# request status
+_PENDING, _OK, _FAILED = 0, 1, 2
+
+
+# ------------------------------------------------------------------------------ policies
+@dataclass(frozen=True)
+class PolicySpec:
+    """One serving policy, as the pieces it combines.
+
+    Attributes:
+        name: Report name.
+        allocator: ``"paged"`` or ``"contiguous"`` (:func:`services.worker.pool.make_allocator`).
+        eviction: ``"lru"`` or ``"predictive"`` (:func:`services.worker.eviction.make_policy`).
+        routing: ``"rank_aware"`` or ``"round_robin"`` (:mod:`services.predictor.placement`).
+        predictor: Run the forecaster every tick (placement, prefetch, eviction forecast).
+        prefetch: Send the prefetch choice to the workers (needs ``predictor``).
+    """
+
+    name: str
+    allocator: str
+    eviction: str
+    routing: str
+    predictor: bool
+    prefetch: bool
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("rank_aware", "round_robin"):
+            raise ValueError(f"routing must be rank_aware or round_robin, got {self.routing!r}")
+        if self.prefetch and not self.predictor:
+            raise ValueError("prefetch needs the predictor")
+
+
+#: The policies ``plora simulate --policies`` knows. ``plora`` and ``baseline`` follow
+#: ARCHITECTURE.md; the others each remove one piece of ``plora``.
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("plora", "paged", "predictive", "rank_aware", True, True),
+        PolicySpec("baseline", "contiguous", "lru", "round_robin", False, False),
+        PolicySpec("plora-no-predictor", "paged", "lru", "rank_aware", False, False),
+        PolicySpec("plora-no-prefetch", "paged", "predictive", "rank_aware", True, False),
+        PolicySpec("plora-contiguous", "contiguous", "predictive", "rank_aware", True, True),
+        PolicySpec("plora-round-robin", "paged", "predictive", "round_robin", True, True),
+        PolicySpec("plora-lru", "paged", "lru", "rank_aware", True, True),
+    )
+}
+
+
+def get_policy(name: str) -> PolicySpec:
+    """The policy called ``name``.
+
+    Raises:
+        ValueError: Unknown name.
+    """
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; expected one of {tuple(POLICIES)}") from None
+
+
+# ------------------------------------------------------------------------------ inputs
+@dataclass(frozen=True, eq=False)
+class SimConfig:
+    """Settings of one simulation.
+
+    Attributes:
+        preset: Worker hardware and sizes.
+        workers: Number of workers (>= 1).
+        seed: Seed of every random draw (source latencies, forecaster init).
+        tick_s: Predictor tick, seconds (1 s as in the paper).
+        horizon_s: Forecast horizon, seconds.
+        forecaster: Forecaster name for :func:`make_forecaster`.
+        train_every: Train the forecaster every this many ticks (1 = every tick, as the
+            predictor service does).
+        train_budget_s: Wall-clock budget per ``train`` call (the LSTM runs one step anyway).
+        prefetch_min_expected: Prefetch threshold (PredictorConfig's default).
+        max_prefetch_per_worker: Prefetch items per worker per tick.
+        view_refresh_s: How often the gateway's and predictor's view of the workers (queue
+            length, residency, free pool bytes) is refreshed, seconds: the workers publish it
+            with their heartbeat (``WorkerConfig.heartbeat_interval_s`` = 1 s) and the gateway
+            reuses it between heartbeats, so routing sees state up to this old. 0 = exact state
+            at every request.
+        source_latencies_s: ``float64 [m]`` real load latencies to draw from (preset source
+            ``"alibaba"``); required for that source.
+    """
+
+    preset: Preset
+    workers: int = 4
+    seed: int = 0
+    tick_s: float = 1.0
+    horizon_s: float = 5.0
+    forecaster: str = DEFAULT_FORECASTER
+    train_every: int = 1
+    train_budget_s: float = 0.05
+    prefetch_min_expected: float = 0.5
+    max_prefetch_per_worker: int = 8
+    view_refresh_s: float = 1.0
+    source_latencies_s: np.ndarray | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.tick_s <= 0 or self.horizon_s <= 0 or self.train_every < 1:
+            raise ValueError("tick_s, horizon_s must be > 0 and train_every >= 1")
+        if self.view_refresh_s < 0:
+            raise ValueError(f"view_refresh_s must be >= 0, got {self.view_refresh_s}")
+        if self.preset.source == "alibaba" and (
+            self.source_latencies_s is None or len(self.source_latencies_s) == 0
+        ):
+            raise ValueError("preset source 'alibaba' needs source_latencies_s")
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterSet:
+    """The adapters a simulated trace requests.
+
+    Attributes:
+        names: Adapter ids, ``[K]``.
+        ranks: ``int64 [K]`` LoRA rank of each.
+        nbytes: ``int64 [K]`` pool bytes of each.
+        key_adapter: ``int64 [len(trace.keys)]`` adapter index of each trace key.
+    """
+
+    names: tuple[str, ...]
+    ranks: np.ndarray
+    nbytes: np.ndarray
+    key_adapter: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def build_adapter_set(trace: Trace, preset: Preset, num_adapters: int, seed: int = 0) -> AdapterSet:
+    """K adapters of the preset's ranks (cycled, as ``plora make-adapters`` names them), with
+    trace keys mapped onto them by :func:`map_keys_to_adapters` (popularity rank, seeded).
+
+    Args:
+        trace: The trace (its keys, most popular first, are mapped).
+        preset: Gives ranks and sizes.
+        num_adapters: K (>= 1).
+        seed: Seed of the key -> adapter mapping.
+
+    Raises:
+        ValueError: ``num_adapters < 1``.
+    """
+    if num_adapters < 1:
+        raise ValueError(f"num_adapters must be >= 1, got {num_adapters}")
+    ranks = [preset.ranks[i % len(preset.ranks)] for i in range(num_adapters)]
+    names = tuple(f"adapter-{i:03d}-r{r}" for i, r in enumerate(ranks))
+    mapping = map_keys_to_adapters(trace.keys_by_popularity(), names, seed)
+    index = {n: i for i, n in enumerate(names)}
+    key_adapter = np.array([index[mapping[k]] for k in trace.keys], dtype=np.int64)
+    return AdapterSet(
+        names,
+        np.asarray(ranks, dtype=np.int64),
+        np.array([preset.adapter_bytes(r) for r in ranks], dtype=np.int64),
+        key_adapter,
+    )
+
+
+# ------------------------------------------------------------------------------ results
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """Per-request outcomes and counters of one simulation (times in seconds, virtual clock).
+
+    Attributes:
+        policy: Policy name.
+        workers: Worker count.
+        arrival_s: ``float64 [n]`` gateway receipt.
+        first_token_s: ``float64 [n]`` first token at the client (NaN if failed).
+        done_s: ``float64 [n]`` last token (NaN if failed).
+        output_tokens: ``int64 [n]``.
+        cold: ``bool [n]`` the adapter was not resident when the request reached its worker.
+        cold_wait_s: ``float64 [n]`` wait for the adapter (0 when warm).
+        failed: ``bool [n]``.
+        worker: ``int64 [n]`` worker that served it (-1 if none).
+        counters: Pool, load, prefetch and routing counters (JSON-ready).
+        wall_s: Wall-clock seconds the simulation took.
+        events: Events processed (arrivals included).
+    """
+
+    policy: str
+    workers: int
+    arrival_s: np.ndarray
+    first_token_s: np.ndarray
+    done_s: np.ndarray
+    output_tokens: np.ndarray
+    cold: np.ndarray
+    cold_wait_s: np.ndarray
+    failed: np.ndarray
+    worker: np.ndarray
+    counters: dict[str, Any]
+    wall_s: float
+    events: int
+
+    @property
+    def ttft_s(self) -> np.ndarray:
+        """``float64 [n]`` TTFT per request (NaN if failed)."""
+        return self.first_token_s - self.arrival_s
+
+
+# ------------------------------------------------------------------------------ loads
+class _Load:
+    """One adapter load in flight on a worker."""
+
+    __slots__ = (
+        "a", "demanded", "expected", "started", "tier", "handle", "units", "wait_t0",
+        "pressure", "used", "prefetch", "compact_s",
+    )  # fmt: skip
+
+    def __init__(self, a: int, demanded: bool, expected: float) -> None:
+        self.a = a
+        self.demanded = demanded
+        self.prefetch = not demanded
+        self.used = False
+        self.expected = expected
+        self.started = False
+        self.tier = ""
+        self.handle = -1
+        self.units = 0
+        self.wait_t0 = -1.0
+        self.pressure = False
+        self.compact_s = 0.0
+
+
+# ------------------------------------------------------------------------------ a worker
+class SimWorker:
+    """One simulated worker: engine queue and batch, plus the adapter store's decisions.
+
+    Uses the production :class:`~services.worker.pool.Allocator` (byte accounting: no tensor
+    is touched), :class:`~services.worker.eviction.EvictionPolicy` and
+    :class:`~services.worker.store.HostCache`; decision order follows
+    ``AdapterStore.acquire / prefetch / _allocate``.
+    """
+
+    def __init__(self, wid: int, sim: ClusterSimulation) -> None:
+        p = sim.preset
+        self.wid = wid
+        self.name = f"worker-{wid}"
+        self.sim = sim
+        self.allocator: Allocator = make_allocator(
+            sim.policy.allocator, p.pool_bytes, p.page_bytes, p.alignment_bytes
+        )
+        self.evictor: EvictionPolicy = make_policy(sim.policy.eviction)
+        self.host = HostCache(p.host_cache_bytes)
+        self.rng = np.random.default_rng([sim.config.seed, wid])
+        k = len(sim.adapters)
+        self.refcount = [0] * k
+        self.resident: dict[int, int] = {}  # adapter -> allocation handle
+        self.res_bytes: dict[int, int] = {}  # adapter -> allocated bytes
+        self.last_used: dict[int, float] = {}
+        self.prefetched_unused: set[int] = set()
+        self.jobs: dict[int, _Load] = {}  # adapter -> load in flight
+        self.job_heap: list[tuple[int, float, int, _Load]] = []
+        self.loading_handles: set[int] = set()
+        self.active = 0
+        self.alloc_wait: deque[_Load] = deque()
+        self.waiters: dict[int, list[int]] = {}
+        self.ready: list[int] = []  # heap of request indices (arrival order)
+        self.n_waiting = 0
+        self.running: list[tuple[int, int]] = []  # heap of (finish step, request)
+        self.n_run = 0
+        self.steps = 0  # steps completed
+        self.busy = False
+        self.seg_t0 = 0.0
+        self.seg_dt = 0.0
+        self.seg_k = 0
+        self.version = 0
+        self.rank_sum = 0
+        self.rank_count: dict[int, int] = {}
+        self.ad_count: dict[int, int] = {}
+        self.res_version = 0
+        self._view: WorkerView | None = None
+        self._view_key: tuple[int, int, int] = (-1, -1, -1)
+        self._res_names: frozenset[str] = frozenset()
+        self._res_names_version = -1
+        # counters
+        self.c = {
+            "device_hits": 0, "cold_starts": 0, "loads_source": 0, "loads_host": 0,
+            "load_seconds": 0.0, "evictions": 0, "compactions": 0, "bytes_moved": 0,
+            "failed_loads": 0, "prefetch_issued": 0, "prefetch_used": 0, "prefetch_wasted": 0,
+            "prefetch_ignored": 0, "prefetch_already": 0, "rejected": 0, "steps": 0,
+            "pressure_samples": 0, "util_sum": 0.0, "frag_sum": 0.0, "raw_frag_sum": 0.0,
+            "waste_sum": 0.0,
+        }  # fmt: skip
+
+    # ---------------------------------------------------------------- routing view
+    def view(self) -> WorkerView:
+        """This worker as the gateway and predictor see it (cached while unchanged)."""
+        al = self.allocator
+        key = (self.res_version, self.n_waiting + self.n_run, al.live_bytes)
+        if key != self._view_key:
+            if self._res_names_version != self.res_version:
+                names = self.sim.adapters.names
+                self._res_names = frozenset(names[a] for a in self.resident)
+                self._res_names_version = self.res_version
+            self._view = WorkerView(
+                worker_id=self.name,
+                pool_bytes=al.capacity_bytes,
+                free_bytes=al.capacity_bytes - al.live_bytes,
+                resident=self._res_names,
+                queue_length=key[1],
+            )
+            self._view_key = key
+        assert self._view is not None
+        return self._view
+
+    # ---------------------------------------------------------------- requests
+    def accept(self, r: int, a: int, t: float) -> bool:
+        """A request arrives from the gateway; False if the queue is full (rejected)."""
+        sim = self.sim
+        if self.n_waiting >= sim.preset.max_queue:
+            self.c["rejected"] += 1
+            return False
+        self.n_waiting += 1
+        self.refcount[a] += 1
+        self.last_used[a] = t
+        sim.worker_of[r] = self.wid
+        if a in self.resident:
+            self.c["device_hits"] += 1
+            if a in self.prefetched_unused:
+                self.prefetched_unused.discard(a)
+                self.c["prefetch_used"] += 1
+            heapq.heappush(self.ready, r)
+            self.wake(t)
+            return True
+        self.c["cold_starts"] += 1
+        sim.cold[r] = 1
+        job = self.jobs.get(a)
+        if job is None:
+            job = _Load(a, True, 0.0)
+            self.jobs[a] = job
+            heapq.heappush(self.job_heap, (0, 0.0, sim.next_seq(), job))
+        elif not job.demanded:
+            job.demanded = True
+            if not job.used:
+                job.used = True
+                self.c["prefetch_used"] += 1
+            if not job.started:
+                heapq.heappush(self.job_heap, (0, -job.expected, sim.next_seq(), job))
+        self.waiters.setdefault(a, []).append(r)
+        self.start_jobs(t)
+        return True
+
+    def wake(self, t: float) -> None:
+        """A request became ready: start a step now, or join at the next step boundary."""
+        if not self.busy:
+            self.plan(t)
+            return
+        if self.seg_k == 1 or self.n_run >= self.sim.preset.max_batch_size:
+            return  # the next boundary is the next step's end / no room before a completion
+        dt = self.seg_dt
+        j = max(1, math.ceil((t - self.seg_t0) / dt - 1e-9))
+        if j < self.seg_k:
+            self.seg_k = j
+            self.version += 1
+            self.sim.push(self.seg_t0 + j * dt, _EV_BOUNDARY, self.wid, self.version)
+
+    def plan(self, t: float) -> None:
+        """At a step boundary: admit ready requests, then schedule the next boundary."""
+        sim = self.sim
+        p = sim.preset
+        ready = self.ready
+        room = p.max_batch_size - self.n_run
+        budget = p.max_num_batched_tokens
+        prompt = sim.prompt
+        ranks = sim.req_rank
+        adapter = sim.req_adapter
+        admitted: list[int] = []
+        prefill = 0
+        rank_tokens_new = 0
+        rank_new = 0
+        while room > 0 and ready:
+            r = ready[0]
+            pt = prompt[r]
+            if admitted and prefill + pt > budget:
+                break
+            heapq.heappop(ready)
+            admitted.append(r)
+            prefill += pt
+            rk = ranks[r]
+            rank_tokens_new += pt * rk
+            rank_new += rk
+            room -= 1
+            a = adapter[r]
+            self.ad_count[a] = self.ad_count.get(a, 0) + 1
+            self.rank_count[rk] = self.rank_count.get(rk, 0) + 1
+        if admitted:
+            self.n_run += len(admitted)
+            self.n_waiting -= len(admitted)
+            self.rank_sum += rank_new
+        if self.n_run == 0:
+            self.busy = False
+            return
+        self.busy = True
+        st = sim.step_model
+        n = self.n_run
+        rows = n - len(admitted)  # decode rows of the first step
+        segs = len(self.ad_count)
+        if st.rank_mode == "max":
+            mr = max(self.rank_count)
+            common = st.base_s + st.lora_segment_s * segs * mr
+            per_row = st.per_row_s + st.lora_token_rank_s * mr
+            dt_d = common + per_row * n
+            dt = (
+                common
+                + per_row * rows
+                + (st.per_prefill_token_s + st.lora_token_rank_s * mr) * prefill
+            )
+        else:
+            common = st.base_s + st.lora_segment_s * segs
+            dt_d = common + st.per_row_s * n + st.lora_token_rank_s * self.rank_sum
+            dt = (
+                common
+                + st.per_row_s * rows
+                + st.per_prefill_token_s * prefill
+                + st.lora_token_rank_s * (self.rank_sum - rank_new + rank_tokens_new)
+            )
+        self.version += 1
+        if admitted:
+            # The prefill step ends at t + dt and every later (decode) step takes dt_d, so the
+            # boundaries are seg_t0 + j * dt_d (j >= 1) from a virtual start seg_t0.
+            tend = t + dt
+            first = sim.first_token
+            out = sim.out
+            s0 = self.steps
+            net = p.network_s
+            running = self.running
+            for r in admitted:
+                first[r] = tend + net
+                heapq.heappush(running, (s0 + out[r], r))
+            self.seg_t0 = tend - dt_d
+        else:
+            self.seg_t0 = t
+        self.seg_dt = dt_d
+        k = self.running[0][0] - self.steps
+        if ready and n < p.max_batch_size:
+            k = 1  # prompts left over by the prefill budget join at the next step
+        self.seg_k = k
+        sim.push(self.seg_t0 + k * dt_d, _EV_BOUNDARY, self.wid, self.version)
+
+    def boundary(self, t: float, version: int) -> None:
+        """The planned step boundary: complete finished sequences and plan again."""
+        if version != self.version:
+            return  # superseded by an earlier boundary
+        self.steps += self.seg_k
+        self.c["steps"] += self.seg_k
+        running = self.running
+        sim = self.sim
+        done = sim.done
+        adapter = sim.req_adapter
+        ranks = sim.req_rank
+        net = sim.preset.network_s
+        while running and running[0][0] <= self.steps:
+            _, r = heapq.heappop(running)
+            done[r] = t + net
+            sim.status[r] = _OK
+            sim.n_done += 1
+            self.n_run -= 1
+            a = adapter[r]
+            rk = ranks[r]
+            self.rank_sum -= rk
+            n = self.ad_count[a] - 1
+            if n:
+                self.ad_count[a] = n
+            else:
+                del self.ad_count[a]
+            n = self.rank_count[rk] - 1
+            if n:
+                self.rank_count[rk] = n
+            else:
+                del self.rank_count[rk]
+            self.release(a, t)
+        self.plan(t)
+
+    def release(self, a: int, t: float) -> None:
+        """Drop one lease on adapter ``a``; a freed adapter may unblock a waiting load."""
+        self.refcount[a] -= 1
+        if self.refcount[a] == 0 and self.alloc_wait:
+            self.retry_waiting(t)
+
+    def fail_request(self, r: int, a: int, t: float, reason: str) -> None:
+        """A request waiting for its adapter fails (load failed or waited too long)."""
+        sim = self.sim
+        sim.status[r] = _FAILED
+        sim.fail_reason[reason] = sim.fail_reason.get(reason, 0) + 1
+        sim.n_done += 1
+        self.n_waiting -= 1
+        self.release(a, t)
+
+    # ---------------------------------------------------------------- loads
+    def start_jobs(self, t: float) -> None:
+        """Start queued loads while a loader thread is free (demand first)."""
+        sim = self.sim
+        while self.active < sim.preset.loader_threads and self.job_heap:
+            _, _, _, job = heapq.heappop(self.job_heap)
+            if job.started or self.jobs.get(job.a) is not job:
+                continue
+            job.started = True
+            self.active += 1
+            name = sim.adapters.names[job.a]
+            if self.host.get(name, 0) is not None:
+                job.tier = "host"
+                read = 0.0
+            else:
+                job.tier = "source"
+                read = sim.source_read_s(job.a, self.rng)
+            sim.push(t + read, _EV_READ, self.wid, job)
+
+    def read_done(self, job: _Load, t: float) -> None:
+        """The adapter's bytes are in host memory: cache them and find pool space."""
+        if job.tier == "source":
+            self.host.put(self.sim.packed(job.a))
+        self.try_allocate(job, t)
+
+    def _pinned(self) -> set[int]:
+        pins = set(self.loading_handles)
+        rc = self.refcount
+        for a, h in self.resident.items():
+            if rc[a] > 0:
+                pins.add(h)
+        return pins
+
+    def _sample_pressure(self) -> None:
+        al = self.allocator
+        c = self.c
+        c["pressure_samples"] += 1
+        c["util_sum"] += al.live_bytes / al.capacity_bytes
+        allocated = al.used_units * al.unit_bytes
+        c["waste_sum"] += (allocated - al.live_bytes) / allocated if allocated else 0.0
+        if al.free_units:
+            c["frag_sum"] += 1.0 - al.allocatable_units(self._pinned()) / al.free_units
+            c["raw_frag_sum"] += 1.0 - al.largest_free_run() / al.free_units
+
+    def _victim(self, job: _Load) -> int | None:
+        names = self.sim.adapters.names
+        rc = self.refcount
+        pol = self.evictor
+        cands = []
+        for a, _h in self.resident.items():
+            if rc[a]:
+                continue
+            if not job.demanded and not pol.demand(names[a]) < job.expected:
+                continue
+            cands.append(Candidate(names[a], self.res_bytes[a], self.last_used.get(a, 0.0)))
+        if not cands:
+            return None
+        return self.sim.name_index[pol.order(cands)[0].adapter_id]
+
+    def evict(self, a: int) -> None:
+        """Free adapter ``a``'s run (it is resident and unleased)."""
+        h = self.resident.pop(a)
+        del self.res_bytes[a]
+        self.allocator.free(h)
+        self.res_version += 1
+        self.c["evictions"] += 1
+        if a in self.prefetched_unused:
+            self.prefetched_unused.discard(a)
+            self.c["prefetch_wasted"] += 1
+
+    def try_allocate(self, job: _Load, t: float) -> None:
+        """``AdapterStore._allocate`` on the virtual clock: alloc, compact, evict or wait."""
+        sim = self.sim
+        al = self.allocator
+        nbytes = int(sim.adapters.nbytes[job.a])
+        while True:
+            compact = 0
+            try:
+                alloc = al.alloc(nbytes)
+            except TooLargeError as err:
+                self._fail_load(job, t, PoolExhaustedError(str(err)))
+                return
+            except FragmentationError as err:
+                if (
+                    al.supports_compaction
+                    and al.allocatable_units(self._pinned()) >= err.needed_units
+                ):
+                    compact = err.needed_units
+            except OutOfSpaceError:
+                pass
+            else:
+                job.handle = alloc.handle
+                job.units = alloc.units
+                self.loading_handles.add(alloc.handle)
+                if job.pressure:
+                    self._sample_pressure()
+                copy_s = nbytes / sim.preset.h2d_bytes_per_s + job.compact_s
+                sim.push(t + copy_s, _EV_LOADED, self.wid, job)
+                return
+            if compact:
+                moves = al.plan_compaction(self._pinned(), compact)
+                al.apply_moves(moves)
+                moved = sum(m.units for m in moves) * al.unit_bytes
+                self.c["compactions"] += 1
+                self.c["bytes_moved"] += moved
+                job.compact_s += moved / sim.preset.device_copy_bytes_per_s
+                continue
+            victim = self._victim(job)
+            if victim is not None:
+                job.pressure = True
+                self.evict(victim)
+                continue
+            if not job.demanded:  # a prefetch never waits: dropped
+                del self.jobs[job.a]
+                self.c["prefetch_ignored"] += 1
+                self.active -= 1
+                self.start_jobs(t)
+                return
+            job.pressure = True
+            if job.wait_t0 < 0:
+                job.wait_t0 = t
+                sim.push(t + sim.preset.load_wait_timeout_s, _EV_RETRY, self.wid, job)
+            elif t - job.wait_t0 >= sim.preset.load_wait_timeout_s - 1e-9:
+                self._sample_pressure()
+                self._fail_load(job, t, PoolExhaustedError("no room in the device pool"))
+                return
+            self.alloc_wait.append(job)
+            return
+
+    def retry_waiting(self, t: float) -> None:
+        """Retry demand loads waiting for pool space (FIFO), e.g. after a lease dropped."""
+        for _ in range(len(self.alloc_wait)):
+            job = self.alloc_wait.popleft()
+            if self.jobs.get(job.a) is not job or job.handle >= 0:
+                continue
+            self.try_allocate(job, t)
+
+    def retry_timeout(self, job: _Load, t: float) -> None:
+        """A waiting load's deadline: try once more, else fail its requests."""
+        if self.jobs.get(job.a) is not job or job.handle >= 0:
+            return
+        try:
+            self.alloc_wait.remove(job)
+        except ValueError:
+            return
+        self.try_allocate(job, t)
+
+    def _fail_load(self, job: _Load, t: float, err: Exception) -> None:
+        del self.jobs[job.a]
+        self.c["failed_loads"] += 1
+        self.active -= 1
+        for r in self.waiters.pop(job.a, []):
+            self.fail_request(r, job.a, t, type(err).__name__)
+        self.start_jobs(t)
+
+    def loaded(self, job: _Load, t: float) -> None:
+        """The copy finished: the adapter is resident; its waiting requests become ready."""
+        sim = self.sim
+        a = job.a
+        self.loading_handles.discard(job.handle)
+        del self.jobs[a]
+        self.resident[a] = job.handle
+        self.res_bytes[a] = job.units * self.allocator.unit_bytes
+        self.res_version += 1
+        self.c["loads_" + job.tier] += 1
+        if job.prefetch and not job.used:
+            self.prefetched_unused.add(a)
+        self.active -= 1
+        waiters = self.waiters.pop(a, None)
+        if waiters:
+            arrival = sim.arrival
+            limit = sim.preset.adapter_wait_timeout_s
+            cold_wait = sim.cold_wait
+            for r in waiters:
+                w = t - arrival[r]
+                if w > limit:
+                    self.fail_request(r, a, t, "DeadlineExceededError")
+                else:
+                    cold_wait[r] = w
+                    heapq.heappush(self.ready, r)
+            self.wake(t)
+        self.start_jobs(t)
+
+    # ---------------------------------------------------------------- prefetch
+    def _may_fit(self, nbytes: int, expected: float) -> bool:
+        al = self.allocator
+        need = al.units_for(nbytes) * al.unit_bytes
+        room = al.free_units * al.unit_bytes
+        names = self.sim.adapters.names
+        rc = self.refcount
+        pol = self.evictor
+        for a, b in self.res_bytes.items():
+            if room >= need:
+                break
+            if rc[a] == 0 and pol.demand(names[a]) < expected:
+                room += b
+        return room >= need
+
+    def prefetch(self, items: list[tuple[int, float]], t: float) -> None:
+        """``AdapterStore.prefetch``: low-priority loads that never evict more-wanted adapters."""
+        sim = self.sim
+        names = sim.adapters.names
+        self.evictor.update_forecast({names[a]: e for a, e in items})
+        for a, expected in items:
+            job = self.jobs.get(a)
+            if job is not None or a in self.resident:
+                if job is not None:
+                    job.expected = max(job.expected, expected)
+                self.c["prefetch_already"] += 1
+                continue
+            if not self._may_fit(int(sim.adapters.nbytes[a]), expected):
+                self.c["prefetch_ignored"] += 1
+                continue
+            job = _Load(a, False, expected)
+            self.jobs[a] = job
+            heapq.heappush(self.job_heap, (1, -expected, sim.next_seq(), job))
+            self.c["prefetch_issued"] += 1
+        self.start_jobs(t)
+
+
+# ------------------------------------------------------------------------------ the cluster
+class ClusterSimulation:
+    """Gateway + workers + predictor on one virtual clock (see the module doc).
+
+    Args:
+        trace: Arrivals (gateway receipt times, keys, prompt and output tokens).
+        adapters: The adapters and the key -> adapter map.
+        policy: The serving policy.
+        config: Sizes, seed, predictor settings.
+    """
+
+    def __init__(
+        self, trace: Trace, adapters: AdapterSet, policy: PolicySpec, config: SimConfig
+    ) -> None:
+        if len(adapters.key_adapter) != len(trace.keys):
+            raise ValueError("adapters.key_adapter must map every key of the trace")
+        self.trace = trace
+        self.adapters = adapters
+        self.policy = policy
+        self.config = config
+        self.preset = config.preset
+        self.step_model = config.preset.step
+        self.name_index = {n: i for i, n in enumerate(adapters.names)}
+        n = len(trace)
+        ad = adapters.key_adapter[trace.key_index] if n else np.zeros(0, dtype=np.int64)
+        self._req_adapter_np = ad.astype(np.int64)
+        self.req_adapter: list[int] = ad.tolist()
+        self.req_rank: list[int] = adapters.ranks[ad].tolist() if n else []
+        self.arrival: list[float] = trace.times.tolist()
+        self.prompt: list[int] = trace.prompt_tokens.tolist()
+        self.out: list[int] = trace.output_tokens.tolist()
+        self.first_token = [_NAN] * n
+        self.done = [_NAN] * n
+        self.cold = bytearray(n)
+        self.cold_wait = [0.0] * n
+        self.status = bytearray(n)
+        self.worker_of = [-1] * n
+        self.fail_reason: dict[str, int] = {}
+        self.n_done = 0
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._seq = 0
+        self._packed: dict[int, PackedAdapter] = {}
+        self._dtype = {4: torch.float32, 2: torch.bfloat16}[self.preset.dtype_bytes]
+        self._src = config.source_latencies_s
+        self.workers = [SimWorker(w, self) for w in range(config.workers)]
+        self.by_name = {w.name: w for w in self.workers}
+        self.router = RoundRobinRouter()
+        self.placement: dict[str, list[str]] = {}
+        self.placement_moves = 0
+        self.routed: dict[str, int] = {}
+        self.forecaster: Forecaster | None = None
+        self.selector: PrefetchSelector | None = None
+        if policy.predictor:
+            self.forecaster = make_forecaster(
+                config.forecaster, horizon_s=config.horizon_s, seed=config.seed
+            )
+            self.selector = PrefetchSelector(
+                high=config.prefetch_min_expected, low=config.prefetch_min_expected / 2
+            )
+        self.ticks = 0
+        self.predictor_wall_s = 0.0
+        self._views: list[WorkerView] = []
+        self._views_next = -_INF
+
+    # ---------------------------------------------------------------- helpers
+    def next_seq(self) -> int:
+        """A fresh tie-breaker."""
+        self._seq += 1
+        return self._seq
+
+    def push(self, t: float, kind: int, wid: int, payload: Any) -> None:
+        """Schedule an event."""
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, wid, payload))
+
+    def packed(self, a: int) -> PackedAdapter:
+        """Adapter ``a`` as the host cache holds it (a meta tensor: bytes, no storage)."""
+        p = self._packed.get(a)
+        if p is None:
+            numel = int(self.adapters.nbytes[a]) // self.preset.dtype_bytes
+            flat = torch.empty(numel, dtype=self._dtype, device="meta")
+            p = PackedAdapter(self.adapters.names[a], 0, flat, ())
+            self._packed[a] = p
+        return p
+
+    def source_read_s(self, a: int, rng: np.random.Generator) -> float:
+        """Seconds to read adapter ``a`` from the source tier."""
+        p = self.preset
+        if p.source == "alibaba":
+            src = self._src
+            assert src is not None
+            return float(src[int(rng.integers(len(src)))])
+        return p.source_fixed_s + float(self.adapters.nbytes[a]) / p.source_bytes_per_s
+
+    # ---------------------------------------------------------------- gateway
+    def views(self, t: float) -> list[WorkerView]:
+        """The workers as published at their last heartbeat before ``t`` (see
+        ``SimConfig.view_refresh_s``)."""
+        hb = self.config.view_refresh_s
+        if hb <= 0:
+            return [w.view() for w in self.workers]
+        if t >= self._views_next:
+            self._views = [w.view() for w in self.workers]
+            self._views_next = (math.floor(t / hb) + 1) * hb
+        return self._views
+
+    def _dispatch(self, r: int, t: float) -> None:
+        a = self.req_adapter[r]
+        views = self.views(t)
+        rank_aware = self.policy.routing == "rank_aware"
+        name = self.adapters.names[a]
+        by_name = self.by_name
+        while views:
+            if rank_aware:
+                chosen, reason = route_rank_aware(name, views, self.placement)
+            else:
+                chosen, reason = self.router.route(views), "round_robin"
+            self.routed[reason] = self.routed.get(reason, 0) + 1
+            if by_name[chosen].accept(r, a, t):
+                return
+            views = [v for v in views if v.worker_id != chosen]
+        self.status[r] = _FAILED
+        self.fail_reason["OverloadedError"] = self.fail_reason.get("OverloadedError", 0) + 1
+        self.n_done += 1
+
+    # ---------------------------------------------------------------- predictor
+    def _tick(self, t: float, lo: int, hi: int) -> None:
+        """One predictor round over the arrivals ``lo:hi`` of the last tick."""
+        f = self.forecaster
+        assert f is not None and self.selector is not None
+        names = self.adapters.names
+        if hi > lo:
+            counts = np.bincount(self._req_adapter_np[lo:hi], minlength=len(names))
+            nz = np.flatnonzero(counts)
+            f.observe_counts({names[a]: float(counts[a]) for a in nz.tolist()}, t)
+        fc = f.tick(t)
+        self.ticks += 1
+        if self.ticks % self.config.train_every == 0:
+            f.train(self.config.train_budget_s)
+        expected = {
+            a: float(e)
+            for a, e in zip(fc.adapter_ids, fc.expected_count.tolist(), strict=True)
+            if e > 0
+        }
+        for w in self.workers:
+            w.evictor.set_forecast(expected)
+        idx = self.name_index
+        ranks = self.adapters.ranks
+        sizes = self.adapters.nbytes
+        demand = {
+            a: AdapterDemand(rank=int(ranks[idx[a]]), size_bytes=int(sizes[idx[a]]), expected=e)
+            for a, e in expected.items()
+            if a in idx
+        }
+        views = self.views(t)
+        placement, moves = plan_placement(demand, views, self.placement)
+        self.placement = placement
+        self.placement_moves += moves
+        if not self.policy.prefetch:
+            return
+        plan = self.selector.select(
+            demand, placement, views, max_per_worker=self.config.max_prefetch_per_worker
+        )
+        for wname, items in plan.items():
+            if items:
+                self.by_name[wname].prefetch([(idx[a], float(e)) for a, e in items], t)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> SimResult:
+        """Run every arrival to completion or failure; returns the outcomes."""
+        started = time.perf_counter()
+        arrival = self.arrival
+        n = len(arrival)
+        heap = self._heap
+        pop = heapq.heappop
+        workers = self.workers
+        dispatch = self._dispatch
+        tick_s = self.config.tick_s
+        next_tick = tick_s if self.forecaster is not None and n else _INF
+        if next_tick < _INF:
+            self.push(next_tick, _EV_TICK, -1, None)
+        obs_lo = 0
+        i = 0
+        events = 0
+        times = self.trace.times
+        while True:
+            ta = arrival[i] if i < n else _INF
+            if heap and heap[0][0] <= ta:
+                t, _, kind, wid, payload = pop(heap)
+                events += 1
+                if kind == _EV_BOUNDARY:
+                    workers[wid].boundary(t, payload)
+                elif kind == _EV_READ:
+                    workers[wid].read_done(payload, t)
+                elif kind == _EV_LOADED:
+                    workers[wid].loaded(payload, t)
+                elif kind == _EV_RETRY:
+                    workers[wid].retry_timeout(payload, t)
+                else:  # tick
+                    hi = int(np.searchsorted(times, t, side="right"))
+                    t0 = time.perf_counter()
+                    self._tick(t, obs_lo, hi)
+                    self.predictor_wall_s += time.perf_counter() - t0
+                    obs_lo = hi
+                    if i < n:
+                        self.push(t + tick_s, _EV_TICK, -1, None)
+                continue
+            if i >= n:
+                break
+            dispatch(i, ta)
+            i += 1
+            events += 1
+        # anything still pending (a load that never got room) failed
+        stuck = [r for r in range(n) if self.status[r] == _PENDING]
+        for r in stuck:
+            self.status[r] = _FAILED
+            self.fail_reason["Unfinished"] = self.fail_reason.get("Unfinished", 0) + 1
+        return self._result(time.perf_counter() - started, events)
+
+    def _result(self, wall_s: float, events: int) -> SimResult:
+        status = np.frombuffer(bytes(self.status), dtype=np.uint8)
+        failed = status != _OK
+        first = np.asarray(self.first_token, dtype=np.float64)
+        done = np.asarray(self.done, dtype=np.float64)
+        first[failed] = _NAN
+        done[failed] = _NAN
+        counters: dict[str, Any] = {}
+        for w in self.workers:
+            for k, v in w.c.items():
+                counters[k] = counters.get(k, 0) + v
+        counters["failed_by_reason"] = dict(sorted(self.fail_reason.items()))
+        counters["routed_by_reason"] = dict(sorted(self.routed.items()))
+        counters["placement_moves"] = self.placement_moves
+        counters["predictor_ticks"] = self.ticks
+        counters["predictor_wall_s"] = self.predictor_wall_s
+        counters["pool_bytes_per_worker"] = self.workers[0].allocator.capacity_bytes
+        return SimResult(
+            policy=self.policy.name,
+            workers=len(self.workers),
+            arrival_s=np.asarray(self.arrival, dtype=np.float64),
+            first_token_s=first,
+            done_s=done,
+            output_tokens=np.asarray(self.out, dtype=np.int64),
+            cold=np.frombuffer(bytes(self.cold), dtype=np.uint8).astype(bool),
+            cold_wait_s=np.asarray(self.cold_wait, dtype=np.float64),
+            failed=failed,
+            worker=np.asarray(self.worker_of, dtype=np.int64),
+            counters=counters,
+            wall_s=wall_s,
+            events=events,
+        )
+
+
+def simulate(
+    trace: Trace, adapters: AdapterSet, policy: PolicySpec | str, config: SimConfig
+) -> SimResult:
+    """Simulate ``trace`` under ``policy`` (see :class:`ClusterSimulation`)."""
+    spec = get_policy(policy) if isinstance(policy, str) else policy
+    return ClusterSimulation(trace, adapters, spec, config).run()

@@ -1,0 +1,459 @@
+"""Statistics, comparisons and plots of ``plora simulate`` reports (pure functions + plotting).
+
+Definitions match the replay benchmark (:mod:`services.replay.report`) so the two reports can
+be put side by side:
+
+- **TTFT**: gateway receipt -> first token at the client, over completed requests.
+- **Cold start**: a completed request whose adapter was not resident when it reached its
+  worker; ``cold_start_rate = cold_starts / completed``; ``cold_start_wait_mean_s`` is the
+  adapter wait averaged over *all* completed requests (0 for warm ones),
+  ``cold_start_wait_mean_cold_s`` over the cold ones only.
+- **Throughput**: completed requests (output tokens) / makespan (first arrival -> last
+  completion).
+- **Pool utilization under pressure** / **external fragmentation**: means over the pressure
+  samples of every worker (taken, as the store does, at the end of each allocation that had to
+  evict or wait).
+- **SLO attainment**: share of *all* requests (failed ones count as misses) whose TTFT is at
+  most the SLO. **min_workers_for_slo**: the smallest worker count whose attainment is at least
+  99 % (searched by doubling then bisection; attainment is treated as monotone in the count).
+- Comparisons: ``reduction = 1 - a / b``, ``ratio = a / b`` (``None`` when undefined).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.simulator.engine import SimResult
+
+logger = logging.getLogger(__name__)
+
+#: Per-policy keys of report.json (the issue's contract).
+POLICY_KEYS: tuple[str, ...] = (
+    "requests",
+    "completed",
+    "failed",
+    "ttft_mean_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "throughput_req_s",
+    "throughput_tok_s",
+    "cold_starts",
+    "cold_start_rate",
+    "cold_start_wait_mean_s",
+    "pool_utilization_under_pressure",
+    "external_fragmentation",
+    "slo_attainment",
+    "min_workers_for_slo",
+)
+
+#: Published figures the report puts the simulated ones beside.
+PAPER_FIGURES: dict[str, dict[str, Any]] = {
+    "predictive_lora_vs_slora": {
+        "source": "Predictive-LoRA, arXiv 2512.20210 (vs S-LoRA, Azure Functions traces)",
+        "throughput_ratio": 1.52,
+        "ttft_mean_reduction": 0.35,
+        "cold_start_latency_reduction": 0.68,
+        "fragmentation_baseline": 0.22,
+        "fragmentation_plora_below": 0.05,
+        "pool_utilization_above": 0.87,
+    },
+    "loraserve_vs_rank_oblivious": {
+        "source": "LoRAServe, arXiv 2511.22880 (vs rank-oblivious routing)",
+        "throughput_ratio": 2.0,
+        "ttft_p99_ratio": 9.0,
+        "workers_needed_reduction": 0.5,
+    },
+}
+
+
+def _f(x: float | np.floating | None) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def reduction(a: float | None, b: float | None) -> float | None:
+    """``1 - a / b`` (None when either is missing or ``b`` is 0)."""
+    if a is None or b is None or b == 0:
+        return None
+    return 1.0 - a / b
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` (None when either is missing or ``b`` is 0)."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
+    """Every per-policy figure of report.json except ``min_workers_for_slo`` (see module doc).
+
+    Args:
+        result: One simulation.
+        slo_ttft_s: TTFT objective, seconds.
+    """
+    ok = ~result.failed
+    n = len(result.arrival_s)
+    done = int(ok.sum())
+    ttft = result.ttft_s[ok]
+    ends = result.done_s[ok]
+    makespan = float(ends.max() - result.arrival_s.min()) if done else 0.0
+    tokens = int(result.output_tokens[ok].sum())
+    cold = result.cold & ok
+    waits = np.where(cold, result.cold_wait_s, 0.0)[ok]
+    c = result.counters
+    samples = c.get("pressure_samples", 0)
+    return {
+        "requests": n,
+        "completed": done,
+        "failed": n - done,
+        "failed_by_reason": c.get("failed_by_reason", {}),
+        "workers": result.workers,
+        "ttft_mean_s": _f(ttft.mean()) if done else None,
+        "ttft_p50_s": _f(np.percentile(ttft, 50)) if done else None,
+        "ttft_p99_s": _f(np.percentile(ttft, 99)) if done else None,
+        "makespan_s": makespan,
+        "throughput_req_s": done / makespan if makespan > 0 else 0.0,
+        "throughput_tok_s": tokens / makespan if makespan > 0 else 0.0,
+        "completion_tokens": tokens,
+        "cold_starts": int(cold.sum()),
+        "cold_start_rate": float(cold.sum()) / done if done else None,
+        "cold_start_wait_mean_s": _f(waits.mean()) if done else None,
+        "cold_start_wait_mean_cold_s": _f(result.cold_wait_s[cold].mean()) if cold.any() else None,
+        "cold_start_wait_p99_cold_s": _f(np.percentile(result.cold_wait_s[cold], 99))
+        if cold.any()
+        else None,
+        "pool_utilization_under_pressure": c["util_sum"] / samples if samples else None,
+        "external_fragmentation": c["frag_sum"] / samples if samples else None,
+        "free_run_fragmentation": c["raw_frag_sum"] / samples if samples else None,
+        "pressure_samples": samples,
+        "slo_ttft_s": slo_ttft_s,
+        "slo_attainment": slo_attainment(result, slo_ttft_s),
+        "min_workers_for_slo": None,
+        "counters": {k: v for k, v in c.items() if k not in ("failed_by_reason",)},
+        "sim_wall_s": result.wall_s,
+        "sim_events": result.events,
+    }
+
+
+def slo_attainment(result: SimResult, slo_ttft_s: float) -> float | None:
+    """Share of all requests whose TTFT is at most ``slo_ttft_s`` (failed = miss)."""
+    n = len(result.arrival_s)
+    if n == 0:
+        return None
+    ttft = result.ttft_s
+    met = (~result.failed) & (ttft <= slo_ttft_s)
+    return float(met.sum()) / n
+
+
+def slo_vs_load(
+    result: SimResult, slo_ttft_s: float, window_s: float = 60.0, bins: int = 8
+) -> dict[str, list[float]]:
+    """SLO attainment against offered load, from one run.
+
+    The run is cut into ``window_s`` windows of arrival time; each window's offered load is its
+    arrival rate (requests/s) and its attainment the share of its requests meeting the SLO.
+    Windows are grouped into ``bins`` load quantiles (request-weighted attainment per bin).
+
+    Returns:
+        ``{"load_req_s": [...], "slo_attainment": [...], "requests": [...]}`` by rising load.
+    """
+    t = result.arrival_s
+    if len(t) == 0:
+        return {"load_req_s": [], "slo_attainment": [], "requests": []}
+    win = np.floor((t - t.min()) / window_s).astype(np.int64)
+    met = ((~result.failed) & (result.ttft_s <= slo_ttft_s)).astype(np.float64)
+    count = np.bincount(win).astype(np.float64)
+    good = np.bincount(win, weights=met)
+    keep = count > 0
+    load = count[keep] / window_s
+    good, count = good[keep], count[keep]
+    order = np.argsort(load, kind="stable")
+    groups = np.array_split(order, min(bins, len(order)))
+    out: dict[str, list[float]] = {"load_req_s": [], "slo_attainment": [], "requests": []}
+    for g in groups:
+        c = float(count[g].sum())
+        out["load_req_s"].append(float((load[g] * count[g]).sum() / c))
+        out["slo_attainment"].append(float(good[g].sum() / c))
+        out["requests"].append(c)
+    return out
+
+
+def ttft_cdf(result: SimResult, points: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """``(ttft_s [k], fraction [k])``: the empirical CDF of completed requests' TTFT."""
+    ttft = np.sort(result.ttft_s[~result.failed])
+    if len(ttft) == 0:
+        return np.zeros(0), np.zeros(0)
+    idx = np.unique(np.linspace(0, len(ttft) - 1, min(points, len(ttft))).astype(np.int64))
+    return ttft[idx], (idx + 1) / len(ttft)
+
+
+def search_min_workers(
+    attainment_at: Callable[[int], float | None],
+    target: float = 0.99,
+    max_workers: int = 64,
+) -> tuple[int | None, dict[int, float | None]]:
+    """Smallest worker count ``n <= max_workers`` with ``attainment_at(n) >= target``.
+
+    Doubling (1, 2, 4, ...) until the target is met, then bisection between the last miss and
+    the first hit; assumes attainment does not fall as workers are added.
+
+    Returns:
+        ``(n or None if even max_workers misses, {n: attainment} of every count tried)``.
+    """
+    tried: dict[int, float | None] = {}
+
+    def meets(n: int) -> bool:
+        if n not in tried:
+            tried[n] = attainment_at(n)
+        v = tried[n]
+        return v is not None and v >= target
+
+    lo, hi = 0, 1
+    while not meets(hi):
+        if hi >= max_workers:
+            return None, tried
+        lo, hi = hi, min(2 * hi, max_workers)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi, tried
+
+
+def compare_pair(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float | None]:
+    """``a`` vs ``b``: reductions (1 - a/b) of latencies, ratios (a/b) of throughput."""
+    return {
+        "ttft_mean_reduction": reduction(a.get("ttft_mean_s"), b.get("ttft_mean_s")),
+        "ttft_p99_reduction": reduction(a.get("ttft_p99_s"), b.get("ttft_p99_s")),
+        "cold_start_wait_reduction": reduction(
+            a.get("cold_start_wait_mean_s"), b.get("cold_start_wait_mean_s")
+        ),
+        "cold_start_wait_cold_reduction": reduction(
+            a.get("cold_start_wait_mean_cold_s"), b.get("cold_start_wait_mean_cold_s")
+        ),
+        "cold_start_count_reduction": reduction(a.get("cold_starts"), b.get("cold_starts")),
+        "throughput_ratio": ratio(a.get("throughput_req_s"), b.get("throughput_req_s")),
+        "throughput_tok_ratio": ratio(a.get("throughput_tok_s"), b.get("throughput_tok_s")),
+        "slo_attainment_delta": (
+            a["slo_attainment"] - b["slo_attainment"]
+            if a.get("slo_attainment") is not None and b.get("slo_attainment") is not None
+            else None
+        ),
+    }
+
+
+def paper_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The simulated figures beside the papers' (:data:`PAPER_FIGURES`).
+
+    Predictive-LoRA vs S-LoRA is ``plora`` vs ``baseline``; LoRAServe vs rank-oblivious routing
+    is ``plora`` vs ``plora-round-robin``. A block is ``None`` when a policy of its pair did not
+    run.
+    """
+    out: dict[str, Any] = {}
+    p, b = summaries.get("plora"), summaries.get("baseline")
+    fig = PAPER_FIGURES["predictive_lora_vs_slora"]
+    if p is not None and b is not None:
+        out["predictive_lora_vs_slora"] = {
+            "pair": ["plora", "baseline"],
+            "source": fig["source"],
+            "throughput_ratio": {
+                "paper": fig["throughput_ratio"],
+                "sim": ratio(p.get("throughput_req_s"), b.get("throughput_req_s")),
+            },
+            "ttft_mean_reduction": {
+                "paper": fig["ttft_mean_reduction"],
+                "sim": reduction(p.get("ttft_mean_s"), b.get("ttft_mean_s")),
+            },
+            "cold_start_latency_reduction": {
+                "paper": fig["cold_start_latency_reduction"],
+                "sim": reduction(p.get("cold_start_wait_mean_s"), b.get("cold_start_wait_mean_s")),
+                "sim_per_cold_start": reduction(
+                    p.get("cold_start_wait_mean_cold_s"), b.get("cold_start_wait_mean_cold_s")
+                ),
+            },
+            "fragmentation": {
+                "paper": {
+                    "baseline": fig["fragmentation_baseline"],
+                    "plora_below": fig["fragmentation_plora_below"],
+                },
+                "sim": {
+                    "baseline": b.get("external_fragmentation"),
+                    "plora": p.get("external_fragmentation"),
+                },
+            },
+            "pool_utilization": {
+                "paper_above": fig["pool_utilization_above"],
+                "sim": p.get("pool_utilization_under_pressure"),
+            },
+        }
+    else:
+        out["predictive_lora_vs_slora"] = None
+    r = summaries.get("plora-round-robin")
+    fig = PAPER_FIGURES["loraserve_vs_rank_oblivious"]
+    if p is not None and r is not None:
+        wp, wr = p.get("min_workers_for_slo"), r.get("min_workers_for_slo")
+        out["loraserve_vs_rank_oblivious"] = {
+            "pair": ["plora", "plora-round-robin"],
+            "source": fig["source"],
+            "throughput_ratio": {
+                "paper": fig["throughput_ratio"],
+                "sim": ratio(p.get("throughput_req_s"), r.get("throughput_req_s")),
+            },
+            "ttft_p99_ratio": {
+                "paper": fig["ttft_p99_ratio"],
+                "sim": ratio(r.get("ttft_p99_s"), p.get("ttft_p99_s")),
+            },
+            "workers_needed_reduction": {
+                "paper": fig["workers_needed_reduction"],
+                "sim": reduction(wp, wr) if wp is not None and wr is not None else None,
+                "workers": {"plora": wp, "plora-round-robin": wr},
+            },
+        }
+    else:
+        out["loraserve_vs_rank_oblivious"] = None
+    return out
+
+
+# ------------------------------------------------------------------------------ validation
+VALIDATED_KEYS: tuple[str, ...] = ("ttft_mean_s", "cold_start_rate")
+
+
+def compare_to_replay(
+    sim_report: Mapping[str, Any],
+    replay_report: Mapping[str, Any],
+    tolerance: float = 0.25,
+    keys: Sequence[str] = VALIDATED_KEYS,
+) -> dict[str, Any]:
+    """Put a simulator report beside a ``plora bench replay`` report of the same trace slice.
+
+    For every policy present in both (top-level blocks named in each report's ``policies``
+    list) and every key: the two values, ``rel_error = |sim - replay| / |replay|`` and
+    ``within`` (``rel_error <= tolerance``; ``None`` when the replay value is missing or 0 and
+    the simulated one is not).
+
+    Returns:
+        ``{"tolerance", "policies": {name: {key: {...}}}, "all_within": bool | None,
+        "replay_settings", "replay_trace"}``.
+    """
+    sim_pols = list(sim_report.get("policies", []))
+    rep_pols = list(replay_report.get("policies", []))
+    out: dict[str, Any] = {
+        "tolerance": tolerance,
+        "replay_settings": replay_report.get("settings"),
+        "replay_trace": replay_report.get("trace"),
+        "policies": {},
+    }
+    verdicts: list[bool] = []
+    for name in sim_pols:
+        if name not in rep_pols or name not in sim_report or name not in replay_report:
+            continue
+        s, r = sim_report[name], replay_report[name]
+        block = {}
+        for k in keys:
+            sv, rv = s.get(k), r.get(k)
+            if sv is None or rv is None:
+                rel, within = None, None
+            elif rv == 0:
+                rel = 0.0 if sv == 0 else None
+                within = sv == 0 if sv == 0 else None
+            else:
+                rel = abs(sv - rv) / abs(rv)
+                within = rel <= tolerance
+            if within is not None:
+                verdicts.append(bool(within))
+            block[k] = {"sim": sv, "replay": rv, "rel_error": rel, "within": within}
+        out["policies"][name] = block
+    out["all_within"] = all(verdicts) if verdicts else None
+    return out
+
+
+def load_replay_report(path: str | Path) -> dict[str, Any]:
+    """Read a replay ``report.json``.
+
+    Raises:
+        FileNotFoundError: No such file.
+        ValueError: Not a replay report (no ``policies`` list).
+    """
+    data = json.loads(Path(path).read_text("utf-8"))
+    if not isinstance(data, dict) or not isinstance(data.get("policies"), list):
+        raise ValueError(f"{path}: not a replay report (no 'policies' list)")
+    return data
+
+
+# ------------------------------------------------------------------------------ plots
+def write_plots(
+    out_dir: Path,
+    results: Mapping[str, SimResult],
+    summaries: Mapping[str, Mapping[str, Any]],
+    slo_ttft_s: float,
+    load_curves: Mapping[str, Mapping[str, list[float]]],
+) -> dict[str, str]:
+    """TTFT CDF, SLO attainment against load, and workers needed per policy, as PNGs.
+
+    Returns:
+        ``{plot name: file name}`` of the files written under ``out_dir``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, res in results.items():
+        x, y = ttft_cdf(res)
+        if len(x):
+            ax.plot(np.maximum(x, 1e-4), y, label=name)
+    ax.axvline(slo_ttft_s, color="grey", linestyle=":", label=f"SLO {slo_ttft_s:g} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of completed requests")
+    ax.set_title("TTFT CDF")
+    ax.legend(fontsize=8)
+    files["ttft_cdf"] = _save(fig, out_dir / "ttft_cdf.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in load_curves.items():
+        if curve["load_req_s"]:
+            ax.plot(curve["load_req_s"], curve["slo_attainment"], marker="o", label=name)
+    ax.axhline(0.99, color="grey", linestyle=":", label="99 %")
+    ax.set_xlabel("offered load in the window (requests/s)")
+    ax.set_ylabel(f"SLO attainment (TTFT <= {slo_ttft_s:g} s)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("SLO attainment against load")
+    ax.legend(fontsize=8)
+    files["slo_vs_load"] = _save(fig, out_dir / "slo_vs_load.png")
+
+    names = [n for n in summaries if summaries[n].get("min_workers_for_slo") is not None]
+    if names:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        vals = [summaries[n]["min_workers_for_slo"] for n in names]
+        ax.bar(names, vals)
+        ax.set_ylabel("workers for 99 % SLO attainment")
+        ax.set_title("Workers needed per policy")
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        files["workers_needed"] = _save(fig, out_dir / "workers_needed.png")
+    return files
+
+
+def _save(fig: Any, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name

@@ -1,0 +1,397 @@
+"""``plora simulate``: run a trace through the simulated cluster under several policies.
+
+Writes ``DIR/report.json`` (settings, trace, one block per policy with
+:data:`services.simulator.report.POLICY_KEYS`, ``comparison``, ``papers``, optional
+``validation`` against a replay report) and the plots, and prints a short table.
+
+Example::
+
+    plora simulate --trace ../shared/data/traces/azure_functions_2019_500fn_first4h.csv \\
+        --format azure2019 --workers 4 --preset h100-8b --policies plora,baseline \\
+        --adapters 500 --out bench-out/sim-azure
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.traces import TRACE_FORMATS, Trace, load_trace
+from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
+from services.simulator.engine import (
+    POLICIES,
+    AdapterSet,
+    SimConfig,
+    SimResult,
+    build_adapter_set,
+    get_policy,
+    simulate,
+)
+from services.simulator.presets import (
+    ALIBABA_LOAD_LATENCY_CSV,
+    PRESET_NAMES,
+    get_preset,
+    load_source_latencies,
+)
+from services.simulator.report import (
+    POLICY_KEYS,
+    compare_pair,
+    compare_to_replay,
+    load_replay_report,
+    paper_comparison,
+    search_min_workers,
+    slo_attainment,
+    slo_vs_load,
+    summarize,
+    write_plots,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``plora simulate``."""
+    parser.add_argument("--trace", required=True, help="trace CSV")
+    parser.add_argument("--format", required=True, choices=TRACE_FORMATS, help="trace format")
+    parser.add_argument("--workers", type=int, default=4, help="workers (default 4)")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="hardware preset")
+    parser.add_argument(
+        "--policies",
+        default="plora,baseline",
+        help=f"comma-separated policies from {','.join(POLICIES)} (default plora,baseline)",
+    )
+    parser.add_argument("--out", required=True, help="output directory (report.json, plots)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="t' = t / X (default 1)")
+    parser.add_argument("--start", type=float, default=0.0, help="slice start, scaled seconds")
+    parser.add_argument("--duration", type=float, default=None, help="slice length, scaled s")
+    parser.add_argument("--drop-top", type=int, default=0, help="drop the N busiest keys")
+    parser.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT SLO, s (default 1)")
+    parser.add_argument("--adapters", type=int, default=100, help="adapters K (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument(
+        "--forecaster",
+        default=DEFAULT_FORECASTER,
+        help=f"forecaster of the predictor ({', '.join(FORECASTER_NAMES)}; default "
+        f"{DEFAULT_FORECASTER})",
+    )
+    parser.add_argument(
+        "--train-every", type=int, default=1, help="train the forecaster every N ticks"
+    )
+    parser.add_argument(
+        "--search-max-workers",
+        type=int,
+        default=64,
+        help="upper bound of the min_workers_for_slo search; 0 = no search (default 64)",
+    )
+    parser.add_argument(
+        "--search-duration",
+        type=float,
+        default=None,
+        help="run the worker-count search on the first S seconds of the slice (default all)",
+    )
+    parser.add_argument(
+        "--replay-report",
+        default=None,
+        help="a `plora bench replay` report.json: its slice is also simulated with the cpu "
+        "preset and both are written side by side under 'validation'",
+    )
+    parser.add_argument(
+        "--view-refresh",
+        type=float,
+        default=1.0,
+        help="seconds between the workers' heartbeats that routing sees (default 1; 0 = exact)",
+    )
+    parser.add_argument(
+        "--source-latencies",
+        default=str(ALIBABA_LOAD_LATENCY_CSV),
+        help="real LoRA load latencies (ms CSV) for presets with an 'alibaba' source",
+    )
+
+
+def _config(args: argparse.Namespace, workers: int) -> SimConfig:
+    preset = get_preset(args.preset)
+    lat = load_source_latencies(args.source_latencies) if preset.source == "alibaba" else None
+    return SimConfig(
+        preset=preset,
+        workers=workers,
+        seed=args.seed,
+        forecaster=args.forecaster,
+        train_every=args.train_every,
+        view_refresh_s=args.view_refresh,
+        source_latencies_s=lat,
+    )
+
+
+def run_simulations(
+    trace: Trace,
+    adapters: AdapterSet,
+    policies: list[str],
+    config: SimConfig,
+    slo_ttft_s: float,
+    search_max_workers: int = 64,
+    search_trace: Trace | None = None,
+    search_adapters: AdapterSet | None = None,
+) -> tuple[dict[str, SimResult], dict[str, dict[str, Any]]]:
+    """Simulate every policy, summarize, and search the worker count meeting the SLO.
+
+    Returns:
+        ``(results, summaries)`` keyed by policy name, in the order given.
+    """
+    results: dict[str, SimResult] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    for name in policies:
+        spec = get_policy(name)
+        res = simulate(trace, adapters, spec, config)
+        logger.info("%s: %d requests in %.1f s wall", name, len(trace), res.wall_s)
+        results[name] = res
+        s = summarize(res, slo_ttft_s)
+        if search_max_workers > 0:
+            st = search_trace if search_trace is not None else trace
+            sa = search_adapters if search_adapters is not None else adapters
+            cache = {config.workers: res} if st is trace else {}
+            t0 = time.perf_counter()
+
+            def attainment_at(n: int, spec=spec, st=st, sa=sa, cache=cache) -> float | None:
+                r = cache.get(n)
+                if r is None:
+                    cfg = SimConfig(**{**config.__dict__, "workers": n})
+                    r = simulate(st, sa, spec, cfg)
+                return slo_attainment(r, slo_ttft_s)
+
+            best, tried = search_min_workers(attainment_at, 0.99, search_max_workers)
+            s["min_workers_for_slo"] = best
+            s["workers_search"] = {
+                "tried": {str(k): v for k, v in sorted(tried.items())},
+                "requests": len(st),
+                "wall_s": time.perf_counter() - t0,
+            }
+        summaries[name] = s
+    return results, summaries
+
+
+#: Tokens the chat template and the synthetic prompt's word -> token ratio add to a replayed
+#: prompt of ``w`` words (SmolLM2's template with its default system turn is about 30 tokens).
+REPLAY_PROMPT_OVERHEAD_TOKENS = 30
+
+
+def replay_matched_inputs(
+    replay_report: dict[str, Any],
+    preset_name: str = "cpu",
+    trace_path: str | None = None,
+    source_latencies: str | None = None,
+) -> tuple[Trace, AdapterSet, SimConfig]:
+    """The trace slice, adapters and cluster size a ``plora bench replay`` report ran with.
+
+    Uses the replay's settings: trace, format, start, duration, time scale, drop-top, seed,
+    adapter count and ranks, pool bytes per worker, workers, ``max_new_tokens`` (every request's
+    output length) and ``prompt_token_cap`` (prompts capped, plus
+    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template).
+
+    Raises:
+        KeyError: A setting the match needs is missing from the report.
+    """
+    s = replay_report["settings"]
+    path = trace_path or s["trace"]
+    trace = load_trace(
+        path,
+        s["format"],
+        time_scale=float(s["time_scale"]),
+        seed=int(s["seed"]),
+        drop_top=int(s.get("drop_top", 0)),
+        start=float(s.get("start", 0.0)),
+        duration=s.get("duration"),
+    )
+    prompt = np.minimum(trace.prompt_tokens, int(s["prompt_token_cap"]))
+    trace = Trace(
+        trace.times,
+        trace.key_index,
+        trace.keys,
+        (prompt + REPLAY_PROMPT_OVERHEAD_TOKENS).astype(np.int32),
+        np.full(len(trace), int(s["max_new_tokens"]), dtype=np.int32),
+        trace.fmt,
+        trace.source,
+    )
+    base = get_preset(preset_name)
+    ranks = tuple(int(r) for r in s.get("adapter_ranks") or s.get("ranks") or base.ranks)
+    pool = int(s["pool_bytes"])
+    preset = base.with_overrides(
+        ranks=ranks,  # per adapter (cycled by index, so a K-long list is exact)
+        pool_bytes=pool,
+        host_cache_bytes=max(base.host_cache_bytes, pool),
+    )
+    adapters = build_adapter_set(trace, preset, int(s["adapters"]), int(s["seed"]))
+    lat = None
+    if preset.source == "alibaba":
+        lat = load_source_latencies(source_latencies or ALIBABA_LOAD_LATENCY_CSV)
+    config = SimConfig(
+        preset=preset, workers=int(s["workers"]), seed=int(s["seed"]), source_latencies_s=lat
+    )
+    return trace, adapters, config
+
+
+def validate_against_replay(
+    replay_report: dict[str, Any],
+    preset_name: str = "cpu",
+    tolerance: float = 0.25,
+    trace_path: str | None = None,
+) -> dict[str, Any]:
+    """Simulate the replay's slice under its policies and compare (see
+    :func:`services.simulator.report.compare_to_replay`); the simulated summaries are included
+    under ``"sim"``."""
+    trace, adapters, config = replay_matched_inputs(replay_report, preset_name, trace_path)
+    names = [p for p in replay_report.get("policies", []) if p in POLICIES]
+    sim: dict[str, Any] = {"policies": names}
+    for name in names:
+        sim[name] = summarize(simulate(trace, adapters, name, config), 1.0)
+    out = compare_to_replay(sim, replay_report, tolerance)
+    out["sim"] = {n: {k: sim[n].get(k) for k in POLICY_KEYS} for n in names}
+    out["replay"] = {
+        n: {k: replay_report[n].get(k) for k in POLICY_KEYS if k in replay_report[n]}
+        for n in names
+        if isinstance(replay_report.get(n), dict)
+    }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``plora simulate``."""
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        get_policy(p)  # fail fast on a typo
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    trace = load_trace(
+        args.trace,
+        args.format,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        drop_top=args.drop_top,
+        start=args.start,
+        duration=args.duration,
+    )
+    load_s = time.perf_counter() - t0
+    config = _config(args, args.workers)
+    adapters = build_adapter_set(trace, config.preset, args.adapters, args.seed)
+    search_trace = search_adapters = None
+    if args.search_duration is not None:
+        search_trace = trace.sliced(0.0, args.search_duration)
+        search_adapters = build_adapter_set(search_trace, config.preset, args.adapters, args.seed)
+    results, summaries = run_simulations(
+        trace,
+        adapters,
+        policies,
+        config,
+        args.slo_ttft,
+        args.search_max_workers,
+        search_trace,
+        search_adapters,
+    )
+    curves = {n: slo_vs_load(r, args.slo_ttft) for n, r in results.items()}
+    for n in summaries:
+        summaries[n]["slo_vs_load"] = curves[n]
+    report: dict[str, Any] = {
+        "settings": {
+            "preset": args.preset,
+            "workers": args.workers,
+            "policies": policies,
+            "adapters": args.adapters,
+            "seed": args.seed,
+            "slo_ttft_s": args.slo_ttft,
+            "forecaster": args.forecaster,
+            "train_every": args.train_every,
+            "view_refresh_s": args.view_refresh,
+            "time_scale": args.time_scale,
+            "start": args.start,
+            "duration": args.duration,
+            "drop_top": args.drop_top,
+            "search_max_workers": args.search_max_workers,
+            "search_duration": args.search_duration,
+            "preset_figures": {
+                k: v for k, v in config.preset.__dict__.items() if k not in ("model", "step")
+            }
+            | {"step": config.preset.step.__dict__, "model": config.preset.model.name},
+        },
+        "trace": {
+            "path": str(args.trace),
+            "format": args.format,
+            "requests": len(trace),
+            "keys": len(trace.keys),
+            "duration_s": trace.duration,
+            "load_wall_s": load_s,
+        },
+        "policies": policies,
+    }
+    for n, s in summaries.items():
+        report[n] = s
+    report["comparison"] = (
+        compare_pair(summaries["plora"], summaries["baseline"])
+        if "plora" in summaries and "baseline" in summaries
+        else None
+    )
+    report["papers"] = paper_comparison(summaries)
+    if args.replay_report:
+        report["validation"] = validate_against_replay(
+            load_replay_report(args.replay_report), "cpu"
+        )
+    report["plots"] = write_plots(out, results, summaries, args.slo_ttft, curves)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    _print_table(report, policies)
+    print(f"wrote {out / 'report.json'}")
+    return 0
+
+
+def _json_default(o: object) -> object:
+    if hasattr(o, "tolist"):
+        return o.tolist()  # type: ignore[no-any-return]
+    return str(o)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def _print_table(report: dict[str, Any], policies: list[str]) -> None:
+    cols = [
+        ("completed", "done"),
+        ("failed", "failed"),
+        ("ttft_mean_s", "ttft_mean"),
+        ("ttft_p99_s", "ttft_p99"),
+        ("throughput_req_s", "req/s"),
+        ("cold_start_rate", "cold_rate"),
+        ("cold_start_wait_mean_s", "cold_wait"),
+        ("pool_utilization_under_pressure", "util"),
+        ("external_fragmentation", "frag"),
+        ("slo_attainment", "slo"),
+        ("min_workers_for_slo", "min_w"),
+        ("sim_wall_s", "wall_s"),
+    ]
+    head = f"{'policy':<20}" + "".join(f"{h:>11}" for _, h in cols)
+    print(head)
+    for p in policies:
+        s = report[p]
+        print(f"{p:<20}" + "".join(f"{_fmt(s.get(k)):>11}" for k, _ in cols))
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m services.simulator.run``)."""
+    parser = argparse.ArgumentParser(prog="plora simulate", description=__doc__)
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,357 @@
+"""The trace-driven cluster simulator: exact event timing, determinism, conservation, reports."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.common.traces import Trace
+from services.simulator.engine import (
+    POLICIES,
+    ClusterSimulation,
+    SimConfig,
+    build_adapter_set,
+    get_policy,
+)
+from services.simulator.presets import (
+    ALIBABA_LOAD_LATENCY_CSV,
+    CPU_PRESET,
+    H100_8B_PRESET,
+    StepTimeModel,
+    get_preset,
+    load_source_latencies,
+)
+from services.simulator.report import (
+    compare_to_replay,
+    paper_comparison,
+    search_min_workers,
+    slo_attainment,
+    slo_vs_load,
+    summarize,
+)
+from services.simulator.run import add_arguments, run, validate_against_replay
+
+DATA = Path("../shared/data/traces")
+ALIBABA = DATA / "alibaba_genai2026_lora_requests_nov.csv"
+
+# A preset with round numbers: 10 ms steps whatever the batch, loads of exactly 1 s.
+SIMPLE = CPU_PRESET.with_overrides(
+    step=StepTimeModel(0.01, 0.0, 0.0, 0.0, 0.0, rank_mode="sum"),
+    source="fixed",
+    source_fixed_s=1.0,
+    source_bytes_per_s=1e30,
+    h2d_bytes_per_s=1e30,
+    network_s=0.0,
+)
+
+
+def _trace(times, keys, out=3, prompt=10) -> Trace:
+    return Trace.from_arrays(times, keys, prompt, out)
+
+
+def _run(trace: Trace, preset=SIMPLE, policy="baseline", workers=1, k=4, **cfg):
+    adapters = build_adapter_set(trace, preset, k, seed=0)
+    sim = ClusterSimulation(
+        trace, adapters, get_policy(policy), SimConfig(preset=preset, workers=workers, **cfg)
+    )
+    return sim, sim.run()
+
+
+# ------------------------------------------------------------------------------ timing
+def test_event_timing_matches_hand_computation() -> None:
+    # r0 at 0 (cold: 1 s load), r1 at 0.5 (same adapter: waits for the same load), r2 at 1.015
+    # (warm, joins the batch at the next step boundary 1.02).
+    tr = _trace([0.0, 0.5, 1.015], ["a", "a", "a"])
+    _, res = _run(tr)
+    np.testing.assert_allclose(res.first_token_s, [1.01, 1.01, 1.03], atol=1e-9)
+    np.testing.assert_allclose(res.done_s, [1.03, 1.03, 1.05], atol=1e-9)
+    np.testing.assert_allclose(res.ttft_s, [1.01, 0.51, 0.015], atol=1e-9)
+    assert res.cold.tolist() == [True, True, False]
+    np.testing.assert_allclose(res.cold_wait_s, [1.0, 0.5, 0.0], atol=1e-9)
+    assert res.counters["loads_source"] == 1
+    assert res.counters["steps"] == 5
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "first", "done"),
+    [
+        (1, [1.01, 1.04], [1.03, 1.06]),  # r1 waits for r0 to leave the batch
+        (2, [1.01, 1.01], [1.03, 1.03]),  # both admitted in one prefill step
+    ],
+)
+def test_batch_limit(max_batch, first, done) -> None:
+    preset = SIMPLE.with_overrides(max_batch_size=max_batch, max_num_batched_tokens=512)
+    _, res = _run(_trace([0.0, 0.0], ["a", "a"]), preset)
+    np.testing.assert_allclose(res.first_token_s, first, atol=1e-9)
+    np.testing.assert_allclose(res.done_s, done, atol=1e-9)
+
+
+def test_prefill_budget_splits_admission() -> None:
+    # two 300-token prompts do not fit one 512-token step: the second is admitted a step later
+    preset = SIMPLE.with_overrides(max_num_batched_tokens=512)
+    _, res = _run(_trace([0.0, 0.0], ["a", "a"], prompt=300), preset)
+    np.testing.assert_allclose(res.first_token_s, [1.01, 1.02], atol=1e-9)
+
+
+def test_step_time_model_terms() -> None:
+    m = StepTimeModel(1.0, 0.1, 0.01, 0.5, 0.001, rank_mode="max")
+    # 2 rows, 10 prefill tokens, 3 segments, max rank 8
+    assert m.step_s(2, 10, 3, 0.0, 8) == pytest.approx(1 + 0.2 + 0.1 + 0.5 * 3 * 8 + 0.001 * 12 * 8)
+    s = StepTimeModel(1.0, 0.1, 0.01, 0.5, 0.001, rank_mode="sum")
+    assert s.step_s(2, 10, 3, 400.0, 8) == pytest.approx(1 + 0.2 + 0.1 + 1.5 + 0.4)
+
+
+def test_mixed_ranks_cost_more_under_padding() -> None:
+    # padded kernels: the same rows cost more when one row has a larger rank
+    m = H100_8B_PRESET.step
+    assert m.step_s(32, 0, 2, 0, 64) > m.step_s(32, 0, 2, 0, 8)
+
+
+def test_adapter_sizes_follow_the_model() -> None:
+    # SmolLM2: 30 layers x (q 1152 + k 768 + v 768 + o 1152 + 3 x 2112) x 4 bytes per rank
+    assert CPU_PRESET.adapter_bytes(8) == 8 * 30 * 10176 * 4
+    # Llama-3-8B: 32 x 81,920 x 2 bytes per rank = 5.24 MB
+    assert H100_8B_PRESET.adapter_bytes(1) == 32 * 81920 * 2
+    with pytest.raises(ValueError):
+        get_preset("tpu")
+
+
+# ------------------------------------------------------------------------------ invariants
+def _zipf_trace(n=600, keys=40, rate=40.0, seed=1) -> Trace:
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1.0 / rate, n))
+    w = (np.arange(keys) + 1.0) ** -1.1
+    k = rng.choice(keys, size=n, p=w / w.sum())
+    out = rng.integers(1, 40, n)
+    prompt = rng.integers(5, 200, n)
+    return Trace.from_arrays(t, [f"f{i}" for i in k], prompt, out)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_conservation_and_pool_invariants(policy: str) -> None:
+    tr = _zipf_trace()
+    # a pool of ~4 adapters forces evictions (and compaction or fragmentation)
+    preset = CPU_PRESET.with_overrides(pool_bytes=160 << 20, host_cache_bytes=320 << 20)
+    sim, res = _run(tr, preset, policy, workers=3, k=24, forecaster="ewma")
+    n = len(tr)
+    ok = ~res.failed
+    assert ok.sum() + res.failed.sum() == n
+    assert ok.sum() > 0.9 * n
+    assert np.all(np.isfinite(res.first_token_s[ok])) and np.all(np.isfinite(res.done_s[ok]))
+    assert np.all(np.isnan(res.first_token_s[res.failed]))
+    assert np.all(res.first_token_s[ok] >= res.arrival_s[ok])
+    assert np.all(res.done_s[ok] >= res.first_token_s[ok])
+    assert np.all(res.cold_wait_s >= 0)
+    assert not np.any(res.cold_wait_s[~res.cold] > 0)
+    assert res.counters["evictions"] > 0
+    for w in sim.workers:
+        w.allocator.check_invariants()
+        assert sum(w.refcount) == 0  # every lease released
+        assert w.n_run == 0 and w.n_waiting == 0 and not w.jobs
+        live = sum(int(sim.adapters.nbytes[a]) for a in w.resident)
+        assert w.allocator.live_bytes == live
+    if POLICIES[policy].predictor:
+        assert res.counters["predictor_ticks"] > 0
+
+
+def test_determinism_from_seed() -> None:
+    if not ALIBABA_LOAD_LATENCY_CSV.exists():
+        pytest.skip(f"{ALIBABA_LOAD_LATENCY_CSV} is absent (shared data not checked out)")
+    lat = load_source_latencies()
+    tr = _zipf_trace(n=400)
+    preset = H100_8B_PRESET.with_overrides(pool_bytes=2 << 30, host_cache_bytes=4 << 30)
+
+    def go(seed: int):
+        return _run(
+            tr, preset, "plora", 2, 24, seed=seed, source_latencies_s=lat, forecaster="lstm"
+        )[1]
+
+    a, b, c = go(3), go(3), go(4)
+    for field in ("first_token_s", "done_s", "cold_wait_s", "worker"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    assert a.counters == {**b.counters, "predictor_wall_s": a.counters["predictor_wall_s"]}
+    assert not np.array_equal(a.cold_wait_s, c.cold_wait_s)  # other load-latency draws
+
+
+def test_predictor_prefetches_and_prefetched_adapters_serve() -> None:
+    # a sliding periodic workload: every 3 s one key leaves the active window and one enters
+    times, keys = [], []
+    for s in range(120):
+        for j in range(6):
+            times.append(s * 1.0 + j * 0.01)
+            keys.append(f"p{(s // 3 + j) % 10}")
+    tr = Trace.from_arrays(times, keys, 20, 4)
+    preset = CPU_PRESET.with_overrides(pool_bytes=200 << 20, host_cache_bytes=2 << 30)
+    _, plora = _run(tr, preset, "plora", 1, 10, forecaster="ewma")
+    _, nopred = _run(tr, preset, "plora-no-predictor", 1, 10)
+    c = plora.counters
+    assert c["predictor_ticks"] >= 119
+    assert c["prefetch_issued"] > 0 and c["prefetch_used"] > 0
+    assert c["prefetch_used"] + c["prefetch_wasted"] <= c["prefetch_issued"]
+    assert nopred.counters["prefetch_issued"] == 0 and nopred.counters["predictor_ticks"] == 0
+    assert not plora.failed.any() and not nopred.failed.any()
+
+
+def test_overload_rejects_and_fails_cleanly() -> None:
+    preset = SIMPLE.with_overrides(max_queue=2)
+    tr = _trace([0.0] * 6, ["a"] * 6)
+    _, res = _run(tr, preset, "baseline", workers=1)
+    assert res.failed.sum() == 4  # all six wait for the load: 2 queued, 4 rejected
+    assert res.counters["failed_by_reason"] == {"OverloadedError": 4}
+    assert res.counters["rejected"] == 4
+
+
+# ------------------------------------------------------------------------------ reports
+def test_summary_slo_and_load_curve() -> None:
+    _, res = _run(_trace([0.0, 0.5, 1.015], ["a", "a", "a"]))
+    s = summarize(res, slo_ttft_s=0.6)
+    assert s["requests"] == 3 and s["completed"] == 3 and s["failed"] == 0
+    assert s["slo_attainment"] == pytest.approx(2 / 3)
+    assert s["cold_starts"] == 2 and s["cold_start_rate"] == pytest.approx(2 / 3)
+    assert s["cold_start_wait_mean_s"] == pytest.approx(0.5)
+    assert s["ttft_mean_s"] == pytest.approx((1.01 + 0.51 + 0.015) / 3)
+    assert s["throughput_req_s"] == pytest.approx(3 / 1.05)
+    assert slo_attainment(res, 2.0) == 1.0
+    curve = slo_vs_load(res, 0.6, window_s=1.0)
+    assert curve["requests"] == [1.0, 2.0]  # window [1,2) has 1 request, [0,1) has 2
+    assert curve["slo_attainment"] == [1.0, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("table", "expect"),
+    [
+        ({1: 0.5, 2: 0.9, 4: 0.995, 8: 1.0, 3: 0.991}, 3),
+        ({1: 0.999}, 1),
+        ({1: 0.1, 2: 0.2, 4: 0.3}, None),
+    ],
+)
+def test_search_min_workers(table, expect) -> None:
+    best, tried = search_min_workers(lambda n: table.get(n, 0.0), 0.99, max_workers=4)
+    assert best == expect
+    assert set(tried) <= {1, 2, 3, 4}
+
+
+def test_compare_to_replay_side_by_side() -> None:
+    sim = {
+        "policies": ["plora", "baseline"],
+        "plora": {"ttft_mean_s": 1.1, "cold_start_rate": 0.2},
+        "baseline": {"ttft_mean_s": 2.0, "cold_start_rate": 0.0},
+    }
+    rep = {
+        "policies": ["plora", "baseline"],
+        "plora": {"ttft_mean_s": 1.0, "cold_start_rate": 0.3},
+        "baseline": {"ttft_mean_s": 2.4, "cold_start_rate": 0.0},
+        "settings": {"x": 1},
+    }
+    out = compare_to_replay(sim, rep, tolerance=0.25)
+    p = out["policies"]["plora"]
+    assert p["ttft_mean_s"]["rel_error"] == pytest.approx(0.1) and p["ttft_mean_s"]["within"]
+    assert p["cold_start_rate"]["rel_error"] == pytest.approx(1 / 3)
+    assert p["cold_start_rate"]["within"] is False
+    assert out["policies"]["baseline"]["cold_start_rate"]["within"] is True
+    assert out["all_within"] is False
+
+
+def test_paper_comparison_blocks() -> None:
+    p = {
+        "throughput_req_s": 3.0,
+        "ttft_mean_s": 1.0,
+        "ttft_p99_s": 2.0,
+        "cold_start_wait_mean_s": 0.5,
+        "external_fragmentation": 0.01,
+        "pool_utilization_under_pressure": 0.9,
+        "min_workers_for_slo": 2,
+    }
+    b = {
+        "throughput_req_s": 2.0,
+        "ttft_mean_s": 2.0,
+        "ttft_p99_s": 4.0,
+        "cold_start_wait_mean_s": 1.0,
+        "external_fragmentation": 0.2,
+        "min_workers_for_slo": 4,
+    }
+    out = paper_comparison({"plora": p, "baseline": b, "plora-round-robin": b})
+    a = out["predictive_lora_vs_slora"]
+    assert a["throughput_ratio"]["sim"] == pytest.approx(1.5)
+    assert a["ttft_mean_reduction"]["sim"] == pytest.approx(0.5)
+    assert a["ttft_mean_reduction"]["paper"] == 0.35
+    c = out["loraserve_vs_rank_oblivious"]
+    assert c["ttft_p99_ratio"]["sim"] == pytest.approx(2.0)
+    assert c["workers_needed_reduction"]["sim"] == pytest.approx(0.5)
+    assert paper_comparison({"plora": p})["predictive_lora_vs_slora"] is None
+
+
+# ------------------------------------------------------------------------------ end to end
+def test_simulate_cli_end_to_end(tmp_path: Path) -> None:
+    if not ALIBABA.exists():
+        pytest.skip(f"{ALIBABA} is absent (shared data not checked out)")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "sim"
+    args = parser.parse_args([
+        "--trace", str(ALIBABA), "--format", "alibaba", "--time-scale", "60",
+        "--duration", "600", "--preset", "cpu", "--workers", "2", "--adapters", "24",
+        "--policies", "plora,baseline,plora-round-robin", "--forecaster", "ewma",
+        "--search-max-workers", "4", "--slo-ttft", "0.5", "--out", str(out),
+    ])  # fmt: skip
+    assert run(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["policies"] == ["plora", "baseline", "plora-round-robin"]
+    for name in report["policies"]:
+        block = report[name]
+        for key in (
+            "requests",
+            "completed",
+            "failed",
+            "ttft_mean_s",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "throughput_req_s",
+            "throughput_tok_s",
+            "cold_starts",
+            "cold_start_rate",
+            "cold_start_wait_mean_s",
+            "pool_utilization_under_pressure",
+            "external_fragmentation",
+            "slo_attainment",
+            "min_workers_for_slo",
+        ):
+            assert key in block, (name, key)
+        assert block["completed"] + block["failed"] == block["requests"] > 0
+    assert report["comparison"]["throughput_ratio"] is not None
+    assert report["papers"]["predictive_lora_vs_slora"]["ttft_mean_reduction"]["paper"] == 0.35
+    assert report["papers"]["loraserve_vs_rank_oblivious"] is not None
+    for f in report["plots"].values():
+        assert (out / f).stat().st_size > 0
+
+
+# ------------------------------------------------------------------------------ validation
+def _replay_reports() -> list[Path]:
+    return sorted(Path(p) for p in glob.glob("bench-out/replay-*/report.json"))
+
+
+def test_simulator_matches_live_replay() -> None:
+    """The cpu preset against a real `plora bench replay` of the same slice (25 % tolerance)."""
+    paths = _replay_reports()
+    if not paths:
+        pytest.skip("no bench-out/replay-*/report.json: run `plora bench replay` first")
+    checked = 0
+    for path in paths:
+        rep = json.loads(path.read_text())
+        if not Path(rep.get("settings", {}).get("trace", "")).exists():
+            continue
+        if not any(
+            isinstance(rep.get(p), dict) and "ttft_mean_s" in rep[p]
+            for p in rep.get("policies", [])
+        ):
+            continue
+        out = validate_against_replay(rep, "cpu")
+        checked += 1
+        assert out["all_within"], json.dumps(out["policies"], indent=1)
+    if not checked:
+        pytest.skip("no replay report with a readable trace and completed policies")
