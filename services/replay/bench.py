@@ -202,8 +202,14 @@ def run_policy(
     requests: Sequence[Any],
     pool_bytes: int,
     adapters_dir: Path,
-) -> tuple[list[RequestRecord], list[StatusSample]]:
-    """Start a fresh cluster with ``policy``, register the adapters, replay, stop it."""
+) -> tuple[list[RequestRecord], list[StatusSample], dict[str, float]]:
+    """Start a fresh cluster with ``policy``, register the adapters, replay, stop it.
+
+    Returns:
+        The request records, the status samples and the wall seconds of each phase
+        (``startup_s``: processes to healthy; ``register_warmup_s``; ``replay_s``: first send to
+        last completion plus the final sample; ``stop_s``).
+    """
     import grpc  # noqa: PLC0415
 
     from plora.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: PLC0415
@@ -213,8 +219,12 @@ def run_policy(
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(_cluster_args(args, policy, run_dir, pool_bytes, adapters_dir))
+    timings: dict[str, float] = {}
+    mark = time.monotonic()
     try:
         state = cluster.start()
+        timings["startup_s"] = time.monotonic() - mark
+        mark = time.monotonic()
         gateway = str(state["gateway"])
         with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -237,18 +247,24 @@ def run_policy(
         config = ClientConfig(concurrency=args.concurrency,
                               request_timeout_s=args.request_timeout,
                               progress_interval_s=args.progress_interval, seed=args.seed)
+        timings["register_warmup_s"] = time.monotonic() - mark
         t0 = time.monotonic()
         with ReplayClient(gateway, config) as client, StatusSampler(gateway, t0) as sampler:
             records = client.replay(requests, t0=t0, on_progress=progress)
             time.sleep(1.5)  # let the last heartbeats reach the registry before the final sample
         samples = sampler.samples
+        timings["replay_s"] = time.monotonic() - t0
     finally:
+        mark = time.monotonic()
         cluster.stop()
+        timings["stop_s"] = time.monotonic() - mark
+    print(f"[{policy}] phases: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()),
+          flush=True)
     with open(run_dir / "requests.jsonl", "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
     write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
-    return records, samples
+    return records, samples, timings
 
 
 # ------------------------------------------------------------------------------ the verb
@@ -306,8 +322,8 @@ def run(args: argparse.Namespace) -> int:
     for policy in args.policies:
         print(f"[{policy}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
-            records, samples = run_policy(args, policy, out / policy, paths, requests,
-                                          pool_bytes, adapters_dir)
+            records, samples, timings = run_policy(args, policy, out / policy, paths, requests,
+                                                   pool_bytes, adapters_dir)
         except Exception as exc:  # noqa: BLE001 - report the failed policy, go on with the next
             logger.exception("policy %s failed", policy)
             print(f"[{policy}] FAILED: {exc}; logs in {out / policy / 'logs'}", file=sys.stderr,
@@ -316,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
             failed_policies.append(policy)
             continue
         all_records[policy], all_samples[policy] = records, samples
-        summaries[policy] = summarize_policy(records, samples)
+        summaries[policy] = {**summarize_policy(records, samples), "phase_seconds": timings}
 
     settings = {
         "trace": str(args.trace),
@@ -345,7 +361,10 @@ def run(args: argparse.Namespace) -> int:
                  "load_avg_1m_at_end": os.getloadavg()[0]},
     }
     ok = {k: v for k, v in summaries.items() if "error" not in v}
-    report = build_report(settings, info, summaries)
+    # The comparison is plora vs baseline; without plora, the first other policy vs baseline.
+    others = [p for p in args.policies if p != "baseline"]
+    first = "plora" if "plora" in args.policies else (others[0] if others else "plora")
+    report = build_report(settings, info, summaries, compare_pair=(first, "baseline"))
     write_json(out / "report.json", report)
     if ok:
         md_report = {**report, "policies": list(ok)}

@@ -350,6 +350,7 @@ def build_report(
     a, b = compare_pair
     report: dict[str, Any] = {
         "settings": dict(settings),
+        "comparison_pair": [a, b],
         "trace": dict(trace_info),
         "compulsory_cold_rate": trace_info.get("compulsory_cold_rate"),
         "policies": list(summaries),
@@ -500,7 +501,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if comp:
         targets = {"cold_start_wait_reduction": ">= 0.68", "ttft_mean_reduction": ">= 0.35",
                    "throughput_ratio": ">= 1.0"}
-        lines += ["| comparison (plora vs baseline) | measured | paper target |", "|---|---|---|"]
+        pa, pb = report.get("comparison_pair") or ("plora", "baseline")
+        lines += [f"| comparison ({pa} vs {pb}) | measured | paper target |", "|---|---|---|"]
         for k, v in comp.items():
             lines.append(f"| {k} | {_fmt(v)} | {targets.get(k, '')} |")
         lines.append("")
