@@ -316,8 +316,11 @@ class WorkerService:
             m.prefetches.labels(event.kind.removeprefix("prefetch_")).inc()
 
     def _load_adapter(self, ref: AdapterRef) -> LoRAWeights:
+        # The registry's sha256 pins the bytes: a file replaced after registration is refused
+        # rather than served under the registered version.
         return load_lora_weights(
-            ref.source, self.spec, adapter_id=ref.adapter_id, version=ref.version, dtype=self.dtype
+            ref.source, self.spec, adapter_id=ref.adapter_id, version=ref.version,
+            dtype=self.dtype, expected_sha256=ref.sha256 or None,
         )
 
     @property
