@@ -120,6 +120,7 @@ class EngineRequest:
         seed: Seed of the request's sampling generator (``None`` = random).
         stop: Stop strings; the returned text ends before the first one found.
         adapter: The adapter to apply, ``None`` for the base model.
+        ignore_eos: Keep generating past EOS until ``max_new_tokens`` (benchmarks only).
     """
 
     request_id: str
@@ -131,6 +132,7 @@ class EngineRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     adapter: AdapterRef | None = None
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -301,6 +303,7 @@ class Engine:
                 ``max_new_tokens`` out of range, bad sampling values, an adapter without a
                 provider, or a duplicate in-flight ``request_id``.
             OverloadedError: ``max_queue`` requests are already waiting.
+            NoHealthyWorkerError: the engine was stopped.
         """
         self._validate(req)
         stream = RequestStream(self, req.request_id)
@@ -319,6 +322,8 @@ class Engine:
             adapter_key=(req.adapter.adapter_id, req.adapter.version) if req.adapter else None,
         )
         with self._cond:
+            if self._stop:
+                raise NoHealthyWorkerError("the engine is stopped; retry on another worker")
             if req.request_id in self._inflight:
                 raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
             if len(self._waiting) >= self.config.max_queue:
@@ -561,7 +566,19 @@ class Engine:
 
         guard = self.provider.compute_guard() if self.provider is not None else no_guard()
         with guard:
-            lora = LoRABatch(row_adapter, [lease.weights() for lease in leases]) if leases else None
+            weights = []
+            broken: dict[tuple[str, int], Exception] = {}
+            for key, lease in zip(keys, leases, strict=True):
+                try:
+                    weights.append(lease.weights())
+                except Exception as exc:  # noqa: BLE001 - a lost adapter fails its requests only
+                    broken[key] = exc
+            if broken:
+                for s, _ in work:
+                    if s.adapter_key in broken:
+                        self._finish(s, None, error=broken[s.adapter_key])
+                return  # the next step is rebuilt without them
+            lora = LoRABatch(row_adapter, weights) if leases else None
             batch = StepBatch(
                 input_ids=torch.tensor(ids, dtype=torch.long),
                 positions=torch.tensor(positions, dtype=torch.long),
@@ -587,7 +604,7 @@ class Engine:
         s.completion += 1
         if s.ttft is None:
             s.ttft = now - s.arrival
-        if tok in self._eos:
+        if tok in self._eos and not s.req.ignore_eos:
             text, _ = s.stopper.feed(s.detok.flush())
             self._finish(s, "eos", text=text + s.stopper.flush(), token_ids=[tok])
             return

@@ -15,7 +15,9 @@ from services.common.errors import (
     AdapterNotFoundError,
     InvalidAdapterError,
     InvalidRequestError,
+    NoHealthyWorkerError,
     OverloadedError,
+    PoolExhaustedError,
     RequestCancelledError,
 )
 from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, ModelSpec
@@ -64,6 +66,8 @@ class _Lease:
     def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
         if self._error is not None:
             raise self._error
+        if self._ref.adapter_id in self._provider.lost:
+            raise PoolExhaustedError(f"adapter {self._ref.adapter_id!r} was lost")
         assert not self.released, "weights read after release"
         return self._provider.adapters[self._ref.adapter_id]
 
@@ -89,6 +93,7 @@ class TinyProvider:
         self.delay: dict[str, float] = {}
         self.fail_load: dict[str, Exception] = {}
         self.leases: list[_Lease] = []
+        self.lost: set[str] = set()
         self.live = 0
         self.guard_entries = 0
         self._guard = threading.Lock()
@@ -436,3 +441,39 @@ def test_chunked_prefill_matches_single_chunk(model: LlamaModel, tok: Tokenizer)
             e.stop()
     assert outs[0] == outs[1]
     assert steps >= len(prompt) // 16 + 7  # the prompt really went in chunks
+
+
+def test_adapter_lost_mid_generation_fails_only_its_requests(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    e = make_engine(model, tok, provider)
+    try:
+        victim = e.submit(
+            EngineRequest(
+                "v",
+                chat(tok, "Tell me a story."),
+                max_new_tokens=50,
+                ignore_eos=True,
+                adapter=ref("r64-mlp"),
+            )
+        )
+        base = e.submit(
+            EngineRequest("b", chat(tok, "Tell me a story."), max_new_tokens=12, ignore_eos=True)
+        )
+        assert next(victim).error is None
+        provider.lost.add("r64-mlp")
+        rest = list(victim)
+        _, ids, last = collect(base)
+    finally:
+        provider.lost.clear()
+        e.stop()
+    assert isinstance(rest[-1].error, PoolExhaustedError)
+    assert last.error is None and len(ids) == 12
+    assert provider.live == 0
+
+
+def test_submit_after_stop_is_unavailable(model: LlamaModel, tok: Tokenizer) -> None:
+    e = make_engine(model, tok)
+    e.stop()
+    with pytest.raises(NoHealthyWorkerError):
+        e.submit(EngineRequest("late", [5], max_new_tokens=2))

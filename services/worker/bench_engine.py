@@ -1,0 +1,355 @@
+"""``plora bench engine``: our engine vs transformers ``generate`` and PEFT mixed batches.
+
+One run, the same prompts everywhere, fixed-length generation (EOS ignored, so every system
+produces exactly ``--new-tokens`` per request):
+
+* ``engine_base_tok_s[b]``   our engine, base model only, ``b`` concurrent requests;
+* ``engine_mixed_tok_s[b]``  our engine, ``b`` requests over 8 distinct adapters (ranks
+  8/16/32/64, all 7 projections) in one continuous batch;
+* ``hf_base_tok_s[b]``       transformers ``generate`` on a left-padded batch of ``b``;
+* ``peft_mixed_tok_s[b]``    PEFT ``generate(adapter_names=...)`` with the same 8 adapters
+  (PEFT's mixed-adapter batch inference);
+* ``ttft_prompt256_s``       engine time to first token for one 256-token prompt (idle engine);
+* ratios ``mixed_over_base_b8``, ``mixed_over_peft_b8``, ``base_over_hf_b8``.
+
+Throughput is generated tokens / wall seconds from submission to the last token, prefill
+included. The adapters are created by PEFT itself and handed to our engine as the very same
+tensors, so both sides compute the same function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from services.common.types import PROJECTION_MODULES, LoRAModuleWeights
+from services.worker.adapter_api import AdapterRef
+from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.model import LlamaModel
+from services.worker.model_loader import default_cache_dir, resolve_model
+from services.worker.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_RANKS = (8, 16, 32, 64, 8, 16, 32, 64)
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain photosynthesis in simple words.",
+    "Give three tips for learning a new language.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe a sunset over the mountains.",
+    "How do airplanes stay in the air?",
+    "Summarize the plot of Romeo and Juliet.",
+]
+
+
+class _Lease:
+    def __init__(self, ref: AdapterRef, modules: dict[tuple[int, str], LoRAModuleWeights]):
+        self._ref, self._modules = ref, modules
+
+    @property
+    def ref(self) -> AdapterRef:
+        return self._ref
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def error(self) -> Exception | None:
+        return None
+
+    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
+        return self._modules
+
+    @property
+    def cold(self) -> bool:
+        return False
+
+    @property
+    def wait_seconds(self) -> float:
+        return 0.0
+
+    def release(self) -> None:
+        return None
+
+
+class _ResidentProvider:
+    """All adapters resident in memory (the benchmark measures compute, not loading)."""
+
+    def __init__(self, adapters: dict[str, dict[tuple[int, str], LoRAModuleWeights]]):
+        self.adapters = adapters
+        self._lock = threading.Lock()
+
+    def acquire(self, ref: AdapterRef) -> _Lease:
+        return _Lease(ref, self.adapters[ref.adapter_id])
+
+    @contextlib.contextmanager
+    def compute_guard(self) -> Iterator[None]:
+        with self._lock:
+            yield
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``plora bench engine``."""
+    parser.add_argument("--out", default="bench_engine.json", help="JSON result file")
+    parser.add_argument("--model", default=None, help="base model (default: SmolLM2 GGUF)")
+    parser.add_argument("--cache-dir", default=None, help="converted-model cache directory")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    parser.add_argument(
+        "--quick", action="store_true", help="short run: batch sizes 1,8 and 12 new tokens"
+    )
+
+
+def _chat_ids(tok: Tokenizer, n: int) -> list[list[int]]:
+    return [
+        tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
+        for i in range(n)
+    ]
+
+
+def _engine_run(
+    engine: Engine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
+) -> float:
+    """Tokens/s for one batch of concurrent requests (EOS ignored)."""
+    t0 = time.perf_counter()
+    streams = [
+        engine.submit(
+            EngineRequest(
+                f"bench-{time.monotonic_ns()}-{i}",
+                p,
+                max_new_tokens=new_tokens,
+                ignore_eos=True,
+                adapter=AdapterRef(a, 1, "") if a else None,
+            )
+        )
+        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
+    ]
+    total = 0
+    for s in streams:
+        for ev in s:
+            if ev.error is not None:
+                raise ev.error
+            total += len(ev.token_ids)
+    dt = time.perf_counter() - t0
+    assert total == len(prompts) * new_tokens, (total, len(prompts) * new_tokens)
+    return total / dt
+
+
+def _hf_run(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    adapter_names: list[str] | None = None,
+) -> float:
+    """Tokens/s of transformers/PEFT ``generate`` on a left-padded batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 2, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    kwargs: dict[str, object] = {}
+    if adapter_names is not None:
+        kwargs["adapter_names"] = adapter_names
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=2,
+            **kwargs,
+        )
+    dt = time.perf_counter() - t0
+    assert out.shape[1] - width == new_tokens
+    return len(prompts) * new_tokens / dt
+
+
+def _peft_adapters(hf: torch.nn.Module, num_layers: int) -> tuple[object, dict]:  # type: ignore[type-arg]
+    """Wrap ``hf`` in PEFT with 8 random adapters; return it and our view of the same tensors."""
+    import peft
+
+    names = [f"bench-r{r}-{i}" for i, r in enumerate(ADAPTER_RANKS)]
+    cfgs = [
+        peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(PROJECTION_MODULES))
+        for r in ADAPTER_RANKS
+    ]
+    pm = peft.get_peft_model(hf, cfgs[0], adapter_name=names[0])  # type: ignore[arg-type]
+    for n, c in zip(names[1:], cfgs[1:], strict=True):
+        pm.add_adapter(n, c)
+    gen = torch.Generator().manual_seed(0)
+    ours: dict[str, dict[tuple[int, str], LoRAModuleWeights]] = {n: {} for n in names}
+    with torch.no_grad():
+        for mod_name, mod in pm.named_modules():
+            if not hasattr(mod, "lora_A") or not isinstance(mod.lora_A, torch.nn.ModuleDict):
+                continue
+            parts = mod_name.split(".")
+            layer = int(parts[parts.index("layers") + 1])
+            proj = parts[-1]
+            for n in names:
+                if n not in mod.lora_A:
+                    continue
+                a = mod.lora_A[n].weight
+                b = mod.lora_B[n].weight
+                a.copy_(torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5)
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+                ours[n][(layer, proj)] = LoRAModuleWeights(
+                    lora_a=a.detach().clone().contiguous(),
+                    lora_b=b.detach().clone().contiguous(),
+                    scaling=float(mod.scaling[n]),
+                )
+    assert all(len(v) == num_layers * len(PROJECTION_MODULES) for v in ours.values())
+    pm.eval()
+    return pm, ours
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print a table, write JSON to ``--out``."""
+    from transformers import AutoModelForCausalLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = [1, 8] if args.quick else [int(x) for x in str(args.batch_sizes).split(",") if x]
+    new_tokens = 12 if args.quick else int(args.new_tokens)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    model_dir = resolve_model(args.model, cache)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype
+    ]
+    tok = Tokenizer(model_dir)
+    model = LlamaModel.from_dir(model_dir, device=args.device, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device)
+    hf.eval()
+    max_b = max(sizes)
+    prompts = _chat_ids(tok, max_b)
+
+    result: dict[str, object] = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "new_tokens": new_tokens,
+        "batch_sizes": sizes,
+        "adapter_ranks": list(ADAPTER_RANKS),
+        "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
+    }
+    hf_base: dict[str, float] = {}
+    logger.info("transformers generate, base model")
+    _hf_run(hf, prompts[:1], 2)  # warm-up
+    for b in sizes:
+        hf_base[str(b)] = _hf_run(hf, prompts[:b], new_tokens)
+
+    pm, ours = _peft_adapters(hf, model.spec.num_layers)
+    names = list(ours)
+    peft_mixed: dict[str, float] = {}
+    logger.info("PEFT mixed-adapter generate")
+    _hf_run(pm, prompts[:1], 2, adapter_names=names[:1])  # type: ignore[arg-type]
+    for b in sizes:
+        peft_mixed[str(b)] = _hf_run(
+            pm,  # type: ignore[arg-type]
+            prompts[:b],
+            new_tokens,
+            adapter_names=[names[i % len(names)] for i in range(b)],
+        )
+    del pm, hf
+
+    provider = _ResidentProvider(ours)
+    engine = Engine(
+        model,
+        tok,
+        provider,
+        EngineConfig(
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=max(max_b, 8),
+            max_model_len=1024,
+            max_num_batched_tokens=max(512, max_b),
+        ),
+    )
+    engine.start()
+    try:
+        _engine_run(engine, prompts[:2], [None, names[0]], 2)  # warm-up
+        eng_base: dict[str, float] = {}
+        eng_mixed: dict[str, float] = {}
+        for b in sizes:
+            logger.info("engine batch %d", b)
+            eng_base[str(b)] = _engine_run(engine, prompts[:b], [None] * b, new_tokens)
+            eng_mixed[str(b)] = _engine_run(
+                engine, prompts[:b], [names[i % len(names)] for i in range(b)], new_tokens
+            )
+        long_text = " ".join(PROMPTS * 20)
+        long_prompt = tok.encode(long_text)[:256]
+        ttfts = []
+        for i in range(3):
+            s = engine.submit(EngineRequest(f"ttft-{i}", long_prompt, max_new_tokens=1))
+            evs = list(s)
+            ttfts.append(float(evs[0].ttft_seconds or 0.0))
+    finally:
+        engine.stop()
+
+    result.update(
+        engine_base_tok_s=eng_base,
+        engine_mixed_tok_s=eng_mixed,
+        hf_base_tok_s=hf_base,
+        peft_mixed_tok_s=peft_mixed,
+        ttft_prompt256_s=statistics.median(ttfts),
+    )
+    ref_b = "8" if "8" in eng_base else str(sizes[-1])
+    result["mixed_over_base_b8"] = eng_mixed[ref_b] / eng_base[ref_b]
+    result["mixed_over_peft_b8"] = eng_mixed[ref_b] / peft_mixed[ref_b]
+    result["base_over_hf_b8"] = eng_base[ref_b] / hf_base[ref_b]
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(
+        f"engine benchmark ({args.device}, {args.dtype}, {torch.get_num_threads()} threads, "
+        f"{new_tokens} new tokens/request), tokens/s:"
+    )
+    print(
+        f"{'batch':>6} {'engine base':>12} {'engine mixed':>13} {'HF base':>9} {'PEFT mixed':>11}"
+    )
+    for b in sizes:
+        k = str(b)
+        print(
+            f"{b:>6} {eng_base[k]:>12.1f} {eng_mixed[k]:>13.1f} {hf_base[k]:>9.1f} "
+            f"{peft_mixed[k]:>11.1f}"
+        )
+    print(f"TTFT (256-token prompt): {result['ttft_prompt256_s']:.3f} s")
+    print(
+        f"mixed/base b{ref_b}: {result['mixed_over_base_b8']:.2f} (target >= 0.85)  "
+        f"mixed/PEFT b{ref_b}: {result['mixed_over_peft_b8']:.2f} (target >= 2.5)  "
+        f"base/HF b{ref_b}: {result['base_over_hf_b8']:.2f} (target >= 1.0)"
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def main() -> int:  # pragma: no cover - convenience entry point
+    """``python -m services.worker.bench_engine``."""
+    logging.basicConfig(level=os.environ.get("PLORA_LOG_LEVEL", "INFO"))
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
