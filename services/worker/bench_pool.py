@@ -108,11 +108,21 @@ class SyntheticSource:
     def __init__(self, spec: ModelSpec, ranks: dict[str, int], device: str, dtype: torch.dtype):
         self.spec, self.ranks, self.device, self.dtype = spec, ranks, device, dtype
         self.calls = 0
+        self._meta: dict[int, dict[tuple[int, str], LoRAModuleWeights]] = {}
 
     def __call__(self, ref: AdapterRef) -> LoRAWeights:
         self.calls += 1
         r = self.ranks[ref.adapter_id]
-        value = (int(hashlib.sha256(ref.adapter_id.encode()).hexdigest()[:4], 16) % 97) / 97.0
+        if self.device == "meta":  # no data: tensors of one rank are interchangeable
+            if r not in self._meta:
+                self._meta[r] = self._build(r, 0.0)
+            mods = self._meta[r]
+        else:
+            value = (int(hashlib.sha256(ref.adapter_id.encode()).hexdigest()[:4], 16) % 97) / 97
+            mods = self._build(r, value)
+        return LoRAWeights(ref.adapter_id, ref.version, mods, alpha=2.0 * r)
+
+    def _build(self, r: int, value: float) -> dict[tuple[int, str], LoRAModuleWeights]:
         mods: dict[tuple[int, str], LoRAModuleWeights] = {}
         for layer in range(self.spec.num_layers):
             for m in PROJECTION_MODULES:
@@ -120,7 +130,7 @@ class SyntheticSource:
                 a = torch.full((r, fin), value, dtype=self.dtype, device=self.device)
                 b = torch.full((fout, r), -value, dtype=self.dtype, device=self.device)
                 mods[(layer, m)] = LoRAModuleWeights(a, b, 2.0)
-        return LoRAWeights(ref.adapter_id, ref.version, mods, alpha=2.0 * r)
+        return mods
 
 
 def replay(
@@ -135,6 +145,7 @@ def replay(
     device: str,
     dtype: str,
     eviction: str = "lru",
+    compaction_max_ratio: float = float("inf"),
     spec: ModelSpec = SMOLLM2_135M,
 ) -> dict[str, Any]:
     """Replay ``trace`` through one store configuration; returns its figures (JSON-ready)."""
@@ -148,6 +159,7 @@ def replay(
         dtype=dtype,
         load_wait_timeout_s=0.0,
         loader_threads=1,
+        compaction_max_ratio=compaction_max_ratio,
     )
     esize = torch.empty((), dtype=DTYPES[dtype]).element_size()
     source = SyntheticSource(spec, ranks, device, DTYPES[dtype])
@@ -195,6 +207,7 @@ def replay(
         "compactions": s.compactions,
         "bytes_moved": s.bytes_moved,
         "failed_allocations": failed,
+        "compaction_max_ratio": compaction_max_ratio,
         "wall_seconds": wall,
     }
 
@@ -229,6 +242,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction", default="lru", choices=("lru", "predictive"))
     parser.add_argument(
         "--max-requests", type=int, default=0, help="replay only the first N requests (0 = all)"
+    )
+    parser.add_argument(
+        "--compaction-max-ratio",
+        type=float,
+        default=4.0,
+        help="also replay paged with this compaction budget (bytes moved per byte needed; "
+        "0 to skip); the main paged run always compacts",
     )
 
 
@@ -284,6 +304,15 @@ def run(args: argparse.Namespace) -> int:
     results["contiguous"] = replay(
         trace, ranks, allocator="contiguous", page_bytes=args.page_bytes, **common
     )
+    if args.compaction_max_ratio > 0:
+        results["paged_compaction_budget"] = replay(
+            trace,
+            ranks,
+            allocator="paged",
+            page_bytes=args.page_bytes,
+            compaction_max_ratio=args.compaction_max_ratio,
+            **common,
+        )
     sweep_sizes = [int(x) for x in str(args.page_sweep).split(",") if x]
     sweep = []
     for pb in sweep_sizes:
@@ -333,6 +362,9 @@ def _print_table(results: dict[str, Any]) -> None:
     )
     print(f"{'run':<22}" + "".join(f"{c:>11}" for c in cols))
     rows = [("paged", results["paged"]), ("contiguous", results["contiguous"])]
+    if "paged_compaction_budget" in results:
+        f = results["paged_compaction_budget"]
+        rows.append((f"paged budget={f['compaction_max_ratio']:g}", f))
     rows += [(f"paged page={f['page_bytes'] >> 10}KiB", f) for f in results["page_sweep"]]
     for name, f in rows:
         assert isinstance(f, dict)

@@ -301,3 +301,78 @@ def test_make_policy() -> None:
     assert isinstance(make_policy("predictive"), PredictivePolicy)
     with pytest.raises(ValueError):
         make_policy("fifo")
+
+
+# ---------------------------------------------------------------------- bench helpers
+def test_smollm2_rank_unit_bytes() -> None:
+    from services.worker.bench_pool import SMOLLM2_135M, adapter_bytes
+
+    # per layer: q 576+576, k 576+192, v 576+192, o 576+576, gate/up 576+1536, down 1536+576
+    assert adapter_bytes(SMOLLM2_135M, 1, 4) == 10176 * 30 * 4 == 1_221_120
+    assert adapter_bytes(SMOLLM2_135M, 8, 2) == 8 * 610_560
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "page", "waste"),
+    [(4096, 4096, 0.0), (4097, 4096, 4095 / 8192), (1, 64, 63 / 64)],
+)
+def test_page_waste(nbytes: int, page: int, waste: float) -> None:
+    from services.worker.bench_pool import page_waste
+
+    assert page_waste(nbytes, page) == pytest.approx(waste)
+
+
+def test_assign_ranks_is_seeded_and_order_independent() -> None:
+    from services.worker.bench_pool import assign_ranks
+
+    keys = [f"G{i:04d}" for i in range(200)]
+    a = assign_ranks(keys, (8, 16, 32, 64, 128), seed=0)
+    assert a == assign_ranks(list(reversed(keys)), (8, 16, 32, 64, 128), seed=0)
+    assert a != assign_ranks(keys, (8, 16, 32, 64, 128), seed=1)
+    assert set(a.values()) == {8, 16, 32, 64, 128}
+
+
+@pytest.mark.slow
+def test_bench_pool_small_replay(tmp_path) -> None:  # noqa: ANN001
+    import argparse
+    import json
+    from pathlib import Path
+
+    from services.worker import bench_pool
+
+    trace = Path(bench_pool.DEFAULT_TRACE)
+    if not trace.exists():
+        pytest.skip(f"{trace} absent (run from the repository root with ../shared/data)")
+    parser = argparse.ArgumentParser()
+    bench_pool.add_arguments(parser)
+    out = tmp_path / "pool.json"
+    args = parser.parse_args(
+        [
+            "--out",
+            str(out),
+            "--max-requests",
+            "400",
+            "--page-sweep",
+            "",
+            "--compaction-max-ratio",
+            "0",
+        ]
+    )
+    assert bench_pool.run(args) == 0
+    res = json.loads(out.read_text())
+    keys = {
+        "utilization_under_pressure",
+        "external_fragmentation",
+        "internal_waste",
+        "loads",
+        "evictions",
+        "compactions",
+        "bytes_moved",
+        "failed_allocations",
+    }
+    for kind in ("paged", "contiguous"):
+        assert keys <= set(res[kind])
+        assert res[kind]["loads"] > 0 and res[kind]["evictions"] > 0
+        assert 0.5 < res[kind]["utilization_under_pressure"] <= 1.0
+    assert res["paged"]["pool_bytes"] <= res["config"]["pool_bytes"]
+    assert res["contiguous"]["compactions"] == 0
