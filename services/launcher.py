@@ -274,16 +274,44 @@ class Cluster:
 
     # -- run and stop -----------------------------------------------------------------------
 
-    def watch(self) -> int:
-        """Block until a signal or a child's death; returns the exit code."""
+    def watch(self, max_restarts: int = 3, window_s: float = 300.0) -> int:
+        """Supervise the children until a signal; returns the exit code.
+
+        A child that dies is restarted on the same ports (so its peers reconnect to it), at most
+        ``max_restarts`` times per ``window_s`` seconds; past that the whole cluster stops.
+        """
+        restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
         while not self._stopping.wait(0.5):
             for c in self.children:
-                if not c.alive():
-                    self._say(f"{c.name} exited unexpectedly (code "
-                              f"{c.proc.returncode if c.proc else '?'}); stopping. "
-                              f"Last log lines:\n{_tail(c.log_path)}")
+                if c.alive():
+                    continue
+                code = c.proc.returncode if c.proc else "?"
+                now = time.monotonic()
+                recent = [t for t in restarts[c.name] if now - t < window_s]
+                if len(recent) >= max_restarts:
+                    self._say(f"{c.name} exited (code {code}) {len(recent) + 1} times within "
+                              f"{window_s:.0f}s; stopping. Last log lines:\n{_tail(c.log_path)}")
+                    return 1
+                restarts[c.name] = [*recent, now]
+                self._say(f"{c.name} exited (code {code}); restarting it on the same ports")
+                try:
+                    self._restart(c)
+                except (RuntimeError, TimeoutError) as exc:
+                    self._say(f"restart of {c.name} failed: {exc}; stopping")
                     return 1
         return 0
+
+    def _restart(self, child: Child) -> None:
+        child.cmd = _pin_ports(child.cmd, child.ports)
+        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
+        child.start(env)
+        self._wait_ready([child], self.args.startup_timeout)
+        if self.state_file.exists():
+            state = json.loads(self.state_file.read_text())
+            state["pids"][child.name] = child.proc.pid if child.proc else None
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state, indent=2))
+            tmp.replace(self.state_file)
 
     def request_stop(self) -> None:
         self._stopping.set()
@@ -295,6 +323,15 @@ class Cluster:
         if self.redis is not None:
             self.redis.stop()
         self.state_file.unlink(missing_ok=True)
+
+
+def _pin_ports(cmd: list[str], ports: dict[str, int]) -> list[str]:
+    """``cmd`` with ``--port``/``--metrics-port`` set to the ports the child bound before."""
+    out = list(cmd)
+    for flag, key in (("--port", "grpc_port"), ("--metrics-port", "metrics_port")):
+        if flag in out and key in ports:
+            out[out.index(flag) + 1] = str(ports[key])
+    return out
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -36,7 +36,7 @@ class PredictorConfig:
     forecaster: str = DEFAULT_FORECASTER
     tick_s: float = 1.0
     horizon_s: float = 5.0
-    prefetch_min_expected: float = 0.5
+    prefetch_min_expected: float = 0.1
     max_prefetch_per_worker: int = 8
     train_budget_s: float = 0.05
     persist_every_s: float = 10.0
