@@ -131,14 +131,17 @@ class WorkerConfig:
 
         pool = parse_bytes(pick(args.pool_bytes, "PLORA_POOL_BYTES", str(d.pool_bytes)))
         host_cache = parse_bytes(
-            pick(args.host_cache_bytes, "PLORA_HOST_CACHE_BYTES", str(max(d.host_cache_bytes, pool)))
+            pick(
+                args.host_cache_bytes, "PLORA_HOST_CACHE_BYTES", str(max(d.host_cache_bytes, pool))
+            )
         )
         return cls(
             worker_id=pick(args.worker_id, "PLORA_WORKER_ID", d.worker_id),
             host=pick(args.host, "PLORA_WORKER_HOST", d.host),
             port=args.port if args.port is not None else env_int("PLORA_WORKER_PORT", d.port),
             advertise_host=pick(args.advertise_host, "PLORA_WORKER_ADVERTISE_HOST", ""),
-            metrics_port=args.metrics_port if args.metrics_port is not None
+            metrics_port=args.metrics_port
+            if args.metrics_port is not None
             else env_int("PLORA_WORKER_METRICS_PORT", d.metrics_port),
             redis_url=pick(args.redis_url, "PLORA_REDIS_URL", d.redis_url),
             model=pick(args.model, "PLORA_MODEL", d.model),

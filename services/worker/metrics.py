@@ -14,11 +14,15 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "plora_worker_requests", "Generate requests finished, by gRPC status code",
-            ["code"], registry=r,
+            "plora_worker_requests",
+            "Generate requests finished, by gRPC status code",
+            ["code"],
+            registry=r,
         )
         self.ttft = Histogram(
-            "plora_worker_ttft_seconds", "Worker receipt to first token", buckets=LATENCY_BUCKETS,
+            "plora_worker_ttft_seconds",
+            "Worker receipt to first token",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.tokens = Counter(
@@ -34,69 +38,87 @@ class WorkerMetrics:
             "plora_worker_running_requests", "Requests in the running batch", registry=r
         )
         self.cold_starts = Counter(
-            "plora_worker_cold_starts", "Requests whose adapter was not resident when scheduled",
+            "plora_worker_cold_starts",
+            "Requests whose adapter was not resident when scheduled",
             registry=r,
         )
         self.cold_start_wait = Histogram(
-            "plora_worker_cold_start_wait_seconds", "Time a cold request waited for its adapter",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "plora_worker_cold_start_wait_seconds",
+            "Time a cold request waited for its adapter",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.resident = Gauge(
             "plora_worker_resident_adapters", "Adapters resident in the device pool", registry=r
         )
         self.heartbeat_age = Gauge(
-            "plora_worker_heartbeat_age_seconds", "Seconds since the last successful heartbeat",
+            "plora_worker_heartbeat_age_seconds",
+            "Seconds since the last successful heartbeat",
             registry=r,
         )
         self.heartbeat_failures = Counter(
             "plora_worker_heartbeat_failures", "Heartbeats that could not reach Redis", registry=r
         )
         self.prefetch_requests = Counter(
-            "plora_worker_prefetch_requests", "PrefetchAdapters items by outcome",
-            ["outcome"], registry=r,
+            "plora_worker_prefetch_requests",
+            "PrefetchAdapters items by outcome",
+            ["outcome"],
+            registry=r,
         )
         # Pool gauges (ARCHITECTURE.md definitions), refreshed every heartbeat.
         self.pool_pages = Gauge(
             "plora_worker_pool_pages", "Device pool pages by state", ["state"], registry=r
         )
         self.pool_bytes = Gauge(
-            "plora_worker_pool_bytes", "Device pool bytes by kind (total, live, allocated)",
-            ["kind"], registry=r,
+            "plora_worker_pool_bytes",
+            "Device pool bytes by kind (total, live, allocated)",
+            ["kind"],
+            registry=r,
         )
         self.pool_utilization = Gauge(
             "plora_worker_pool_utilization_ratio", "Live adapter bytes / pool bytes", registry=r
         )
         self.pool_utilization_pressure = Gauge(
             "plora_worker_pool_utilization_under_pressure_ratio",
-            "Pool utilization sampled while a load waited or an eviction happened", registry=r,
+            "Pool utilization sampled while a load waited or an eviction happened",
+            registry=r,
         )
         self.pool_fragmentation = Gauge(
             "plora_worker_pool_external_fragmentation_ratio",
-            "1 - largest allocatable extent / free bytes", registry=r,
+            "1 - largest allocatable extent / free bytes",
+            registry=r,
         )
         self.pool_internal_waste = Gauge(
-            "plora_worker_pool_internal_waste_ratio", "(allocated - live) / allocated bytes",
+            "plora_worker_pool_internal_waste_ratio",
+            "(allocated - live) / allocated bytes",
             registry=r,
         )
         self.loads = Counter(
-            "plora_worker_adapter_loads", "Adapter loads by the tier they came from",
-            ["tier"], registry=r,
+            "plora_worker_adapter_loads",
+            "Adapter loads by the tier they came from",
+            ["tier"],
+            registry=r,
         )
         self.load_latency = Histogram(
-            "plora_worker_adapter_load_seconds", "Adapter load latency by source tier", ["tier"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "plora_worker_adapter_load_seconds",
+            "Adapter load latency by source tier",
+            ["tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.evictions = Counter(
-            "plora_worker_adapter_evictions", "Adapters evicted from the device pool, by reason",
-            ["reason"], registry=r,
+            "plora_worker_adapter_evictions",
+            "Adapters evicted from the device pool, by reason",
+            ["reason"],
+            registry=r,
         )
-        self.compactions = Counter(
-            "plora_worker_pool_compactions", "Pool compactions", registry=r
-        )
+        self.compactions = Counter("plora_worker_pool_compactions", "Pool compactions", registry=r)
         self.bytes_moved = Counter(
             "plora_worker_pool_compaction_moved_bytes", "Bytes moved by compaction", registry=r
         )
         self.prefetches = Counter(
-            "plora_worker_prefetches", "Prefetched adapters by fate (issued, used, wasted)",
-            ["fate"], registry=r,
+            "plora_worker_prefetches",
+            "Prefetched adapters by fate (issued, used, wasted)",
+            ["fate"],
+            registry=r,
         )

@@ -319,8 +319,12 @@ class WorkerService:
         # The registry's sha256 pins the bytes: a file replaced after registration is refused
         # rather than served under the registered version.
         return load_lora_weights(
-            ref.source, self.spec, adapter_id=ref.adapter_id, version=ref.version,
-            dtype=self.dtype, expected_sha256=ref.sha256 or None,
+            ref.source,
+            self.spec,
+            adapter_id=ref.adapter_id,
+            version=ref.version,
+            dtype=self.dtype,
+            expected_sha256=ref.sha256 or None,
         )
 
     @property
