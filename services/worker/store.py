@@ -1108,6 +1108,9 @@ class AdapterStore:
     # ------------------------------------------------------------------ loader threads
     def _worker(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Background loads must not take the cores from the decode step: on CPU each loader
+        # thread runs its tensor work on one intra-op thread (the setting is per thread).
+        torch.set_num_threads(1)
         while True:
             with self._cv:
                 while not self._closed and not self._jobs:
