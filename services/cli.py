@@ -23,12 +23,19 @@ from services.common.grpc_util import CHANNEL_OPTIONS
 #: Verbs implemented in other modules: (path of subcommands) -> module with add_arguments/run.
 _DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
     ("up",): ("services.launcher", "run the whole local cluster in the foreground"),
-    ("make-adapters",): ("services.common.make_adapters",
-                         "write PEFT-format adapters for the served base model"),
-    ("bench", "engine"): ("services.worker.bench_engine",
-                          "engine throughput vs transformers and PEFT"),
+    ("make-adapters",): (
+        "services.common.make_adapters",
+        "write PEFT-format adapters for the served base model",
+    ),
+    ("bench", "engine"): (
+        "services.worker.bench_engine",
+        "engine throughput vs transformers and PEFT",
+    ),
     ("bench", "pool"): ("services.worker.bench_pool", "paged vs contiguous adapter pool"),
-    ("eval", "predictor"): ("services.predictor.evaluate", "replay a trace through the forecasters"),
+    ("eval", "predictor"): (
+        "services.predictor.evaluate",
+        "replay a trace through the forecasters",
+    ),
 }
 
 _SERVICES = {
@@ -105,9 +112,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _print_adapter(info: gateway_pb2.AdapterInfo) -> None:
-    print(f"{info.adapter_id:28} v{info.version:<3} rank={info.rank:<4} alpha={info.alpha:<6g} "
-          f"bytes={info.size_bytes:<11} tenant={info.tenant_id or '-':10} "
-          f"modules={','.join(info.target_modules)}")
+    print(
+        f"{info.adapter_id:28} v{info.version:<3} rank={info.rank:<4} alpha={info.alpha:<6g} "
+        f"bytes={info.size_bytes:<11} tenant={info.tenant_id or '-':10} "
+        f"modules={','.join(info.target_modules)}"
+    )
 
 
 def cmd_adapters(args: argparse.Namespace) -> int:
@@ -117,21 +126,25 @@ def cmd_adapters(args: argparse.Namespace) -> int:
         if args.adapters_cmd == "register":
             resp = stub.RegisterAdapter(
                 gateway_pb2.RegisterAdapterRequest(
-                    adapter_id=args.adapter_id, source=str(Path(args.source).resolve()),
+                    adapter_id=args.adapter_id,
+                    source=str(Path(args.source).resolve()),
                     tenant_id=args.tenant or "",
                 ),
                 timeout=120,
             )
             _print_adapter(resp.adapter)
         elif args.adapters_cmd == "list":
-            resp = stub.ListAdapters(gateway_pb2.ListAdaptersRequest(tenant_id=args.tenant or ""),
-                                     timeout=30)
+            resp = stub.ListAdapters(
+                gateway_pb2.ListAdaptersRequest(tenant_id=args.tenant or ""), timeout=30
+            )
             for info in resp.adapters:
                 _print_adapter(info)
             print(f"{len(resp.adapters)} adapters")
         elif args.adapters_cmd == "get":
             resp = stub.GetAdapter(
-                gateway_pb2.GetAdapterRequest(adapter_id=args.adapter_id, tenant_id=args.tenant or ""),
+                gateway_pb2.GetAdapterRequest(
+                    adapter_id=args.adapter_id, tenant_id=args.tenant or ""
+                ),
                 timeout=30,
             )
             _print_adapter(resp.adapter)
@@ -140,8 +153,9 @@ def cmd_adapters(args: argparse.Namespace) -> int:
             print(f"placed on: {', '.join(resp.placed_on_workers) or '-'}")
         elif args.adapters_cmd == "delete":
             resp = stub.DeleteAdapter(
-                gateway_pb2.DeleteAdapterRequest(adapter_id=args.adapter_id,
-                                                 tenant_id=args.tenant or ""),
+                gateway_pb2.DeleteAdapterRequest(
+                    adapter_id=args.adapter_id, tenant_id=args.tenant or ""
+                ),
                 timeout=30,
             )
             print(f"deleted {args.adapter_id} (version {resp.version})")
@@ -158,14 +172,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         print(json.dumps(MessageToDict(resp), indent=2))
         return 0
-    print(f"base model: {resp.base_model}   adapters registered: {resp.adapters_registered}   "
-          f"predictor connected: {resp.predictor_connected}")
+    print(
+        f"base model: {resp.base_model}   adapters registered: {resp.adapters_registered}   "
+        f"predictor connected: {resp.predictor_connected}"
+    )
     for w in resp.workers:
         p = w.pool
-        print(f"{w.worker_id:10} {w.address:21} {'healthy' if w.healthy else 'DOWN':8} "
-              f"hb={w.heartbeat_age_seconds:4.1f}s queue={w.queue_length} running={w.running} "
-              f"pool={p.allocator}/{p.eviction} util={p.utilization:.2f} "
-              f"pages={p.pages_used}/{p.pages_total} frag={p.external_fragmentation:.3f}")
+        print(
+            f"{w.worker_id:10} {w.address:21} {'healthy' if w.healthy else 'DOWN':8} "
+            f"hb={w.heartbeat_age_seconds:4.1f}s queue={w.queue_length} running={w.running} "
+            f"pool={p.allocator}/{p.eviction} util={p.utilization:.2f} "
+            f"pages={p.pages_used}/{p.pages_total} frag={p.external_fragmentation:.3f}"
+        )
         print(f"{'':10} resident: {', '.join(w.resident_adapters) or '-'}")
     return 0
 

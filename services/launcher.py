@@ -35,14 +35,30 @@ logger = logging.getLogger(__name__)
 
 #: Policies a cluster can run (issue 6): what each sets on the services.
 POLICIES: dict[str, dict[str, str]] = {
-    "plora": {"allocator": "paged", "eviction": "predictive", "routing": "rank_aware",
-              "predictor": "on"},
-    "baseline": {"allocator": "contiguous", "eviction": "lru", "routing": "round_robin",
-                 "predictor": "off"},
-    "plora-no-predictor": {"allocator": "paged", "eviction": "lru", "routing": "rank_aware",
-                           "predictor": "off"},
-    "plora-contiguous": {"allocator": "contiguous", "eviction": "predictive",
-                         "routing": "rank_aware", "predictor": "on"},
+    "plora": {
+        "allocator": "paged",
+        "eviction": "predictive",
+        "routing": "rank_aware",
+        "predictor": "on",
+    },
+    "baseline": {
+        "allocator": "contiguous",
+        "eviction": "lru",
+        "routing": "round_robin",
+        "predictor": "off",
+    },
+    "plora-no-predictor": {
+        "allocator": "paged",
+        "eviction": "lru",
+        "routing": "rank_aware",
+        "predictor": "off",
+    },
+    "plora-contiguous": {
+        "allocator": "contiguous",
+        "eviction": "predictive",
+        "routing": "rank_aware",
+        "predictor": "on",
+    },
 }
 
 
@@ -88,26 +104,47 @@ class Child:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora up``."""
-    parser.add_argument("--state-file", default=".plora/cluster.json",
-                        help="where to write the endpoints JSON once healthy")
+    parser.add_argument(
+        "--state-file",
+        default=".plora/cluster.json",
+        help="where to write the endpoints JSON once healthy",
+    )
     parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    parser.add_argument("--model", default=None,
-                        help="base model: smollm2 (default), a .gguf file or an HF Llama directory")
-    parser.add_argument("--redis-url", default=None,
-                        help="external Redis (else PLORA_REDIS_URL, else an embedded Redis)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="base model: smollm2 (default), a .gguf file or an HF Llama directory",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="external Redis (else PLORA_REDIS_URL, else an embedded Redis)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface every service binds")
     parser.add_argument("--gateway-port", type=int, default=50051, help="0 = any free port")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="plora")
-    parser.add_argument("--demo-adapters", type=int, default=8,
-                        help="demo adapters to generate and register (0 = none)")
+    parser.add_argument(
+        "--demo-adapters",
+        type=int,
+        default=8,
+        help="demo adapters to generate and register (0 = none)",
+    )
     parser.add_argument("--demo-ranks", default="8,16,32,64")
-    parser.add_argument("--demo-relative-delta", type=float, default=0.45,
-                        help="strength of the demo adapters (||dW x|| / ||W x|| scale); strong "
-                        "enough that most of them visibly change the base model's answers")
+    parser.add_argument(
+        "--demo-relative-delta",
+        type=float,
+        default=0.45,
+        help="strength of the demo adapters (||dW x|| / ||W x|| scale); strong "
+        "enough that most of them visibly change the base model's answers",
+    )
     parser.add_argument("--adapters-dir", default=".plora/adapters")
     parser.add_argument("--pool-bytes", default=None, help="device adapter pool per worker")
-    parser.add_argument("--worker-arg", action="append", default=[],
-                        help="extra flag passed to every worker (repeatable)")
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every worker (repeatable)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
@@ -130,16 +167,25 @@ class Cluster:
 
     def _child(self, name: str, service: str, flags: list[str]) -> Child:
         ready = self.run_dir / "run" / f"{name}.ready.json"
-        cmd = [sys.executable, "-m", "services.cli", "serve", service, *flags,
-               "--ready-file", str(ready)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            service,
+            *flags,
+            "--ready-file",
+            str(ready),
+        ]
         child = Child(name, cmd, self.run_dir / "logs" / f"{name}.log", ready)
         self.children.append(child)
         return child
 
     def _wait_ready(self, children: list[Child], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        offsets = {c.name: c.log_path.stat().st_size if c.log_path.exists() else 0
-                   for c in children}
+        offsets = {
+            c.name: c.log_path.stat().st_size if c.log_path.exists() else 0 for c in children
+        }
         pending = list(children)
         while pending:
             for c in list(pending):
@@ -191,7 +237,9 @@ class Cluster:
             self._say(f"started embedded Redis at {self.redis_url}")
         env["PLORA_REDIS_URL"] = self.redis_url
 
-        self._say("preparing the base model (first run converts the GGUF once; later runs reuse it)")
+        self._say(
+            "preparing the base model (first run converts the GGUF once; later runs reuse it)"
+        )
         from services.worker.model_loader import default_cache_dir, resolve_model  # noqa: PLC0415
 
         model_dir = resolve_model(a.model, default_cache_dir())
@@ -200,14 +248,27 @@ class Cluster:
         common = ["--host", a.host, "--redis-url", self.redis_url]
         predictor = None
         if policy["predictor"] == "on":
-            predictor = self._child("predictor", "predictor",
-                                    [*common, "--port", "0", "--metrics-port", "0"])
+            predictor = self._child(
+                "predictor", "predictor", [*common, "--port", "0", "--metrics-port", "0"]
+            )
             predictor.start(env)
         workers = []
         for i in range(a.workers):
-            flags = [*common, "--worker-id", f"worker-{i}", "--port", "0", "--metrics-port", "0",
-                     "--model", str(model_dir), "--allocator", policy["allocator"],
-                     "--eviction", policy["eviction"]]
+            flags = [
+                *common,
+                "--worker-id",
+                f"worker-{i}",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--model",
+                str(model_dir),
+                "--allocator",
+                policy["allocator"],
+                "--eviction",
+                policy["eviction"],
+            ]
             if a.pool_bytes:
                 flags += ["--pool-bytes", a.pool_bytes]
             for extra in a.worker_arg:
@@ -215,12 +276,21 @@ class Cluster:
             w = self._child(f"worker-{i}", "worker", flags)
             w.start(env)
             workers.append(w)
-        self._say(f"starting {'the predictor, ' if predictor else ''}{a.workers} workers "
-                  "(loading the model)...")
+        self._say(
+            f"starting {'the predictor, ' if predictor else ''}{a.workers} workers "
+            "(loading the model)..."
+        )
         self._wait_ready([c for c in [predictor, *workers] if c], a.startup_timeout)
 
-        gw_flags = [*common, "--port", str(a.gateway_port), "--metrics-port", "0",
-                    "--routing", policy["routing"]]
+        gw_flags = [
+            *common,
+            "--port",
+            str(a.gateway_port),
+            "--metrics-port",
+            "0",
+            "--routing",
+            policy["routing"],
+        ]
         if predictor:
             gw_flags += ["--predictor-address", f"{a.host}:{predictor.ports['grpc_port']}"]
         gateway = self._child("gateway", "gateway", gw_flags)
@@ -231,8 +301,9 @@ class Cluster:
         registered = self._register_demo_adapters(gateway_address, str(model_dir))
         state = {
             "gateway": gateway_address,
-            "metrics": {c.name: f"http://{a.host}:{c.ports['metrics_port']}/metrics"
-                        for c in self.children},
+            "metrics": {
+                c.name: f"http://{a.host}:{c.ports['metrics_port']}/metrics" for c in self.children
+            },
             "redis_url": self.redis_url,
             "policy": a.policy,
             "workers": {w.name: f"{a.host}:{w.ports['grpc_port']}" for w in workers},
@@ -251,14 +322,20 @@ class Cluster:
         if a.demo_adapters <= 0:
             return []
         from services.common.make_adapters import make_adapter_set  # noqa: PLC0415
-        from services.worker.model_loader import read_config  # noqa: PLC0415
         from services.common.types import ModelSpec  # noqa: PLC0415
+        from services.worker.model_loader import read_config  # noqa: PLC0415
 
         spec = ModelSpec.from_hf_config(read_config(Path(model_dir)), name=Path(model_dir).name)
         ranks = [int(r) for r in a.demo_ranks.split(",") if r]
         out = Path(a.adapters_dir)
-        paths = make_adapter_set(out, spec, count=a.demo_adapters, ranks=ranks, seed=0,
-                                 relative_delta=a.demo_relative_delta)
+        paths = make_adapter_set(
+            out,
+            spec,
+            count=a.demo_adapters,
+            ranks=ranks,
+            seed=0,
+            relative_delta=a.demo_relative_delta,
+        )
         ids = []
         with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -289,8 +366,10 @@ class Cluster:
                 now = time.monotonic()
                 recent = [t for t in restarts[c.name] if now - t < window_s]
                 if len(recent) >= max_restarts:
-                    self._say(f"{c.name} exited (code {code}) {len(recent) + 1} times within "
-                              f"{window_s:.0f}s; stopping. Last log lines:\n{_tail(c.log_path)}")
+                    self._say(
+                        f"{c.name} exited (code {code}) {len(recent) + 1} times within "
+                        f"{window_s:.0f}s; stopping. Last log lines:\n{_tail(c.log_path)}"
+                    )
                     return 1
                 restarts[c.name] = [*recent, now]
                 self._say(f"{c.name} exited (code {code}); restarting it on the same ports")
@@ -359,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
-        f"  try: plora generate \"What is the capital of France?\"\n"
+        f'  try: plora generate "What is the capital of France?"\n'
         f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"  # type: ignore[union-attr]
         "  Ctrl-C stops everything.",
         flush=True,

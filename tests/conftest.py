@@ -71,10 +71,26 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PLORA_REDIS_URL", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--state-file", str(state_file),
-         "--gateway-port", "0", "--adapters-dir", str(root / "adapters"),
-         "--model", str(model_dir), "--pool-bytes", "256MiB"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--state-file",
+            str(state_file),
+            "--gateway-port",
+            "0",
+            "--adapters-dir",
+            str(root / "adapters"),
+            "--model",
+            str(model_dir),
+            "--pool-bytes",
+            "256MiB",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     deadline = time.monotonic() + 300
     while not state_file.exists():

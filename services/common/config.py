@@ -64,9 +64,16 @@ def parse_bytes(text: str | int) -> int:
         return text
     s = text.strip()
     units = {
-        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-        "k": 1 << 10, "m": 1 << 20, "g": 1 << 30,
-        "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1,
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "k": 1 << 10,
+        "m": 1 << 20,
+        "g": 1 << 30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
     }
     lower = s.lower()
     for unit in sorted(units, key=len, reverse=True):

@@ -45,7 +45,7 @@ def adapter_ref(info: gateway_pb2.AdapterInfo) -> AdapterRef:
 
 
 def pool_stats(pool: dict[str, Any]) -> gateway_pb2.PoolStats:
-    """A worker's pool-stats dict (heartbeat JSON) -> ``plora.v1.PoolStats`` (unknown keys dropped)."""
+    """A worker's pool-stats dict (heartbeat JSON) -> ``plora.v1.PoolStats``; drops other keys."""
     fields = gateway_pb2.PoolStats.DESCRIPTOR.fields_by_name
     return gateway_pb2.PoolStats(**{k: v for k, v in pool.items() if k in fields})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -73,23 +73,6 @@ def map_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def map_stream_errors(method: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
-    """Like :func:`map_errors`, for server-streaming methods (generators)."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[T]:
-        try:
-            yield from method(self, request, context)
-        except PLoRAError as exc:
-            abort(context, exc)
-        except Exception as exc:  # noqa: BLE001
-            if already_aborted(context):
-                raise
-            abort(context, exc)
-
-    return wrapper
-
-
 def already_aborted(context: grpc.ServicerContext) -> bool:
     """True once ``context.abort`` ran: it raises a bare ``Exception`` that must propagate."""
     code = context.code()
@@ -128,8 +111,11 @@ def create_server(
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -138,10 +124,13 @@ def create_server(
     return server, bound, health_servicer
 
 
-def set_serving(health_servicer: health.HealthServicer, names: Iterable[str], serving: bool) -> None:
+def set_serving(
+    health_servicer: health.HealthServicer, names: Iterable[str], serving: bool
+) -> None:
     """Set the health status of the overall server ("") and each named service."""
     status = (
-        health_pb2.HealthCheckResponse.SERVING if serving
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
         else health_pb2.HealthCheckResponse.NOT_SERVING
     )
     for name in ["", *names]:

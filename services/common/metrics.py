@@ -16,7 +16,20 @@ logger = logging.getLogger(__name__)
 
 #: TTFT / latency buckets in seconds: from 5 ms (warm GPU) to 2 min (cold CPU with queueing).
 LATENCY_BUCKETS: tuple[float, ...] = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
 )
 
 

@@ -84,9 +84,21 @@ class EmbeddedRedis:
             port = self.port or _free_port(self.host)
             log = Path(self.workdir) / "redis.log"
             cmd = [
-                redis_server_binary(), "--bind", self.host, "--port", str(port),
-                "--save", "", "--appendonly", "no", "--dir", self.workdir,
-                "--logfile", str(log), "--protected-mode", "no",
+                redis_server_binary(),
+                "--bind",
+                self.host,
+                "--port",
+                str(port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.workdir,
+                "--logfile",
+                str(log),
+                "--protected-mode",
+                "no",
             ]
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5)

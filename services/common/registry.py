@@ -265,7 +265,9 @@ class Registry:
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self._k("placement"))
         if placement:
-            pipe.hset(self._k("placement"), mapping={k: json.dumps(v) for k, v in placement.items()})
+            pipe.hset(
+                self._k("placement"), mapping={k: json.dumps(v) for k, v in placement.items()}
+            )
         pipe.execute()
 
     def get_placement(self) -> dict[str, list[str]]:
@@ -274,7 +276,11 @@ class Registry:
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     def set_forecast(
-        self, expected: dict[str, float], horizon_seconds: float, model: str, ttl_seconds: float = 30
+        self,
+        expected: dict[str, float],
+        horizon_seconds: float,
+        model: str,
+        ttl_seconds: float = 30,
     ) -> None:
         """Publish the latest forecast (expires so a dead predictor's forecast is not used)."""
         payload = {

@@ -20,7 +20,8 @@ class GatewayConfig:
         port: gRPC port; 0 = any free port (``PLORA_GATEWAY_PORT``).
         metrics_port: Prometheus port; 0 = any free port (``PLORA_GATEWAY_METRICS_PORT``).
         redis_url: Metadata store (``PLORA_REDIS_URL``).
-        predictor_address: ``host:port`` of the predictor; empty = none (``PLORA_PREDICTOR_ADDRESS``).
+        predictor_address: ``host:port`` of the predictor; empty = none
+            (``PLORA_PREDICTOR_ADDRESS``).
         routing: ``rank_aware`` (residency-, placement- and queue-aware) or ``round_robin``
             (the rank-oblivious baseline) (``PLORA_ROUTING``).
         max_new_tokens_limit: Largest ``max_new_tokens`` accepted (``PLORA_MAX_NEW_TOKENS_LIMIT``).
@@ -76,7 +77,8 @@ class GatewayConfig:
         return cls(
             host=args.host or env_or("PLORA_GATEWAY_HOST", d.host) or d.host,
             port=args.port if args.port is not None else env_int("PLORA_GATEWAY_PORT", d.port),
-            metrics_port=args.metrics_port if args.metrics_port is not None
+            metrics_port=args.metrics_port
+            if args.metrics_port is not None
             else env_int("PLORA_GATEWAY_METRICS_PORT", d.metrics_port),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
             predictor_address=args.predictor_address

@@ -82,8 +82,11 @@ class EventStreamer:
         if value != self.connected:
             self.connected = value
             self._on_connected(value)
-            logger.info("predictor event stream %s (%s)",
-                        "connected" if value else "disconnected", self.address)
+            logger.info(
+                "predictor event stream %s (%s)",
+                "connected" if value else "disconnected",
+                self.address,
+            )
 
     def _run(self) -> None:
         backoff = 0.5

@@ -14,16 +14,23 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "plora_gateway_requests", "Generate requests finished, by gRPC status code",
-            ["code"], registry=r,
+            "plora_gateway_requests",
+            "Generate requests finished, by gRPC status code",
+            ["code"],
+            registry=r,
         )
         self.ttft = Histogram(
-            "plora_gateway_ttft_seconds", "Gateway receipt to first token sent to the client",
-            ["adapter_cold"], buckets=LATENCY_BUCKETS, registry=r,
+            "plora_gateway_ttft_seconds",
+            "Gateway receipt to first token sent to the client",
+            ["adapter_cold"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "plora_gateway_request_duration_seconds", "Gateway receipt to last token sent",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "plora_gateway_request_duration_seconds",
+            "Gateway receipt to last token sent",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.tokens = Counter(
             "plora_gateway_generated_tokens", "Completion tokens relayed to clients", registry=r
@@ -32,19 +39,25 @@ class GatewayMetrics:
             "plora_gateway_requests_in_flight", "Generate requests being served", registry=r
         )
         self.retries = Counter(
-            "plora_gateway_retries", "Requests retried on another worker before the first token",
+            "plora_gateway_retries",
+            "Requests retried on another worker before the first token",
             registry=r,
         )
         self.routed = Counter(
-            "plora_gateway_routed", "Routing decisions by policy and reason",
-            ["policy", "reason"], registry=r,
+            "plora_gateway_routed",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
         )
         self.events_sent = Counter(
-            "plora_gateway_predictor_events_sent", "Request events sent to the predictor", registry=r
+            "plora_gateway_predictor_events_sent",
+            "Request events sent to the predictor",
+            registry=r,
         )
         self.events_dropped = Counter(
             "plora_gateway_predictor_events_dropped",
-            "Request events dropped because the predictor was slow or down", registry=r,
+            "Request events dropped because the predictor was slow or down",
+            registry=r,
         )
         self.predictor_connected = Gauge(
             "plora_gateway_predictor_connected", "1 while the event stream is connected", registry=r
@@ -53,14 +66,20 @@ class GatewayMetrics:
             "plora_gateway_workers_healthy", "Workers with a live heartbeat", registry=r
         )
         self.heartbeat_age = Gauge(
-            "plora_gateway_worker_heartbeat_age_seconds", "Age of each worker's last heartbeat",
-            ["worker"], registry=r,
+            "plora_gateway_worker_heartbeat_age_seconds",
+            "Age of each worker's last heartbeat",
+            ["worker"],
+            registry=r,
         )
         self.worker_queue = Gauge(
-            "plora_gateway_worker_queue_length", "Each worker's reported queue length",
-            ["worker"], registry=r,
+            "plora_gateway_worker_queue_length",
+            "Each worker's reported queue length",
+            ["worker"],
+            registry=r,
         )
         self.resident = Gauge(
-            "plora_gateway_worker_resident_adapters", "Adapters resident on each worker",
-            ["worker"], registry=r,
+            "plora_gateway_worker_resident_adapters",
+            "Adapters resident on each worker",
+            ["worker"],
+            registry=r,
         )

@@ -36,7 +36,6 @@ from services.common.grpc_util import (
     already_aborted,
     create_server,
     map_errors,
-    map_stream_errors,
     set_serving,
 )
 from services.common.lifecycle import serve_until_signalled, write_ready_file
@@ -155,7 +154,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             WorkerView(
                 worker_id=w.worker_id,
                 pool_bytes=int(w.pool.get("pool_bytes", 0)),
-                free_bytes=max(0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))),
+                free_bytes=max(
+                    0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))
+                ),
                 resident=frozenset(w.resident),
                 queue_length=w.queue_length + w.running,
             )
@@ -254,12 +255,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return
             except grpc.RpcError as exc:
                 before_first_token = ttft is None
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and before_first_token and (
-                    context.is_active()
+                if (
+                    exc.code() is grpc.StatusCode.UNAVAILABLE
+                    and before_first_token
+                    and (context.is_active())
                 ):
                     logger.warning(
                         "worker %s failed before the first token (%s); retrying elsewhere",
-                        worker.worker_id, exc.details(),
+                        worker.worker_id,
+                        exc.details(),
                     )
                     self.metrics.retries.inc()
                     self._workers_cache.drop("workers")
@@ -325,8 +329,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._adapters.drop(record.adapter_id)
         if previous is not None:
             self._broadcast_unload(record.adapter_id)
-        logger.info("registered adapter %s v%d (rank %d, %d bytes) from %s",
-                    record.adapter_id, record.version, record.rank, record.size_bytes, source)
+        logger.info(
+            "registered adapter %s v%d (rank %d, %d bytes) from %s",
+            record.adapter_id,
+            record.version,
+            record.rank,
+            record.size_bytes,
+            source,
+        )
         return gateway_pb2.RegisterAdapterResponse(adapter=convert.adapter_info(record))
 
     @map_errors
@@ -375,8 +385,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id), timeout=10
                     )
                 except grpc.RpcError as exc:
-                    logger.warning("unload of %s on %s failed: %s", adapter_id, w.worker_id,
-                                   exc.code().name)
+                    logger.warning(
+                        "unload of %s on %s failed: %s", adapter_id, w.worker_id, exc.code().name
+                    )
 
         threading.Thread(target=run, name="unload-broadcast", daemon=True).start()
 

@@ -57,6 +57,4 @@ def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfi
         )
     for i, stop in enumerate(request.stop):
         if not stop or len(stop) > MAX_STOP_LENGTH:
-            raise InvalidRequestError(
-                f"stop[{i}] must be 1..{MAX_STOP_LENGTH} characters long"
-            )
+            raise InvalidRequestError(f"stop[{i}] must be 1..{MAX_STOP_LENGTH} characters long")

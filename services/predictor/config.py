@@ -67,7 +67,8 @@ class PredictorConfig:
         return cls(
             host=args.host or env_or("PLORA_PREDICTOR_HOST", d.host) or d.host,
             port=args.port if args.port is not None else env_int("PLORA_PREDICTOR_PORT", d.port),
-            metrics_port=args.metrics_port if args.metrics_port is not None
+            metrics_port=args.metrics_port
+            if args.metrics_port is not None
             else env_int("PLORA_PREDICTOR_METRICS_PORT", d.metrics_port),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
             forecaster=args.forecaster or env_or("PLORA_FORECASTER", d.forecaster) or d.forecaster,

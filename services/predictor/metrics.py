@@ -11,25 +11,35 @@ class PredictorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.events = Counter("plora_predictor_events_received", "Request events received",
-                              registry=r)
+        self.events = Counter(
+            "plora_predictor_events_received", "Request events received", registry=r
+        )
         self.streams = Gauge("plora_predictor_event_streams", "Open event streams", registry=r)
         self.tick = Histogram(
-            "plora_predictor_tick_seconds", "Duration of one forecast + prefetch round",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r,
+            "plora_predictor_tick_seconds",
+            "Duration of one forecast + prefetch round",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=r,
         )
-        self.training_loss = Gauge("plora_predictor_training_loss",
-                                   "Latest online training loss of the forecaster", registry=r)
+        self.training_loss = Gauge(
+            "plora_predictor_training_loss",
+            "Latest online training loss of the forecaster",
+            registry=r,
+        )
         self.recall_at_3 = Gauge(
             "plora_predictor_recall_at_3_ratio",
             "Forecast recall@3 over 5 s windows, averaged over the last minute (scored online)",
             registry=r,
         )
-        self.prefetches = Counter("plora_predictor_prefetches_sent",
-                                  "Adapters sent in PrefetchAdapters calls", registry=r)
-        self.prefetch_errors = Counter("plora_predictor_prefetch_errors",
-                                       "PrefetchAdapters calls that failed", registry=r)
-        self.adapters_tracked = Gauge("plora_predictor_adapters_tracked",
-                                      "Adapters with a forecast", registry=r)
-        self.placement_moves = Counter("plora_predictor_placement_moves",
-                                       "Adapter-to-worker assignments changed", registry=r)
+        self.prefetches = Counter(
+            "plora_predictor_prefetches_sent", "Adapters sent in PrefetchAdapters calls", registry=r
+        )
+        self.prefetch_errors = Counter(
+            "plora_predictor_prefetch_errors", "PrefetchAdapters calls that failed", registry=r
+        )
+        self.adapters_tracked = Gauge(
+            "plora_predictor_adapters_tracked", "Adapters with a forecast", registry=r
+        )
+        self.placement_moves = Counter(
+            "plora_predictor_placement_moves", "Adapter-to-worker assignments changed", registry=r
+        )

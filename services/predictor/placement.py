@@ -131,9 +131,7 @@ def plan_placement(
             room[w] -= d.size_bytes
         if chosen:
             placement[a] = chosen
-    moves = sum(
-        len(set(ws) - set(previous[a])) for a, ws in placement.items() if a in previous
-    )
+    moves = sum(len(set(ws) - set(previous[a])) for a, ws in placement.items() if a in previous)
     return placement, moves
 
 

@@ -212,8 +212,7 @@ class PredictorCore:
             return
         records = {r.adapter_id: r for r in self.registry.list_adapters()}
         demand = {
-            a: AdapterDemand(rank=records[a].rank, size_bytes=records[a].size_bytes,
-                             expected=e)
+            a: AdapterDemand(rank=records[a].rank, size_bytes=records[a].size_bytes, expected=e)
             for a, (_p, e) in forecast.as_dict().items()
             if a in records and e > 0
         }
@@ -221,7 +220,9 @@ class PredictorCore:
             WorkerView(
                 worker_id=w.worker_id,
                 pool_bytes=int(w.pool.get("pool_bytes", 0)),
-                free_bytes=max(0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))),
+                free_bytes=max(
+                    0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))
+                ),
                 resident=frozenset(w.resident),
                 queue_length=w.queue_length + w.running,
             )
@@ -232,8 +233,9 @@ class PredictorCore:
             self.metrics.placement_moves.inc(moves)
         self.placement = placement
         self.registry.set_placement(placement)
-        plan = self.selector.select(demand, placement, views,
-                                    max_per_worker=self.config.max_prefetch_per_worker)
+        plan = self.selector.select(
+            demand, placement, views, max_per_worker=self.config.max_prefetch_per_worker
+        )
         addresses = {w.worker_id: w.address for w in workers}
         for worker_id, items in plan.items():
             if not items:
@@ -241,8 +243,11 @@ class PredictorCore:
             request = worker_pb2.PrefetchAdaptersRequest(horizon_seconds=self.config.horizon_s)
             for adapter_id, expected in items:
                 p, _e = forecast.get(adapter_id)
-                request.items.add(adapter=convert.adapter_info(records[adapter_id]),
-                                  probability=p, expected_count=expected)
+                request.items.add(
+                    adapter=convert.adapter_info(records[adapter_id]),
+                    probability=p,
+                    expected_count=expected,
+                )
             try:
                 self._stub(addresses[worker_id]).PrefetchAdapters(request, timeout=2.0)
                 self.metrics.prefetches.inc(len(items))
@@ -305,8 +310,12 @@ class PredictorService:
         set_serving(self.health, [SERVICE_NAME], True)
         if self.config.ready_file:
             write_ready_file(self.config.ready_file, self.port, self.metrics_port)
-        logger.info("predictor serving on %s:%d (forecaster %s)", self.config.host, self.port,
-                    self.config.forecaster)
+        logger.info(
+            "predictor serving on %s:%d (forecaster %s)",
+            self.config.host,
+            self.port,
+            self.config.forecaster,
+        )
         return self
 
     def stop(self, grace: float = 2.0) -> None:

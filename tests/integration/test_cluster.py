@@ -51,9 +51,22 @@ def test_base_model_answers_paris_streamed(stub: gateway_pb2_grpc.GatewayStub) -
 
 def test_cli_generate_streams_paris(cluster: dict) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--gateway", cluster["gateway"],
-         "--max-new-tokens", "24", QUESTION],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "generate",
+            "--gateway",
+            cluster["gateway"],
+            "--max-new-tokens",
+            "24",
+            QUESTION,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert "Paris" in out.stdout
     assert "worker=worker-" in out.stderr
@@ -71,8 +84,9 @@ def test_adapter_changes_output_deterministically_and_is_resident(
     served_by = chunks[-1].worker_id
     status = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=10)
     deadline = time.monotonic() + 5
-    while adapter not in {a for w in status.workers if w.worker_id == served_by
-                          for a in w.resident_adapters}:
+    while adapter not in {
+        a for w in status.workers if w.worker_id == served_by for a in w.resident_adapters
+    }:
         assert time.monotonic() < deadline, f"{adapter} not reported resident on {served_by}"
         time.sleep(0.2)
         status = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=10)
@@ -81,8 +95,14 @@ def test_adapter_changes_output_deterministically_and_is_resident(
 
 
 def test_seeded_sampling_is_reproducible(stub: gateway_pb2_grpc.GatewayStub) -> None:
-    req = chat("Write a short poem about the sea.", max_new_tokens=16, temperature=0.9,
-               top_p=0.95, top_k=50, seed=1234)
+    req = chat(
+        "Write a short poem about the sea.",
+        max_new_tokens=16,
+        temperature=0.9,
+        top_p=0.95,
+        top_k=50,
+        seed=1234,
+    )
     a, _ = collect(stub, req)
     b, _ = collect(stub, req)
     assert a == b and a
@@ -99,27 +119,38 @@ def test_adapter_lifecycle_register_get_list_delete(
 ) -> None:
     source = Path(cluster["root"]) / "adapters" / cluster["adapters"][1]
     info = stub.RegisterAdapter(
-        gateway_pb2.RegisterAdapterRequest(adapter_id="tenant-a/copy", source=str(source),
-                                           tenant_id="tenant-a"), timeout=60).adapter
+        gateway_pb2.RegisterAdapterRequest(
+            adapter_id="tenant-a/copy", source=str(source), tenant_id="tenant-a"
+        ),
+        timeout=60,
+    ).adapter
     assert info.version >= 1 and info.rank > 0 and info.size_bytes > 0 and len(info.sha256) == 64
     again = stub.RegisterAdapter(
-        gateway_pb2.RegisterAdapterRequest(adapter_id="tenant-a/copy", source=str(source),
-                                           tenant_id="tenant-a"), timeout=60).adapter
+        gateway_pb2.RegisterAdapterRequest(
+            adapter_id="tenant-a/copy", source=str(source), tenant_id="tenant-a"
+        ),
+        timeout=60,
+    ).adapter
     assert again.version > info.version
-    got = stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="tenant-a/copy",
-                                                        tenant_id="tenant-a"), timeout=10)
+    got = stub.GetAdapter(
+        gateway_pb2.GetAdapterRequest(adapter_id="tenant-a/copy", tenant_id="tenant-a"), timeout=10
+    )
     assert got.adapter.version == again.version
     listed = stub.ListAdapters(gateway_pb2.ListAdaptersRequest(tenant_id="tenant-a"), timeout=10)
     assert "tenant-a/copy" in {a.adapter_id for a in listed.adapters}
     with pytest.raises(grpc.RpcError) as err:
-        stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="tenant-a/copy",
-                                                      tenant_id="tenant-b"), timeout=10)
+        stub.GetAdapter(
+            gateway_pb2.GetAdapterRequest(adapter_id="tenant-a/copy", tenant_id="tenant-b"),
+            timeout=10,
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, chat(adapter_id="tenant-a/copy", tenant_id="tenant-b", max_new_tokens=2))
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    stub.DeleteAdapter(gateway_pb2.DeleteAdapterRequest(adapter_id="tenant-a/copy",
-                                                        tenant_id="tenant-a"), timeout=10)
+    stub.DeleteAdapter(
+        gateway_pb2.DeleteAdapterRequest(adapter_id="tenant-a/copy", tenant_id="tenant-a"),
+        timeout=10,
+    )
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, chat(adapter_id="tenant-a/copy", tenant_id="tenant-a", max_new_tokens=2))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -147,14 +178,17 @@ def _invalid_requests() -> list[tuple[str, gateway_pb2.GenerateRequest]]:
         ("temperature negative", chat(temperature=-0.5)),
         ("top_p zero", chat(top_p=0.0)),
         ("top_p above one", chat(top_p=1.5)),
-        ("prompt longer than the context",
-         gateway_pb2.GenerateRequest(prompt="hello " * 9000, max_new_tokens=4)),
+        (
+            "prompt longer than the context",
+            gateway_pb2.GenerateRequest(prompt="hello " * 9000, max_new_tokens=4),
+        ),
     ]
     return cases
 
 
-@pytest.mark.parametrize(("name", "request_"), _invalid_requests(), ids=lambda x: x
-                         if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    ("name", "request_"), _invalid_requests(), ids=lambda x: x if isinstance(x, str) else ""
+)
 def test_bad_generate_requests_are_invalid_argument(stub, name, request_) -> None:
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, request_)
@@ -167,21 +201,31 @@ def test_bad_generate_requests_are_invalid_argument(stub, name, request_) -> Non
     [
         (lambda tmp: tmp / "missing", grpc.StatusCode.INVALID_ARGUMENT),
         (lambda tmp: tmp, grpc.StatusCode.INVALID_ARGUMENT),  # no adapter_config.json
-        (lambda tmp: shared_data("adapters", "llama32_1b_desmason"),
-         grpc.StatusCode.FAILED_PRECONDITION),
+        (
+            lambda tmp: shared_data("adapters", "llama32_1b_desmason"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
     ],
     ids=["missing-dir", "no-config", "shapes-do-not-fit"],
 )
 def test_bad_adapter_registration_leaves_nothing_behind(stub, tmp_path, make_source, code):
-    before = {a.adapter_id for a in stub.ListAdapters(gateway_pb2.ListAdaptersRequest(),
-                                                      timeout=10).adapters}
+    before = {
+        a.adapter_id
+        for a in stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters
+    }
     with pytest.raises(grpc.RpcError) as err:
-        stub.RegisterAdapter(gateway_pb2.RegisterAdapterRequest(
-            adapter_id="bad-one", source=str(make_source(tmp_path))), timeout=60)
+        stub.RegisterAdapter(
+            gateway_pb2.RegisterAdapterRequest(
+                adapter_id="bad-one", source=str(make_source(tmp_path))
+            ),
+            timeout=60,
+        )
     assert err.value.code() == code
     assert err.value.details() and "Traceback" not in err.value.details()
-    after = {a.adapter_id for a in stub.ListAdapters(gateway_pb2.ListAdaptersRequest(),
-                                                     timeout=10).adapters}
+    after = {
+        a.adapter_id
+        for a in stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters
+    }
     assert after == before
     with pytest.raises(grpc.RpcError) as err:
         stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="bad-one"), timeout=10)
@@ -189,18 +233,22 @@ def test_bad_adapter_registration_leaves_nothing_behind(stub, tmp_path, make_sou
 
 
 def test_client_cancel_stops_generation_on_the_worker(stub, cluster: dict) -> None:
-    call = stub.Generate(chat("Tell me a very long story about dragons.", max_new_tokens=400),
-                         timeout=120)
+    call = stub.Generate(
+        chat("Tell me a very long story about dragons.", max_new_tokens=400), timeout=120
+    )
     first = next(call)
     assert first.token_ids
     call.cancel()
     # The worker must drop the sequence (free its KV slot and adapter lease) promptly.
     deadline = time.monotonic() + 10
-    workers = [worker_pb2_grpc.WorkerStub(grpc.insecure_channel(a))
-               for a in cluster["workers"].values()]
+    workers = [
+        worker_pb2_grpc.WorkerStub(grpc.insecure_channel(a)) for a in cluster["workers"].values()
+    ]
     while True:
-        running = sum(w.GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5).running
-                      for w in workers)
+        running = sum(
+            w.GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5).running
+            for w in workers
+        )
         if running == 0:
             break
         assert time.monotonic() < deadline, "worker kept generating after the client cancelled"
@@ -212,15 +260,21 @@ def test_client_cancel_stops_generation_on_the_worker(stub, cluster: dict) -> No
 
 def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
     collect(stub, chat(max_new_tokens=4))
-    texts = {name: urllib.request.urlopen(url, timeout=10).read().decode()
-             for name, url in cluster["metrics"].items()}
+    texts = {
+        name: urllib.request.urlopen(url, timeout=10).read().decode()
+        for name, url in cluster["metrics"].items()
+    }
     assert 'plora_gateway_requests_total{code="OK"}' in texts["gateway"]
     assert "plora_gateway_ttft_seconds_bucket" in texts["gateway"]
     assert "plora_gateway_worker_heartbeat_age_seconds" in texts["gateway"]
     worker_text = texts["worker-0"] + texts["worker-1"]
-    for name in ("plora_worker_generated_tokens_total", "plora_worker_queue_length",
-                 "plora_worker_resident_adapters", "plora_worker_heartbeat_age_seconds",
-                 "plora_worker_pool_utilization_ratio"):
+    for name in (
+        "plora_worker_generated_tokens_total",
+        "plora_worker_queue_length",
+        "plora_worker_resident_adapters",
+        "plora_worker_heartbeat_age_seconds",
+        "plora_worker_pool_utilization_ratio",
+    ):
         assert name in worker_text
     assert "plora_predictor_events_received_total" in texts["predictor"]
 
@@ -232,11 +286,13 @@ def test_health_and_reflection_on_every_server(cluster: dict) -> None:
     addresses = [cluster["gateway"], cluster["predictor"], *cluster["workers"].values()]
     for address in addresses:
         with grpc.insecure_channel(address) as ch:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                          timeout=5)
+            status = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             reflection = reflection_pb2_grpc.ServerReflectionStub(ch)
             responses = reflection.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             names = {s.name for r in responses for s in r.list_services_response.service}
             assert any(n.startswith("plora.v1.") for n in names), (address, names)

@@ -32,9 +32,15 @@ def model_and_tokenizer(model_dir: Path):
 
 
 def _stream(engine: Engine, ref: AdapterRef, prompt: list[int], n: int):
-    stream = engine.submit(EngineRequest(request_id=f"{ref.adapter_id}-{time.monotonic_ns()}",
-                                         prompt_token_ids=prompt, max_new_tokens=n,
-                                         adapter=ref, ignore_eos=True))
+    stream = engine.submit(
+        EngineRequest(
+            request_id=f"{ref.adapter_id}-{time.monotonic_ns()}",
+            prompt_token_ids=prompt,
+            max_new_tokens=n,
+            adapter=ref,
+            ignore_eos=True,
+        )
+    )
     stamps, text = [], []
     for event in stream:
         assert event.error is None, event.error
@@ -49,16 +55,22 @@ def test_stream_on_a_is_unaffected_by_loads_and_evictions(model_and_tokenizer, t
     spec = model.spec
     refs = {}
     for name in "ABCDE":
-        path = write_peft_adapter(tmp_path / name, spec, rank=RANK, alpha=2 * RANK,
-                                  seed=ord(name), relative_delta=0.45)
+        path = write_peft_adapter(
+            tmp_path / name, spec, rank=RANK, alpha=2 * RANK, seed=ord(name), relative_delta=0.45
+        )
         refs[name] = AdapterRef(name, 1, str(path))
     one = load_lora_weights(refs["A"].source, spec, adapter_id="A", version=1).nbytes
     store = AdapterStore(
         # Room for A and three more: loading B, C, D must evict E.
-        StoreConfig(pool_bytes=4 * one + one // 2, page_bytes=64 << 10,
-                    host_cache_bytes=16 * one, eviction="lru"),
-        loader=lambda r: load_lora_weights(r.source, spec, adapter_id=r.adapter_id,
-                                           version=r.version),
+        StoreConfig(
+            pool_bytes=4 * one + one // 2,
+            page_bytes=64 << 10,
+            host_cache_bytes=16 * one,
+            eviction="lru",
+        ),
+        loader=lambda r: load_lora_weights(
+            r.source, spec, adapter_id=r.adapter_id, version=r.version
+        ),
     )
     engine = Engine(model, tokenizer, store, EngineConfig(max_batch_size=4))
     engine.start()

@@ -16,9 +16,7 @@ from tests.conftest import REPO
 
 @pytest.fixture()
 def gateway(redis_url: str):
-    service = GatewayService(
-        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)
-    ).start()
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     yield gateway_pb2_grpc.GatewayStub(channel)
     channel.close()
@@ -49,9 +47,23 @@ def test_cluster_status_with_no_workers(gateway) -> None:
 @pytest.mark.parametrize("service", ["gateway", "predictor", "worker"])
 def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", service,
-         "--redis-url", "redis://127.0.0.1:1/0", "--port", "0", "--metrics-port", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            service,
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in out.stderr
@@ -60,9 +72,20 @@ def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
 
 def test_plora_up_with_unreachable_redis_fails_cleanly(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--redis-url", "redis://127.0.0.1:1/0",
-         "--state-file", str(tmp_path / "c.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--state-file",
+            str(tmp_path / "c.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2
     assert "cannot reach Redis" in out.stderr

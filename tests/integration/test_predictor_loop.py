@@ -40,17 +40,23 @@ def register_copies(stub, cluster: dict, prefix: str, count: int) -> list[str]:
     for i in range(count):
         source = Path(cluster["root"]) / "adapters" / cluster["adapters"][i % 8]
         adapter_id = f"{prefix}-{i}"
-        stub.RegisterAdapter(gateway_pb2.RegisterAdapterRequest(adapter_id=adapter_id,
-                                                                source=str(source)), timeout=60)
+        stub.RegisterAdapter(
+            gateway_pb2.RegisterAdapterRequest(adapter_id=adapter_id, source=str(source)),
+            timeout=60,
+        )
         ids.append(adapter_id)
     return ids
 
 
 def live_resident(workers: list[worker_pb2_grpc.WorkerStub]) -> set[str]:
     """Adapters resident on any worker now (asked of the workers, not their last heartbeat)."""
-    return {a for w in workers
-            for a in w.GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=10)
-            .resident_adapters}
+    return {
+        a
+        for w in workers
+        for a in w.GetWorkerStatus(
+            worker_pb2.GetWorkerStatusRequest(), timeout=10
+        ).resident_adapters
+    }
 
 
 def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, cluster):
@@ -60,8 +66,9 @@ def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, clu
         first = list(pool.map(lambda a: ask(stub, a), adapters * 2))
     assert any(r.adapter_cold for r in first)
     # Take the adapters out of every worker (as eviction under pressure would) ...
-    workers = [worker_pb2_grpc.WorkerStub(grpc.insecure_channel(a))
-               for a in cluster["workers"].values()]
+    workers = [
+        worker_pb2_grpc.WorkerStub(grpc.insecure_channel(a)) for a in cluster["workers"].values()
+    ]
     for w in workers:
         for a in adapters:
             w.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=a), timeout=10)
@@ -78,8 +85,11 @@ def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, clu
     second = [ask(stub, a) for a in adapters]
     assert not any(r.adapter_cold for r in second), [(r.adapter_cold, r.worker_id) for r in second]
     metrics = urllib.request.urlopen(cluster["metrics"]["predictor"], timeout=10).read().decode()
-    sent = [line for line in metrics.splitlines()
-            if line.startswith("plora_predictor_prefetches_sent_total")]
+    sent = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("plora_predictor_prefetches_sent_total")
+    ]
     assert sent and float(sent[0].split()[-1]) >= len(adapters)
 
 
@@ -108,8 +118,9 @@ def test_killing_the_predictor_fails_no_request_and_it_resumes(stub, cluster):
         assert time.monotonic() < deadline, "predictor was not restarted"
         time.sleep(0.5)
     deadline = time.monotonic() + 30
-    while not stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(),
-                                    timeout=10).predictor_connected:
+    while not stub.GetClusterStatus(
+        gateway_pb2.GetClusterStatusRequest(), timeout=10
+    ).predictor_connected:
         assert time.monotonic() < deadline, "gateway did not reconnect to the predictor"
         time.sleep(0.5)
     restarted_at = time.time()

@@ -94,8 +94,12 @@ def test_workers_advertise_their_container_names() -> None:
 
 
 def test_prometheus_scrapes_every_service_metrics_port() -> None:
-    targets = {t for job in PROMETHEUS["scrape_configs"] for sc in job["static_configs"]
-               for t in sc["targets"]}
+    targets = {
+        t
+        for job in PROMETHEUS["scrape_configs"]
+        for sc in job["static_configs"]
+        for t in sc["targets"]
+    }
     for service in PLORA_SERVICES:
         _kind, args = _parse(service)
         assert f"{service}:{args.metrics_port}" in targets, service

@@ -14,8 +14,15 @@ from services.worker.config import WorkerConfig
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("1048576", 1 << 20), ("4MiB", 4 << 20), ("4M", 4 << 20), ("1.5GiB", 3 << 29),
-     ("512KiB", 512 << 10), ("2MB", 2_000_000), (7, 7)],
+    [
+        ("1048576", 1 << 20),
+        ("4MiB", 4 << 20),
+        ("4M", 4 << 20),
+        ("1.5GiB", 3 << 29),
+        ("512KiB", 512 << 10),
+        ("2MB", 2_000_000),
+        (7, 7),
+    ],
 )
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value

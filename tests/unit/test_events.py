@@ -21,8 +21,9 @@ def test_offer_never_blocks_and_counts_drops_when_the_predictor_is_down() -> Non
     streamer.start()
     try:
         start = time.perf_counter()
-        accepted = [streamer.offer(predictor_pb2.RequestEvent(adapter_id=f"a{i}"))
-                    for i in range(1000)]
+        accepted = [
+            streamer.offer(predictor_pb2.RequestEvent(adapter_id=f"a{i}")) for i in range(1000)
+        ]
         elapsed = time.perf_counter() - start
     finally:
         streamer.stop()

@@ -81,24 +81,56 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
     ("adapter", "workers", "placement", "expected"),
     [
         # resident beats placed and least loaded
-        ("a", [WorkerView("w0", queue_length=2, resident=frozenset({"a"})),
-               WorkerView("w1", queue_length=0)], {"a": ["w1"]}, ("w0", "resident")),
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=2, resident=frozenset({"a"})),
+                WorkerView("w1", queue_length=0),
+            ],
+            {"a": ["w1"]},
+            ("w0", "resident"),
+        ),
         # resident with the shortest queue among residents
-        ("a", [WorkerView("w0", queue_length=3, resident=frozenset({"a"})),
-               WorkerView("w1", queue_length=1, resident=frozenset({"a"}))], {},
-         ("w1", "resident")),
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=3, resident=frozenset({"a"})),
+                WorkerView("w1", queue_length=1, resident=frozenset({"a"})),
+            ],
+            {},
+            ("w1", "resident"),
+        ),
         # resident but overloaded beyond the slack -> placed / least loaded
-        ("a", [WorkerView("w0", queue_length=20, resident=frozenset({"a"})),
-               WorkerView("w1", queue_length=0)], {}, ("w1", "least_loaded")),
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=20, resident=frozenset({"a"})),
+                WorkerView("w1", queue_length=0),
+            ],
+            {},
+            ("w1", "least_loaded"),
+        ),
         # not resident anywhere -> placed worker
-        ("a", [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1)],
-         {"a": ["w1"]}, ("w1", "placed")),
+        (
+            "a",
+            [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1)],
+            {"a": ["w1"]},
+            ("w1", "placed"),
+        ),
         # unknown adapter -> least loaded, ties on id
-        ("a", [WorkerView("w1", queue_length=0), WorkerView("w0", queue_length=0)], {},
-         ("w0", "least_loaded")),
+        (
+            "a",
+            [WorkerView("w1", queue_length=0), WorkerView("w0", queue_length=0)],
+            {},
+            ("w0", "least_loaded"),
+        ),
         # base model -> least loaded
-        ("", [WorkerView("w0", queue_length=5), WorkerView("w1", queue_length=1)], {},
-         ("w1", "least_loaded")),
+        (
+            "",
+            [WorkerView("w0", queue_length=5), WorkerView("w1", queue_length=1)],
+            {},
+            ("w1", "least_loaded"),
+        ),
     ],
 )
 def test_rank_aware_routing(adapter, workers, placement, expected) -> None:
@@ -115,10 +147,16 @@ def test_round_robin_ignores_residency_and_cycles() -> None:
 
 def test_prefetch_selector_hysteresis_and_residency() -> None:
     sel = PrefetchSelector(high=1.0, low=0.5)
-    ws = [WorkerView("w0", pool_bytes=100 * MB, resident=frozenset({"r"})), WorkerView("w1", 100 * MB)]
+    ws = [
+        WorkerView("w0", pool_bytes=100 * MB, resident=frozenset({"r"})),
+        WorkerView("w1", 100 * MB),
+    ]
     placement = {"a": ["w1"], "b": ["w0"], "r": ["w0"]}
-    demand = {"a": AdapterDemand(8, MB, 2.0), "b": AdapterDemand(8, MB, 0.7),
-              "r": AdapterDemand(8, MB, 5.0)}
+    demand = {
+        "a": AdapterDemand(8, MB, 2.0),
+        "b": AdapterDemand(8, MB, 0.7),
+        "r": AdapterDemand(8, MB, 5.0),
+    }
     plan = sel.select(demand, placement, ws)
     assert plan == {"w0": [], "w1": [("a", 2.0)]}  # b below high; r already resident
     demand["a"] = AdapterDemand(8, MB, 0.6)  # drops below high but stays above low: still hot
@@ -135,5 +173,11 @@ def test_prefetch_respects_count_and_pool_budget() -> None:
     demand = {f"a{i}": AdapterDemand(8, 4 * MB, 10.0 - i) for i in range(5)}
     placement = {a: ["w0"] for a in demand}
     assert [a for a, _ in sel.select(demand, placement, ws)["w0"]] == ["a0", "a1"]
-    assert len(sel.select(demand, placement, [WorkerView("w0", pool_bytes=100 * MB)],
-                          max_per_worker=3)["w0"]) == 3
+    assert (
+        len(
+            sel.select(
+                demand, placement, [WorkerView("w0", pool_bytes=100 * MB)], max_per_worker=3
+            )["w0"]
+        )
+        == 3
+    )
