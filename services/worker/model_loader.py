@@ -17,6 +17,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -181,6 +182,18 @@ def resolve_model(model: str | None, cache_dir: Path) -> Path:
     with open(path / "config.json", encoding="utf-8") as f:
         check_llama_family(json.load(f), path)
     return path
+
+
+def model_display_name(model_dir: Path) -> str:
+    """Human name of a served model directory.
+
+    A converted GGUF's cache directory ``<stem>-<hash>`` shows as its stem without the
+    quantization suffix (``SmolLM2-135M-Instruct.Q4_1-40eb328f239f`` -> ``SmolLM2-135M-Instruct``);
+    any other directory shows as its own name.
+    """
+    name = Path(model_dir).name
+    match = re.fullmatch(r"(.+?)(\.[A-Za-z0-9_]+)?-[0-9a-f]{12}", name)
+    return match.group(1) if match else name
 
 
 def read_config(model_dir: Path) -> dict[str, object]:

@@ -39,7 +39,7 @@ from services.worker.config import WorkerConfig
 from services.worker.engine import Engine, EngineConfig, EngineRequest
 from services.worker.metrics import WorkerMetrics
 from services.worker.model import LlamaModel
-from services.worker.model_loader import default_cache_dir, resolve_model
+from services.worker.model_loader import default_cache_dir, model_display_name, resolve_model
 from services.worker.store import AdapterStore, StoreConfig, StoreEvent
 from services.worker.tokenizer import Tokenizer
 
@@ -250,7 +250,9 @@ class WorkerService:
         logger.info("resolving base model %s", config.model)
         model_dir = resolve_model(config.model, cache)
         self.tokenizer = Tokenizer(model_dir)
-        self.model = LlamaModel.from_dir(model_dir, device=self.device, dtype=self.dtype)
+        self.model = LlamaModel.from_dir(
+            model_dir, device=self.device, dtype=self.dtype, name=model_display_name(model_dir)
+        )
         self.spec: ModelSpec = self.model.spec
         logger.info("base model %s loaded on %s (%s)", self.spec.name, self.device, self.dtype)
         self.store = AdapterStore(
