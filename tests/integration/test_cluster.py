@@ -91,6 +91,7 @@ def test_adapter_changes_output_deterministically_and_is_resident(
         time.sleep(0.2)
         status = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=10)
     assert len(status.workers) == 2 and all(w.healthy for w in status.workers)
+    assert status.base_model == "SmolLM2-135M-Instruct"
     assert status.adapters_registered >= 8
 
 
