@@ -113,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per measurement (best is kept), all systems"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="short run: batch sizes 1,8 and 12 new tokens"
     )
 
@@ -247,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "new_tokens": new_tokens,
+        "repeats": max(1, int(args.repeats)),
         "batch_sizes": sizes,
         "adapter_ranks": list(ADAPTER_RANKS),
         "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
@@ -254,8 +258,9 @@ def run(args: argparse.Namespace) -> int:
     hf_base: dict[str, float] = {}
     logger.info("transformers generate, base model")
     _hf_run(hf, prompts[:1], 2)  # warm-up
+    reps = max(1, int(args.repeats))
     for b in sizes:
-        hf_base[str(b)] = _hf_run(hf, prompts[:b], new_tokens)
+        hf_base[str(b)] = max(_hf_run(hf, prompts[:b], new_tokens) for _ in range(reps))
 
     pm, ours = _peft_adapters(hf, model.spec.num_layers)
     names = list(ours)
@@ -263,11 +268,14 @@ def run(args: argparse.Namespace) -> int:
     logger.info("PEFT mixed-adapter generate")
     _hf_run(pm, prompts[:1], 2, adapter_names=names[:1])  # type: ignore[arg-type]
     for b in sizes:
-        peft_mixed[str(b)] = _hf_run(
-            pm,  # type: ignore[arg-type]
-            prompts[:b],
-            new_tokens,
-            adapter_names=[names[i % len(names)] for i in range(b)],
+        peft_mixed[str(b)] = max(
+            _hf_run(
+                pm,  # type: ignore[arg-type]
+                prompts[:b],
+                new_tokens,
+                adapter_names=[names[i % len(names)] for i in range(b)],
+            )
+            for _ in range(reps)
         )
     del pm, hf
 
@@ -291,10 +299,13 @@ def run(args: argparse.Namespace) -> int:
         eng_mixed: dict[str, float] = {}
         for b in sizes:
             logger.info("engine batch %d", b)
-            eng_base[str(b)] = _engine_run(engine, prompts[:b], [None] * b, new_tokens)
-            eng_mixed[str(b)] = _engine_run(
-                engine, prompts[:b], [names[i % len(names)] for i in range(b)], new_tokens
-            )
+            mixed_adapters = [names[i % len(names)] for i in range(b)]
+            base_runs, mixed_runs = [], []
+            for _ in range(reps):  # interleaved, so load drift hits both alike
+                base_runs.append(_engine_run(engine, prompts[:b], [None] * b, new_tokens))
+                mixed_runs.append(_engine_run(engine, prompts[:b], mixed_adapters, new_tokens))
+            eng_base[str(b)] = max(base_runs)
+            eng_mixed[str(b)] = max(mixed_runs)
         long_text = " ".join(PROMPTS * 20)
         long_prompt = tok.encode(long_text)[:256]
         ttfts = []

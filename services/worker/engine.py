@@ -42,8 +42,9 @@ from services.common.errors import (
     PLoRAError,
     RequestCancelledError,
 )
+from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
-from services.worker.lora_ops import NO_ADAPTER, LoRABatch
+from services.worker.lora_ops import NO_ADAPTER, LoRABatch, StackedLoRA
 from services.worker.model import KVCache, LlamaModel, SeqChunk, StepBatch
 from services.worker.sampling import SamplingParams, StopMatcher, make_generator, sample_batch
 from services.worker.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -73,6 +74,11 @@ class EngineConfig:
         max_queue: Waiting requests at most; more raise ``OverloadedError``.
         adapter_wait_timeout_s: A request waiting this long for its adapter fails with
             ``DeadlineExceededError``.
+        lora_stack_max_rows: Steps of at most this many tokens apply LoRA in the stacked form
+            (:class:`~services.worker.lora_ops.StackedLoRA`, three kernel calls per projection
+            whatever the number of adapters); larger steps use the per-segment loop. 0 = never.
+        lora_stack_min_steps: Consecutive steps with the same adapter set before it is stacked.
+        lora_stack_max_bytes: Largest adapter set (bytes) that is stacked (it is a copy).
     """
 
     device: str = "cpu"
@@ -83,6 +89,9 @@ class EngineConfig:
     max_new_tokens_limit: int = 512
     max_queue: int = 256
     adapter_wait_timeout_s: float = 60.0
+    lora_stack_max_rows: int = 64
+    lora_stack_min_steps: int = 2
+    lora_stack_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype not in _DTYPES.values():
@@ -97,6 +106,8 @@ class EngineConfig:
             raise ConfigError("max_new_tokens_limit and max_queue must be >= 1")
         if self.adapter_wait_timeout_s <= 0:
             raise ConfigError("adapter_wait_timeout_s must be > 0")
+        if self.lora_stack_max_rows < 0 or self.lora_stack_min_steps < 1:
+            raise ConfigError("lora_stack_max_rows must be >= 0 and lora_stack_min_steps >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -265,6 +276,9 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self._stack_key: tuple[tuple[str, int], ...] = ()
+        self._stack_streak = 0
+        self._stacked: StackedLoRA | None = None
 
     # ------------------------------------------------------------------ public API
     def start(self) -> None:
@@ -537,13 +551,13 @@ class Engine:
             return
 
         # Rows grouped by adapter (base-only first) so each adapter is one LoRA segment.
-        keys: dict[tuple[str, int], int] = {}
-        leases: list[AdapterLease] = []
+        by_key: dict[tuple[str, int], AdapterLease] = {}
         for s, _ in work:
-            if s.adapter_key is not None and s.adapter_key not in keys:
-                keys[s.adapter_key] = len(leases)
+            if s.adapter_key is not None and s.adapter_key not in by_key:
                 assert s.lease is not None
-                leases.append(s.lease)
+                by_key[s.adapter_key] = s.lease
+        keys = {k: i for i, k in enumerate(sorted(by_key))}  # canonical adapter order
+        leases = [by_key[k] for k in keys]
         work.sort(key=lambda w: -1 if w[0].adapter_key is None else keys[w[0].adapter_key])
 
         ids: list[int] = []
@@ -578,7 +592,11 @@ class Engine:
                     if s.adapter_key in broken:
                         self._finish(s, None, error=broken[s.adapter_key])
                 return  # the next step is rebuilt without them
-            lora = LoRABatch(row_adapter, weights) if leases else None
+            lora = None
+            if leases:
+                lora = LoRABatch(
+                    row_adapter, weights, self._stacked_for(tuple(keys), weights, len(ids))
+                )
             batch = StepBatch(
                 input_ids=torch.tensor(ids, dtype=torch.long),
                 positions=torch.tensor(positions, dtype=torch.long),
@@ -598,6 +616,36 @@ class Engine:
         now = time.monotonic()
         for s, tok in zip(samplers, next_ids, strict=True):
             self._emit(s, tok, now)
+
+    def _stacked_for(
+        self,
+        key: tuple[tuple[str, int], ...],
+        weights: list[dict[tuple[int, str], LoRAModuleWeights]],
+        num_rows: int,
+    ) -> StackedLoRA | None:
+        """The stacked form of this step's adapter set, when the step is decode-sized.
+
+        Built (a copy of the set's tensors) only once the same set has been seen on
+        ``lora_stack_min_steps`` consecutive steps, so churning sets never pay the copy;
+        dropped as soon as the set changes.
+        """
+        cfg = self.config
+        if key != self._stack_key:
+            self._stack_key, self._stack_streak, self._stacked = key, 1, None
+        else:
+            self._stack_streak += 1
+        if not cfg.lora_stack_max_rows or num_rows > cfg.lora_stack_max_rows:
+            return None
+        if self._stacked is None and self._stack_streak >= cfg.lora_stack_min_steps:
+            nbytes = sum(
+                m.lora_a.numel() * m.lora_a.element_size()
+                + m.lora_b.numel() * m.lora_b.element_size()
+                for w in weights
+                for m in w.values()
+            )
+            if nbytes <= cfg.lora_stack_max_bytes:
+                self._stacked = StackedLoRA(key, weights, self.model.device, self.model.dtype)
+        return self._stacked
 
     def _emit(self, s: _Seq, tok: int, now: float) -> None:
         s.tokens.append(tok)

@@ -10,6 +10,7 @@ from services.worker.lora_ops import (
     NO_ADAPTER,
     LoRABatch,
     Segment,
+    StackedLoRA,
     build_segments,
     lora_apply_segments,
 )
@@ -116,3 +117,42 @@ def test_lora_batch_rejects_unknown_adapter_index() -> None:
 
 def test_lora_batch_empty_for_base_only() -> None:
     assert LoRABatch([-1, -1], []).empty
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, -1, 1], [3, 3, -1, 0], [-1, -1]])
+def test_stacked_equals_segments(rows: list[int]) -> None:
+    """Stacked form: same deltas, heterogeneous ranks/targets/scales, exact zero for base rows."""
+    gen = torch.Generator().manual_seed(2)
+    d_in, d_out = 32, 48
+    adapters = [
+        {
+            (0, "q_proj"): _module(2, d_in, d_out, 0.5, gen),
+            (1, "q_proj"): _module(8, d_in, d_out, 1.0, gen),
+        },
+        {(0, "q_proj"): _module(64, d_in, d_out, 0.25, gen)},
+        {(1, "q_proj"): _module(130, d_in, d_out, 2.0, gen)},
+        {
+            (0, "q_proj"): _module(16, d_in, d_out, 3.0, gen),
+            (1, "q_proj"): _module(16, d_in, d_out, 3.0, gen),
+        },
+    ]
+    stacked = StackedLoRA("k", adapters, torch.device("cpu"), torch.float64)
+    assert stacked.modules[(0, "q_proj")][0].shape == (2 + 64 + 16, d_in)  # no padding
+    x = torch.randn(len(rows), d_in, generator=gen, dtype=torch.float64)
+    for layer in (0, 1, 2):
+        base = torch.randn(len(rows), d_out, generator=gen, dtype=torch.float64)
+        y_seg, y_stk = base.clone(), base.clone()
+        LoRABatch(rows, adapters).apply(layer, "q_proj", x, y_seg)
+        LoRABatch(rows, adapters, stacked).apply(layer, "q_proj", x, y_stk)
+        torch.testing.assert_close(y_stk, y_seg, rtol=1e-12, atol=1e-12)
+        for i, a in enumerate(rows):
+            if a == NO_ADAPTER or (layer, "q_proj") not in adapters[a]:
+                assert torch.equal(y_stk[i], base[i])
+
+
+def test_stacked_rejects_other_adapter_list() -> None:
+    gen = torch.Generator().manual_seed(3)
+    ad = [{(0, "q_proj"): _module(2, 4, 4, 1.0, gen)}]
+    stacked = StackedLoRA("k", ad, torch.device("cpu"), torch.float64)
+    with pytest.raises(ValueError):
+        LoRABatch([0, 1], ad * 2, stacked)
