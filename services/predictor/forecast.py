@@ -1,0 +1,930 @@
+"""Per-adapter demand forecasters: frequency, EWMA, an online-trained LSTM, and an ensemble.
+
+The predictor (Predictive-LoRA, arXiv 2512.20210, section 2) forecasts which adapters will be
+requested in the next few seconds so the workers can prefetch them. Every forecaster here has the
+same interface (:class:`Forecaster`):
+
+* ``observe(adapter_id, t)`` / ``observe_counts({adapter_id: n}, t)`` record requests as they
+  arrive (time in seconds, any epoch, non-decreasing across ticks);
+* ``tick(now) -> Forecast`` closes the current 1 s bucket (every request observed since the
+  previous tick belongs to it; a gap of several seconds closes empty buckets too) and returns,
+  per adapter, the ``probability`` of at least one request and the ``expected_count`` of
+  requests in ``(now, now + horizon_s]`` (default 5 s);
+* ``train(budget_s)`` (LSTM only; a no-op elsewhere) runs a bounded number of optimizer steps
+  *after* the forecast was served, so training never stalls a forecast;
+* ``state_dict() -> bytes`` / ``load_state_dict(bytes)`` persist everything (id map, counters,
+  weights, optimizer moments) so the predictor resumes after a restart (it stores the bytes in
+  Redis).
+
+State lives in numpy arrays indexed by an ``adapter id -> row`` map that grows on demand, so
+thousands of ids and ids never seen before cost nothing special. Only adapters with recent
+activity are scored; any other adapter has probability 0 and expected count 0.
+
+The LSTM (:class:`LSTMForecaster`) is a single-layer LSTM with one set of weights shared by all
+adapters (hidden 20, 8 input features, 2 output heads: 2,498 parameters = 9.8 KB in float32).
+It is run as a *streaming* model: every tick, each tracked adapter advances its own ``(h, c)``
+state by one step on that second's features, in one batched numpy step, so a tick costs one LSTM
+step over the active adapters. Its outputs are a multiplicative correction of a simple
+count-based rate (``log lambda = log base + head(h, x)``, head initialized to zero), so an
+untrained model forecasts like the count baseline and learning only has to add what counts miss
+(recency, periodicity, burst decay). Training is truncated back-propagation through time on
+windows of ``window`` steps sampled from the live history, started from the recorded state at the
+window start, with a Poisson loss on the count and a cross-entropy loss on ">= 1 request", on a
+sliding replay buffer of recent windows (Adam; ``train_steps`` steps per tick).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+#: Forecasters :func:`make_forecaster` builds.
+FORECASTER_NAMES: tuple[str, ...] = ("frequency", "ewma", "lstm", "ensemble")
+#: The forecaster the predictor service uses unless told otherwise (see the eval report).
+DEFAULT_FORECASTER = "ensemble"
+
+
+# ---------------------------------------------------------------------------- Forecast
+@dataclass(frozen=True, eq=False)
+class Forecast:
+    """Per-adapter demand over ``(now, now + horizon_s]``.
+
+    Only scored adapters are listed; every other adapter has probability 0 and expected count 0.
+
+    Attributes:
+        now: Time of the tick, seconds.
+        horizon_s: Forecast horizon, seconds.
+        rows: ``int64 [n]`` row of each scored adapter in ``ids`` (first-seen order).
+        probability: ``float64 [n]`` P(at least one request in the horizon), in [0, 1].
+        expected_count: ``float64 [n]`` expected number of requests in the horizon, >= 0.
+        ids: The forecaster's append-only row -> adapter id list (shared, not copied).
+    """
+
+    now: float
+    horizon_s: float
+    rows: np.ndarray
+    probability: np.ndarray
+    expected_count: np.ndarray
+    ids: Sequence[str] = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def adapter_ids(self) -> list[str]:
+        """Ids of the scored adapters, aligned with ``probability`` and ``expected_count``."""
+        ids = self.ids
+        return [ids[r] for r in self.rows.tolist()]
+
+    def ranking(self, k: int | None = None) -> np.ndarray:
+        """Indices into the arrays of the top ``k`` adapters (all when None), best first.
+
+        Order: expected count descending, then probability descending, then first-seen order
+        (deterministic).
+        """
+        n = len(self.rows)
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        idx = np.arange(n)
+        if k is not None and k < n:
+            # candidates: everything scoring >= the k-th largest expected count
+            kth = np.partition(self.expected_count, n - k)[n - k]
+            idx = np.flatnonzero(self.expected_count >= kth)
+        order = np.lexsort((self.rows[idx], -self.probability[idx], -self.expected_count[idx]))
+        out = idx[order]
+        return out if k is None else out[:k]
+
+    def top_k(self, k: int) -> list[str]:
+        """The ``k`` adapters with the highest expected count (see :meth:`ranking`)."""
+        ids = self.ids
+        return [ids[r] for r in self.rows[self.ranking(k)].tolist()]
+
+    def get(self, adapter_id: str) -> tuple[float, float]:
+        """``(probability, expected_count)`` of one adapter ((0, 0) when not scored)."""
+        hit = [i for i, r in enumerate(self.rows.tolist()) if self.ids[r] == adapter_id]
+        if not hit:
+            return 0.0, 0.0
+        return float(self.probability[hit[0]]), float(self.expected_count[hit[0]])
+
+    def as_dict(self) -> dict[str, tuple[float, float]]:
+        """``{adapter_id: (probability, expected_count)}`` of the scored adapters."""
+        return {
+            a: (float(p), float(e))
+            for a, p, e in zip(self.adapter_ids, self.probability, self.expected_count, strict=True)
+        }
+
+
+# ---------------------------------------------------------------------------- base class
+def _grow(arr: np.ndarray, rows: int) -> np.ndarray:
+    """Return ``arr`` with at least ``rows`` rows (zero-filled), doubling to amortize."""
+    if arr.shape[0] >= rows:
+        return arr
+    new = np.zeros((max(rows, 2 * arr.shape[0], 64),) + arr.shape[1:], dtype=arr.dtype)
+    new[: arr.shape[0]] = arr
+    return new
+
+
+class Forecaster(ABC):
+    """Common machinery: id -> row map, the pending bucket, ticking, persistence.
+
+    Args:
+        horizon_s: Forecast horizon in seconds (> 0).
+        bucket_s: Bucket width in seconds (> 0); ticks are expected every ``bucket_s``.
+    """
+
+    name = "base"
+
+    def __init__(self, horizon_s: float = 5.0, bucket_s: float = 1.0) -> None:
+        if horizon_s <= 0 or bucket_s <= 0:
+            raise ValueError(f"horizon_s and bucket_s must be > 0, got {horizon_s}, {bucket_s}")
+        self.horizon_s = float(horizon_s)
+        self.bucket_s = float(bucket_s)
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self._cap = 0
+        self._pending = np.zeros(0, dtype=np.float32)  # [cap] requests since the last tick
+        self._last_seen = np.zeros(0, dtype=np.float64)  # [cap] time of the last request
+        self._last_tick: float | None = None
+        self.ticks = 0
+
+    # -- rows
+    def _row(self, adapter_id: str) -> int:
+        r = self.index.get(adapter_id)
+        if r is None:
+            r = len(self.ids)
+            self.ids.append(adapter_id)
+            self.index[adapter_id] = r
+            if r >= self._cap:
+                self._resize(max(64, 2 * self._cap, r + 1))
+        return r
+
+    def _resize(self, cap: int) -> None:
+        """Grow every per-row array to ``cap`` rows; subclasses extend :meth:`_row_arrays`."""
+        for name in self._row_arrays():
+            setattr(self, name, _grow(getattr(self, name), cap))
+        self._cap = cap
+
+    def _row_arrays(self) -> list[str]:
+        return ["_pending", "_last_seen"]
+
+    # -- input
+    def observe(self, adapter_id: str, t: float) -> None:
+        """Record one request for ``adapter_id`` arriving at time ``t`` (seconds)."""
+        r = self._row(adapter_id)
+        self._pending[r] += 1.0
+        if t > self._last_seen[r]:
+            self._last_seen[r] = t
+
+    def observe_counts(self, counts: Mapping[str, float], t: float) -> None:
+        """Record ``counts[adapter_id]`` requests per adapter, all arriving by time ``t``."""
+        for a, n in counts.items():
+            if n > 0:
+                r = self._row(a)
+                self._pending[r] += n
+                if t > self._last_seen[r]:
+                    self._last_seen[r] = t
+
+    # -- ticking
+    def tick(self, now: float) -> Forecast:
+        """Close the current bucket and forecast ``(now, now + horizon_s]``.
+
+        If more than one bucket width passed since the previous tick, the buckets in between are
+        closed empty first (the pending requests go to the newest bucket).
+        """
+        steps = 1
+        if self._last_tick is not None:
+            steps = max(1, int(round((now - self._last_tick) / self.bucket_s)))
+        self._last_tick = now
+        n = len(self.ids)
+        bucket = self._pending[:n].copy()
+        self._pending[:n] = 0.0
+        self._advance(bucket, steps, now)
+        self.ticks += 1
+        return self._forecast(now)
+
+    @abstractmethod
+    def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:
+        """Fold one closed bucket ``bucket`` (``float32 [n_ids]``) in, after ``steps - 1``
+        empty ones."""
+
+    @abstractmethod
+    def _forecast(self, now: float) -> Forecast:
+        """Forecast from the current state."""
+
+    def _make(self, now: float, rows: np.ndarray, expected: np.ndarray, prob: np.ndarray):
+        return Forecast(
+            now,
+            self.horizon_s,
+            rows.astype(np.int64, copy=False),
+            np.clip(prob.astype(np.float64, copy=False), 0.0, 1.0),
+            np.maximum(expected.astype(np.float64, copy=False), 0.0),
+            self.ids,
+        )
+
+    def train(self, budget_s: float = 0.05) -> float | None:
+        """Run learning steps within ``budget_s`` seconds; returns the loss (None: no model)."""
+        return None
+
+    # -- persistence
+    def _config(self) -> dict:
+        return {"horizon_s": self.horizon_s, "bucket_s": self.bucket_s}
+
+    def _scalars(self) -> dict:
+        return {"last_tick": self._last_tick, "ticks": self.ticks}
+
+    def _extra_arrays(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def _load_extra(self, arrays: Mapping[str, np.ndarray], scalars: dict) -> None:
+        return None
+
+    def state_dict(self) -> bytes:
+        """Serialize the whole state (ids, counters, weights) to bytes (npz, no pickle)."""
+        n = len(self.ids)
+        arrays: dict[str, np.ndarray] = {
+            name.lstrip("_"): getattr(self, name)[:n] for name in self._row_arrays()
+        }
+        arrays.update({f"x_{k}": v for k, v in self._extra_arrays().items()})
+        meta = {
+            "name": self.name,
+            "config": self._config(),
+            "scalars": self._scalars(),
+            "ids": self.ids,
+        }
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    def load_state_dict(self, data: bytes) -> None:
+        """Restore a state written by :meth:`state_dict` of the same forecaster class.
+
+        Raises:
+            ValueError: The bytes come from another forecaster or another configuration.
+        """
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta["name"] != self.name or meta["config"] != json.loads(
+                json.dumps(self._config())
+            ):
+                raise ValueError(
+                    f"state is for {meta['name']} {meta['config']}, "
+                    f"not {self.name} {self._config()}"
+                )
+            self.ids = list(meta["ids"])
+            self.index = {a: i for i, a in enumerate(self.ids)}
+            n = len(self.ids)
+            self._cap = 0
+            for name in self._row_arrays():
+                setattr(
+                    self,
+                    name,
+                    np.zeros((0,) + getattr(self, name).shape[1:], dtype=getattr(self, name).dtype),
+                )
+            self._resize(max(64, n))
+            for name in self._row_arrays():
+                getattr(self, name)[:n] = z[name.lstrip("_")]
+            s = meta["scalars"]
+            self._last_tick = s["last_tick"]
+            self.ticks = int(s["ticks"])
+            extra = {k[2:]: z[k] for k in z.files if k.startswith("x_")}
+            self._load_extra(extra, s)
+
+
+# ---------------------------------------------------------------------------- baselines
+class FrequencyForecaster(Forecaster):
+    """Counts over the last ``window_s`` seconds, scaled to the horizon.
+
+    ``expected_count = count(last window) * horizon_s / window_s``; ``probability = 1 -
+    exp(-expected_count)`` (Poisson). Scores every adapter with a request in the window.
+
+    Args:
+        window_s: Window length in seconds (a whole number of buckets, >= 1 bucket).
+    """
+
+    name = "frequency"
+
+    def __init__(self, window_s: float = 60.0, horizon_s: float = 5.0, bucket_s: float = 1.0):
+        super().__init__(horizon_s, bucket_s)
+        self.window = max(1, int(round(window_s / bucket_s)))
+        self._ring = np.zeros((0, self.window), dtype=np.float32)  # [cap, window]
+        self._sum = np.zeros(0, dtype=np.float64)  # [cap] sum over the ring
+        self._pos = 0
+
+    def _row_arrays(self) -> list[str]:
+        return super()._row_arrays() + ["_ring", "_sum"]
+
+    def _config(self) -> dict:
+        return super()._config() | {"window": self.window}
+
+    def _scalars(self) -> dict:
+        return super()._scalars() | {"pos": self._pos}
+
+    def _load_extra(self, arrays: Mapping[str, np.ndarray], scalars: dict) -> None:
+        self._pos = int(scalars["pos"])
+
+    def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:
+        n = len(bucket)
+        if steps > self.window:
+            self._ring[:n] = 0.0
+            self._sum[:n] = 0.0
+            steps = 1
+        for s in range(steps):
+            self._pos = (self._pos + 1) % self.window
+            self._sum[:n] -= self._ring[:n, self._pos]
+            col = bucket if s == steps - 1 else 0.0
+            self._ring[:n, self._pos] = col
+            self._sum[:n] += self._ring[:n, self._pos]
+        np.maximum(self._sum[:n], 0.0, out=self._sum[:n])  # float drift
+
+    def _forecast(self, now: float) -> Forecast:
+        n = len(self.ids)
+        rows = np.flatnonzero(self._sum[:n] > 0.5)
+        exp = self._sum[rows] * (self.horizon_s / (self.window * self.bucket_s))
+        return self._make(now, rows, exp, -np.expm1(-exp))
+
+
+class EWMAForecaster(Forecaster):
+    """Exponentially weighted moving average of the request rate.
+
+    Per bucket: ``rate <- a * count / bucket_s + (1 - a) * rate`` with ``a = 1 - exp(-bucket_s
+    / tau_s)``; ``expected_count = rate * horizon_s``; ``probability = 1 - exp(-expected)``.
+    Adapters whose rate fell below ``min_rate`` requests/s are not scored.
+
+    Args:
+        tau_s: Time constant in seconds.
+        min_rate: Rate below which an adapter is dropped from the forecast (requests/s).
+    """
+
+    name = "ewma"
+
+    def __init__(
+        self,
+        tau_s: float = 30.0,
+        horizon_s: float = 5.0,
+        bucket_s: float = 1.0,
+        min_rate: float = 1e-4,
+    ):
+        super().__init__(horizon_s, bucket_s)
+        self.tau_s = float(tau_s)
+        self.alpha = 1.0 - math.exp(-bucket_s / tau_s)
+        self.min_rate = float(min_rate)
+        self._rate = np.zeros(0, dtype=np.float64)  # [cap] requests/s
+
+    def _row_arrays(self) -> list[str]:
+        return super()._row_arrays() + ["_rate"]
+
+    def _config(self) -> dict:
+        return super()._config() | {"tau_s": self.tau_s, "min_rate": self.min_rate}
+
+    def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:
+        n = len(bucket)
+        keep = (1.0 - self.alpha) ** steps
+        self._rate[:n] = keep * self._rate[:n] + self.alpha * (bucket / self.bucket_s)
+
+    def _forecast(self, now: float) -> Forecast:
+        n = len(self.ids)
+        rows = np.flatnonzero(self._rate[:n] >= self.min_rate)
+        exp = self._rate[rows] * self.horizon_s
+        return self._make(now, rows, exp, -np.expm1(-exp))
+
+
+# ---------------------------------------------------------------------------- LSTM
+@dataclass(frozen=True)
+class LSTMConfig:
+    """Hyper-parameters of :class:`LSTMForecaster` (defaults: 2,458 parameters, 9.8 KB fp32).
+
+    Attributes:
+        hidden: LSTM hidden size H.
+        window: Truncated-BPTT window L (steps of one bucket).
+        track_s: An adapter is tracked (stepped and scored) until this many seconds after its
+            last request; then its state is dropped.
+        batch: Windows per optimizer step.
+        lr: Adam learning rate.
+        train_steps: Optimizer steps per ``train()`` call (also bounded by its time budget).
+        samples_per_tick: Training windows recorded per bucket (from tracked adapters).
+        positive_fraction: Up to this share of the recorded windows are drawn from adapters with
+            a request in the window's targets (the rest uniformly from the others), so the
+            rare positives are seen often enough.
+        buffer: Replay buffer capacity in windows (a sliding window of recent history).
+        max_log_correction: Clip of the learned log-rate correction (numerical safety).
+    """
+
+    hidden: int = 20
+    window: int = 12
+    track_s: float = 3600.0
+    batch: int = 64
+    lr: float = 3e-3
+    train_steps: int = 1
+    samples_per_tick: int = 16
+    positive_fraction: float = 0.5
+    buffer: int = 8192
+    max_log_correction: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.hidden < 1 or self.window < 1 or self.batch < 1 or self.buffer < self.batch:
+            raise ValueError(f"bad LSTMConfig {self}")
+
+
+_N_FEATURES = 10
+_RING = 64  # count-ring length in buckets (>= 60 for the 60 s count, >= window + horizon)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+class LSTMForecaster(Forecaster):
+    """Online-trained single-layer LSTM shared by all adapters (see the module doc).
+
+    Per bucket and tracked adapter, the input (8 features) is: ``log1p`` of the bucket count,
+    of the counts over the last 5 s and 60 s, of the EWMA rates with time constants 300 s and
+    3600 s (per minute / per hour), ``log1p(seconds since the last request) / 4``, and the
+    phase of ``now`` in the minute (sin, cos). The base rate of the skip connection is
+    ``base = horizon * (0.5 c5/5 + 0.25 c60/60 + 0.15 r300 + 0.1 r3600) + 1e-4``; the heads
+    give ``expected = base * exp(o_0)`` and ``probability = sigmoid(log(expm1(base)) + o_1)``
+    with ``o = W [h; x] + b`` (zero at initialization).
+
+    Args:
+        config: Hyper-parameters.
+        horizon_s: Forecast horizon (whole buckets).
+        bucket_s: Bucket width in seconds.
+        seed: Seed of the weight init and window sampling.
+    """
+
+    name = "lstm"
+
+    def __init__(
+        self,
+        config: LSTMConfig | None = None,
+        horizon_s: float = 5.0,
+        bucket_s: float = 1.0,
+        seed: int = 0,
+    ):
+        import torch
+
+        super().__init__(horizon_s, bucket_s)
+        self.config = cfg = config or LSTMConfig()
+        self.seed = seed
+        self.h = max(1, int(round(horizon_s / bucket_s)))
+        if cfg.window + self.h + 1 > _RING:
+            raise ValueError("window + horizon must fit the 64-bucket ring")
+        self._R = cfg.window + self.h + 1  # feature/state ring length
+        H, d = cfg.hidden, _N_FEATURES
+        self._a10 = 1.0 - math.exp(-bucket_s / 10.0)
+        self._a300 = 1.0 - math.exp(-bucket_s / 300.0)
+        self._a3600 = 1.0 - math.exp(-bucket_s / 3600.0)
+        # per-row state
+        self._cring = np.zeros((0, _RING), dtype=np.float32)  # [cap, 64] bucket counts
+        self._c5 = np.zeros(0, dtype=np.float64)
+        self._c60 = np.zeros(0, dtype=np.float64)
+        self._r10 = np.zeros(0, dtype=np.float64)  # EWMA rates, requests/s
+        self._r300 = np.zeros(0, dtype=np.float64)
+        self._total = np.zeros(0, dtype=np.float64)  # requests ever
+        self._r3600 = np.zeros(0, dtype=np.float64)
+        self._hc = np.zeros((0, 2 * H), dtype=np.float32)  # [cap, 2H] LSTM (h, c)
+        self._tracked = np.zeros(0, dtype=bool)
+        self._since = np.zeros(0, dtype=np.int64)  # bucket index tracking began
+        # rings indexed [slot, row, ...] so one bucket's writes land in one contiguous block
+        self._xring = np.zeros((self._R, 0, d), dtype=np.float32)  # inputs per bucket
+        self._bring = np.zeros((self._R, 0), dtype=np.float32)  # log base per bucket
+        self._sring = np.zeros((self._R, 0, 2 * H), dtype=np.float32)  # state before step
+        self._out_exp = np.zeros(0, dtype=np.float64)  # last forecast per row
+        self._out_prob = np.zeros(0, dtype=np.float64)
+        self._b = 0  # buckets closed so far
+        # model (torch for training, a numpy copy for inference)
+        gen = torch.Generator().manual_seed(seed)
+        self._torch = torch
+        self.model = torch.nn.LSTM(d, H, batch_first=True)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) / math.sqrt(H))
+        self.head = torch.nn.Linear(H + d, 2)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.opt = torch.optim.Adam(
+            list(self.model.parameters()) + list(self.head.parameters()), lr=cfg.lr
+        )
+        self._publish()
+        # replay buffer of windows
+        L = cfg.window
+        self._buf_hc = np.zeros((cfg.buffer, 2 * H), dtype=np.float32)
+        self._buf_x = np.zeros((cfg.buffer, L, d), dtype=np.float32)
+        self._buf_b = np.zeros((cfg.buffer, L), dtype=np.float32)
+        self._buf_y = np.zeros((cfg.buffer, L), dtype=np.float32)
+        self._buf_n = 0
+        self._buf_pos = 0
+        self._rng = np.random.default_rng(seed)
+        self.train_steps_done = 0
+        self.last_loss = float("nan")
+
+    # -- sizes
+    @property
+    def num_parameters(self) -> int:
+        """Trainable parameters (LSTM + heads)."""
+        return sum(p.numel() for p in self.model.parameters()) + sum(
+            p.numel() for p in self.head.parameters()
+        )
+
+    def _row_arrays(self) -> list[str]:
+        return super()._row_arrays() + [
+            "_cring", "_c5", "_c60", "_r10", "_r300", "_r3600", "_total", "_hc", "_tracked",
+            "_since",
+            "_out_exp", "_out_prob",
+        ]  # fmt: skip
+
+    def _resize(self, cap: int) -> None:
+        super()._resize(cap)
+        for name in ("_xring", "_bring", "_sring"):
+            old = getattr(self, name)
+            if old.shape[1] < cap:
+                new = np.zeros((old.shape[0], cap) + old.shape[2:], dtype=old.dtype)
+                new[:, : old.shape[1]] = old
+                setattr(self, name, new)
+
+    def _config(self) -> dict:
+        return super()._config() | {"lstm": self.config.__dict__, "seed": self.seed}
+
+    # -- weights
+    def _publish(self) -> None:
+        """Copy the weights for inference (one atomic attribute swap, so a forecast never sees
+        a half-updated model)."""
+        m, hd, torch = self.model, self.head, self._torch
+        with torch.no_grad():
+            w = torch.cat([m.weight_ih_l0, m.weight_hh_l0], dim=1).clone()  # [4H, d + H]
+            b = (m.bias_ih_l0 + m.bias_hh_l0)[:, None].clone()  # [4H, 1]
+            wo = hd.weight.clone()  # [2, H + d]
+            bo = hd.bias[:, None].clone()  # [2, 1]
+        self._np = (w, b, wo, bo)
+
+    # -- stepping
+    def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:
+        n = len(bucket)
+        if steps > self._R:  # a long gap: forget the short-term state
+            self._cring[:n] = 0.0
+            self._c5[:n] = 0.0
+            self._c60[:n] = 0.0
+            self._hc[:n] = 0.0
+            self._tracked[:n] = False
+            decay = steps - 1
+            self._r10[:n] *= (1 - self._a10) ** decay
+            self._r300[:n] *= (1 - self._a300) ** decay
+            self._r3600[:n] *= (1 - self._a3600) ** decay
+            self._b += decay
+            steps = 1
+        zero = np.zeros(n, dtype=np.float32)
+        for s in range(steps):
+            last = s == steps - 1
+            self._step(bucket if last else zero, now - (steps - 1 - s) * self.bucket_s)
+
+    def _step(self, bucket: np.ndarray, now: float) -> None:
+        n = len(bucket)
+        cfg = self.config
+        b = self._b + 1
+        pos = b % _RING
+        ring = self._cring
+        self._c5[:n] += bucket - ring[:n, (b - 5) % _RING]
+        self._c60[:n] += bucket - ring[:n, (b - 60) % _RING]
+        ring[:n, pos] = bucket
+        self._r10[:n] += self._a10 * (bucket / self.bucket_s - self._r10[:n])
+        self._r300[:n] += self._a300 * (bucket / self.bucket_s - self._r300[:n])
+        self._total[:n] += bucket
+        self._r3600[:n] += self._a3600 * (bucket / self.bucket_s - self._r3600[:n])
+        age = now - self._last_seen[:n]
+        # tracking: start on a request, stop track_s after the last one
+        new = (bucket > 0) & ~self._tracked[:n]
+        if new.any():
+            self._tracked[:n][new] = True
+            self._since[:n][new] = b
+            self._hc[:n][new] = 0.0
+        gone = self._tracked[:n] & (age > cfg.track_s)
+        if gone.any():
+            self._tracked[:n][gone] = False
+            self._hc[:n][gone] = 0.0
+            self._out_exp[:n][gone] = 0.0
+            self._out_prob[:n][gone] = 0.0
+        rows = np.flatnonzero(self._tracked[:n])
+        self._b = b
+        if len(rows) == 0:
+            return
+        x, logbase = self._features(rows, bucket[rows], age[rows], now)
+        rpos = b % self._R
+        hc = self._hc[rows]
+        self._sring[rpos, rows] = hc
+        self._xring[rpos, rows] = x
+        self._bring[rpos, rows] = logbase
+        H = cfg.hidden
+        torch = self._torch
+        w, bias, wo, bo = self._np  # published copies, swapped atomically by train()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
+        try:
+            with torch.no_grad():
+                # transposed [features, T] layout: gate blocks are contiguous rows
+                xt = torch.from_numpy(x).T.contiguous()  # [d, T]
+                hct = torch.from_numpy(hc).T.contiguous()  # [2H, T]
+                gates = torch.addmm(bias, w, torch.cat([xt, hct[:H]], dim=0))  # [4H, T]
+                sg = torch.sigmoid(gates)  # torch gate order i, f, g, o
+                c = sg[H : 2 * H] * hct[H:] + sg[:H] * torch.tanh(gates[2 * H : 3 * H])
+                h = sg[3 * H :] * torch.tanh(c)
+                out = torch.addmm(bo, wo, torch.cat([h, xt], dim=0)).T.numpy()  # [T, 2]
+                self._hc[rows] = torch.cat([h, c], dim=0).T.numpy()
+        finally:
+            torch.set_num_threads(threads)
+        corr = np.clip(out[:, 0], -cfg.max_log_correction, cfg.max_log_correction)
+        base = np.exp(logbase.astype(np.float64))
+        self._out_exp[rows] = base * np.exp(corr)
+        self._out_prob[rows] = _sigmoid(np.log(np.expm1(base)) + out[:, 1])
+        self._record_windows(b)
+
+    def _features(
+        self, rows: np.ndarray, bucket: np.ndarray, age: np.ndarray, now: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs ``float32 [T, 8]`` and log base rate ``float32 [T]`` of the tracked rows."""
+        c5, c60 = self._c5[rows], self._c60[rows]
+        r10, r300, r3600 = self._r10[rows], self._r300[rows], self._r3600[rows]
+        x = np.empty((len(rows), _N_FEATURES), dtype=np.float32)
+        x[:, 0] = np.log1p(bucket)
+        x[:, 1] = np.log1p(c5)
+        x[:, 2] = np.log1p(c60)
+        x[:, 3] = np.log1p(60.0 * r300)
+        x[:, 4] = np.log1p(3600.0 * r3600) / 2.0
+        x[:, 5] = np.log1p(np.maximum(age, 0.0)) / 4.0
+        ph = 2.0 * math.pi * (now % 60.0) / 60.0
+        x[:, 6] = math.sin(ph)
+        x[:, 7] = math.cos(ph)
+        x[:, 8] = np.log1p(10.0 * r10)
+        x[:, 9] = np.log1p(self._total[rows]) / 4.0
+        rate = 0.4 * r10 + 0.2 * c5 / 5.0 + 0.2 * c60 / 60.0 + 0.1 * r300 + 0.1 * r3600
+        logbase = np.log(self.horizon_s * rate + 1e-4).astype(np.float32)
+        return x, logbase
+
+    def _record_windows(self, b: int) -> None:
+        """Add windows whose targets are now known (steps ``b-h-L+1 .. b-h``) to the buffer."""
+        cfg = self.config
+        L, h = cfg.window, self.h
+        start = b - h - L + 1
+        if start < 1:
+            return
+        n = len(self.ids)
+        ok = np.flatnonzero(self._tracked[:n] & (self._since[:n] <= start))
+        if len(ok) == 0:
+            return
+        steps = np.arange(start, start + L)  # [L]
+        rpos = steps % self._R
+        # y[s] = sum of buckets s+1 .. s+h
+        cols = (steps[:, None] + np.arange(1, h + 1)[None, :]) % _RING  # [L, h]
+        recent = (np.arange(start + 1, b + 1) % _RING).astype(np.int64)  # buckets of the targets
+        pos = self._cring[ok[:, None], recent[None, :]].sum(axis=1) > 0
+        # stratified: up to positive_fraction of the windows have a request in their targets
+        m = min(cfg.samples_per_tick, len(ok))
+        ip, ineg = np.flatnonzero(pos), np.flatnonzero(~pos)
+        mp = min(len(ip), int(round(cfg.positive_fraction * m)))
+        mn = min(len(ineg), m - mp)
+        mp = min(len(ip), m - mn)
+        pick = np.concatenate(
+            [
+                self._rng.choice(ip, size=mp, replace=False) if mp < len(ip) else ip,
+                self._rng.choice(ineg, size=mn, replace=False) if mn < len(ineg) else ineg,
+            ]
+        ).astype(np.int64)
+        rows = ok[pick]
+        y = self._cring[rows][:, cols].sum(axis=2)  # [m, L]
+        m = len(rows)
+        k = (self._buf_pos + np.arange(m)) % cfg.buffer
+        self._buf_hc[k] = self._sring[rpos[0], rows]
+        self._buf_x[k] = self._xring[rpos][:, rows].transpose(1, 0, 2)
+        self._buf_b[k] = self._bring[rpos][:, rows].T
+        self._buf_y[k] = y
+        self._buf_pos = int((self._buf_pos + m) % cfg.buffer)
+        self._buf_n = min(cfg.buffer, self._buf_n + m)
+
+    def _forecast(self, now: float) -> Forecast:
+        n = len(self.ids)
+        rows = np.flatnonzero(self._tracked[:n])
+        return self._make(now, rows, self._out_exp[rows], self._out_prob[rows])
+
+    # -- learning
+    def train(self, budget_s: float = 0.05) -> float | None:
+        """Up to ``config.train_steps`` Adam steps on buffer windows, stopping at ``budget_s``.
+
+        Loss per window step: Poisson NLL of the count (``lambda - y log lambda``) plus binary
+        cross-entropy of ``y >= 1``. Returns the mean loss of the steps run (None if none:
+        the buffer holds fewer than ``batch`` windows).
+        """
+        cfg = self.config
+        if self._buf_n < cfg.batch:
+            return None
+        torch = self._torch
+        t_end = time.perf_counter() + budget_s
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny batches: one thread is far faster than contended ones
+        try:
+            done = self._train_steps(t_end)
+        finally:
+            torch.set_num_threads(threads)
+        self.train_steps_done += done
+        self._publish()
+        return self.last_loss
+
+    def _train_steps(self, t_end: float) -> int:
+        cfg = self.config
+        torch = self._torch
+        done = 0
+        H = cfg.hidden
+        while done < cfg.train_steps and (done == 0 or time.perf_counter() < t_end):
+            idx = self._rng.integers(0, self._buf_n, size=cfg.batch)
+            hc = torch.from_numpy(self._buf_hc[idx])
+            x = torch.from_numpy(self._buf_x[idx])
+            logbase = torch.from_numpy(self._buf_b[idx]).double()
+            y = torch.from_numpy(self._buf_y[idx]).double()
+            out, _ = self.model(x, (hc[None, :, :H].contiguous(), hc[None, :, H:].contiguous()))
+            o = self.head(torch.cat([out, x], dim=2)).double()  # [B, L, 2]
+            corr = o[..., 0].clamp(-cfg.max_log_correction, cfg.max_log_correction)
+            loglam = logbase + corr
+            pois = (loglam.exp() - y * loglam).mean()
+            base = logbase.exp()
+            logit = torch.log(torch.expm1(base)) + o[..., 1]
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(logit, (y > 0).double())
+            loss = pois + bce
+            self.opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(
+                list(self.model.parameters()) + list(self.head.parameters()), 1.0
+            )
+            self.opt.step()
+            done += 1
+            self.last_loss = float(loss.detach())
+        return done
+
+    # -- persistence
+    def _scalars(self) -> dict:
+        return super()._scalars() | {"b": self._b, "train_steps_done": self.train_steps_done}
+
+    def _extra_arrays(self) -> dict[str, np.ndarray]:
+        out = {f"p_{k}": v.detach().numpy() for k, v in self.model.state_dict().items()}
+        out |= {f"h_{k}": v.detach().numpy() for k, v in self.head.state_dict().items()}
+        st = self.opt.state_dict()["state"]
+        for i, s in st.items():
+            for k, v in s.items():
+                out[f"o_{i}_{k}"] = np.asarray(v.detach().numpy() if hasattr(v, "detach") else v)
+        return out
+
+    def _load_extra(self, arrays: Mapping[str, np.ndarray], scalars: dict) -> None:
+        torch = self._torch
+        self._b = int(scalars["b"])
+        # the per-bucket rings are not persisted: record no training window reaching back
+        # before the restore
+        self._since[: len(self.ids)] = self._b
+        self.train_steps_done = int(scalars["train_steps_done"])
+        self.model.load_state_dict(
+            {k[2:]: torch.from_numpy(np.array(v)) for k, v in arrays.items() if k[:2] == "p_"}
+        )
+        self.head.load_state_dict(
+            {k[2:]: torch.from_numpy(np.array(v)) for k, v in arrays.items() if k[:2] == "h_"}
+        )
+        opt = self.opt.state_dict()
+        state: dict[int, dict] = {}
+        for k, v in arrays.items():
+            if k[:2] == "o_":
+                i, name = k[2:].split("_", 1)
+                state.setdefault(int(i), {})[name] = torch.from_numpy(np.array(v))
+        opt["state"] = state
+        self.opt.load_state_dict(opt)
+        self._publish()
+
+
+# ---------------------------------------------------------------------------- factory
+def make_forecaster(name: str, *, horizon_s: float = 5.0, seed: int = 0, **kwargs) -> Forecaster:
+    """Build a forecaster by name.
+
+    Names: ``"frequency"``, ``"ewma"``, ``"lstm"``, ``"ensemble"``; ``"frequency:W"`` and
+    ``"ewma:TAU"`` set the window / time constant in seconds (e.g. ``"frequency:5"``).
+
+    Raises:
+        ValueError: Unknown name.
+    """
+    base, _, arg = name.partition(":")
+    if base == "frequency":
+        if arg:
+            kwargs["window_s"] = float(arg)
+        return FrequencyForecaster(horizon_s=horizon_s, **kwargs)
+    if base == "ewma":
+        if arg:
+            kwargs["tau_s"] = float(arg)
+        return EWMAForecaster(horizon_s=horizon_s, **kwargs)
+    if base == "lstm":
+        return LSTMForecaster(horizon_s=horizon_s, seed=seed, **kwargs)
+    if base == "ensemble":
+        return EnsembleForecaster(horizon_s=horizon_s, seed=seed, **kwargs)
+    raise ValueError(f"unknown forecaster {name!r}; expected one of {FORECASTER_NAMES}")
+
+
+class EnsembleForecaster(Forecaster):
+    """Weighted mean of member forecasters (default: the LSTM and a 10 s EWMA).
+
+    Every observation is forwarded to every member in the same order, so all members share
+    one row map. ``expected_count`` and ``probability`` are the weighted arithmetic means over
+    the union of the members' scored adapters (a member that does not score an adapter
+    contributes 0). ``train`` trains the members.
+
+    Args:
+        members: Forecaster names for :func:`make_forecaster`.
+        weights: One weight per member (normalized to sum 1).
+    """
+
+    name = "ensemble"
+
+    def __init__(
+        self,
+        members: Sequence[str] = ("lstm", "ewma:10"),
+        weights: Sequence[float] | None = None,
+        horizon_s: float = 5.0,
+        bucket_s: float = 1.0,
+        seed: int = 0,
+    ):
+        super().__init__(horizon_s, bucket_s)
+        if not members or any(m.partition(":")[0] == "ensemble" for m in members):
+            raise ValueError(f"bad ensemble members {members}")
+        w = np.asarray(weights if weights is not None else [1.0] * len(members), dtype=np.float64)
+        if len(w) != len(members) or np.any(w < 0) or w.sum() <= 0:
+            raise ValueError(f"need one non-negative weight per member, got {weights}")
+        self.member_names = tuple(members)
+        self.weights = w / w.sum()
+        self.members = [
+            make_forecaster(m, horizon_s=horizon_s, seed=seed, bucket_s=bucket_s) for m in members
+        ]
+        self.ids = self.members[0].ids
+
+    def observe(self, adapter_id: str, t: float) -> None:
+        for m in self.members:
+            m.observe(adapter_id, t)
+
+    def observe_counts(self, counts: Mapping[str, float], t: float) -> None:
+        for m in self.members:
+            m.observe_counts(counts, t)
+
+    def tick(self, now: float) -> Forecast:
+        n = len(self.ids)
+        exp = np.zeros(n, dtype=np.float64)
+        prob = np.zeros(n, dtype=np.float64)
+        for w, m in zip(self.weights, self.members, strict=True):
+            f = m.tick(now)
+            exp[f.rows] += w * f.expected_count
+            prob[f.rows] += w * f.probability
+        self.ticks += 1
+        self._last_tick = now
+        rows = np.flatnonzero(exp > 0)
+        return self._make(now, rows, exp[rows], prob[rows])
+
+    def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:  # pragma: no cover
+        raise NotImplementedError("EnsembleForecaster ticks its members")
+
+    def _forecast(self, now: float) -> Forecast:  # pragma: no cover
+        raise NotImplementedError("EnsembleForecaster ticks its members")
+
+    def train(self, budget_s: float = 0.05) -> float | None:
+        losses = [m.train(budget_s) for m in self.members]
+        got = [x for x in losses if x is not None]
+        return float(np.mean(got)) if got else None
+
+    def _config(self) -> dict:
+        return super()._config() | {
+            "members": list(self.member_names),
+            "weights": self.weights.tolist(),
+        }
+
+    def state_dict(self) -> bytes:
+        arrays = {
+            f"m{i}": np.frombuffer(m.state_dict(), dtype=np.uint8)
+            for i, m in enumerate(self.members)
+        }
+        meta = {"name": self.name, "config": self._config(), "scalars": self._scalars()}
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    def load_state_dict(self, data: bytes) -> None:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            if meta["name"] != self.name or meta["config"] != json.loads(
+                json.dumps(self._config())
+            ):
+                raise ValueError(f"state is for {meta['name']} {meta['config']}")
+            for i, m in enumerate(self.members):
+                m.load_state_dict(bytes(z[f"m{i}"]))
+        self.ids = self.members[0].ids
+        self.index = self.members[0].index
+        self._last_tick = meta["scalars"]["last_tick"]
+        self.ticks = int(meta["scalars"]["ticks"])
