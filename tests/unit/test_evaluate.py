@@ -72,6 +72,7 @@ def test_truth_ties_follow_key_order():
     assert res["f"]["recall_bound_seen_before"] == pytest.approx(0.0)
 
 
+@pytest.mark.slow
 def test_cli_on_real_azure2021(tmp_path, capsys):
     trace = DATA / "azure_functions_2021_first998.csv"
     if not trace.exists():

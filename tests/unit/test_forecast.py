@@ -184,6 +184,7 @@ def test_lstm_unseen_ids_and_untracking():
     assert "new0" not in fc.adapter_ids  # not requested for > track_s
 
 
+@pytest.mark.slow
 def test_lstm_learns_a_period_counts_cannot_see():
     """One adapter requested exactly every 10 s: after online training the LSTM expects it
     right before the request (age 6-9 s) far more than right after it (age 0-3 s); the count
