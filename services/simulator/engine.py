@@ -476,9 +476,13 @@ class SimWorker:
             self.n_waiting -= len(admitted)
             self.rank_sum += rank_new
         if self.n_run == 0:
-            self.busy = False
+            if self.busy:
+                self.busy = False
+                sim.busy_workers -= 1
             return
-        self.busy = True
+        if not self.busy:
+            self.busy = True
+            sim.busy_workers += 1
         st = sim.step_model
         n = self.n_run
         rows = n - len(admitted)  # decode rows of the first step
@@ -502,6 +506,11 @@ class SimWorker:
                 + st.per_prefill_token_s * prefill
                 + st.lora_token_rank_s * (self.rank_sum - rank_new + rank_tokens_new)
             )
+        if p.shared_compute:
+            # the workers share one processor: a step slows down with every other busy worker
+            share = max(1.0, sim.busy_workers / p.shared_compute)
+            dt *= share
+            dt_d *= share
         self.version += 1
         if admitted:
             # The prefill step ends at t + dt and every later (decode) step takes dt_d, so the
@@ -855,6 +864,7 @@ class ClusterSimulation:
             )
         self.ticks = 0
         self.predictor_wall_s = 0.0
+        self.busy_workers = 0
         self._views: list[WorkerView] = []
         self._views_next = -_INF
 
@@ -963,7 +973,20 @@ class ClusterSimulation:
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> SimResult:
-        """Run every arrival to completion or failure; returns the outcomes."""
+        """Run every arrival to completion or failure; returns the outcomes.
+
+        The forecaster's torch work runs single-threaded meanwhile (its tiny LSTM steps gain
+        nothing from threads, and oversubscribed cores make them 40x slower); the previous
+        thread count is restored afterwards.
+        """
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._run()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self) -> SimResult:
         started = time.perf_counter()
         arrival = self.arrival
         n = len(arrival)

@@ -4,12 +4,11 @@ A preset says how long one continuous-batching step takes on one worker, how big
 and the pools are, and what loading an adapter costs. Two are built in:
 
 ``cpu``
-    One worker process of this project on this machine (2 CPU cores, float32
-    SmolLM2-135M-Instruct, the worker's default sizes from
-    :class:`services.worker.config.WorkerConfig`). The step time is fitted to timings of the
-    real engine's model forward on this machine (see :data:`CPU_STEP_MEASUREMENTS`); the
-    source tier is a local PEFT directory, so a load costs the measured read time of one
-    adapter from disk plus packing (``source_fixed_s`` + bytes / ``source_bytes_per_s``).
+    One worker process of this project's live cluster on this machine (2 CPU cores shared by
+    two workers and the other services, float32 SmolLM2-135M-Instruct, the worker's default
+    sizes from :class:`services.worker.config.WorkerConfig`). Step and load times are fitted
+    to a live replay on this machine (see :data:`CPU_STEP_MEASUREMENTS`); the source tier is
+    a local PEFT directory, so a load costs ``source_fixed_s`` + bytes / ``source_bytes_per_s``.
 ``h100-8b``
     One NVIDIA H100 SXM 80 GB serving a Llama-3-8B-class model in bf16 (32 layers, hidden
     4096, MLP 14336, 32 heads, 8 KV heads), adapters on all seven projections, pool of 16 GiB,
@@ -126,6 +125,9 @@ class Preset:
         adapter_wait_timeout_s: A request waiting longer for its adapter fails.
         load_wait_timeout_s: A demand load waiting longer for pool space fails its requests.
         network_s: Gateway -> worker -> gateway overhead added to every TTFT, seconds.
+        shared_compute: 0 when every worker owns its accelerator; else the workers share one
+            processor worth this many busy workers, and a step planned while ``b`` workers are
+            busy takes ``max(1, b / shared_compute)`` times longer (the CPU cluster on one box).
         notes: Where the figures come from.
     """
 
@@ -150,6 +152,7 @@ class Preset:
     adapter_wait_timeout_s: float
     load_wait_timeout_s: float
     network_s: float
+    shared_compute: float = 0.0
     notes: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -206,23 +209,35 @@ LLAMA3_8B = ModelSpec(
 )
 
 # ---------------------------------------------------------------------------------- cpu
-#: Forward-step timings behind the ``cpu`` step model, seconds. Stated reference figures from
-#: ``shared/data/README.md`` ("the transformers reference generates about 17 tokens/s at batch 1
-#: and 95 tokens/s at batch 8" on these 2 cores: 59 ms per step at batch 1, 84 ms at batch 8),
-#: which the project's own engine matches within its measurement noise on this machine (a
-#: calibration run of the engine's ``LlamaModel.forward`` was attempted while the 2 cores were
-#: shared with other jobs at a load average of 9; its figures were discarded as not
-#: representative). LoRA terms: the engine applies one ``addmm`` pair per adapter segment and
-#: projection (210 per adapter per step); at rank 64 and batch 8 an addmm pair over a 576-1536
-#: wide projection costs a few microseconds per row, about 1.5e-7 s per token per unit rank
-#: summed over the 210 projections, and ~2 ms of Python and launch overhead per segment.
+#: Measurements behind the ``cpu`` preset, seconds (the live cluster on this machine: 2 CPU
+#: cores shared by 2 workers, the gateway, the predictor, Redis and the replay client).
+#:
+#: Calibration run: ``plora bench replay --trace ../shared/data/traces/
+#: alibaba_genai2026_lora_requests_nov.csv --format alibaba --time-scale 60 --start 6000
+#: --duration 60 --policies baseline --workers 2`` (``bench-out/calib1``, 142 requests, 8 output
+#: tokens, prompts capped at 64 words). From its first five requests (one running sequence,
+#: so no queueing): decode step 0.10-0.16 s (median 0.14 s); worker TTFT minus adapter wait,
+#: i.e. one prefill step of 51-64 prompt tokens, 0.36-0.95 s (median 0.54 s); cold adapter
+#: waits 0.19 / 0.41 s (rank 16, 19.5 MB), 0.62 s (rank 32, 39 MB), 0.72 / 1.11 s (rank 64,
+#: 78 MB), i.e. about 0.1 s + bytes / 100 MB/s (read, convert, pack, copy); client TTFT minus
+#: worker TTFT 13 ms (gateway and two gRPC hops). The growth with batch size is taken from the
+#: stated reference figures of ``shared/data/README.md`` for the same model on this machine
+#: (17 tokens/s at batch 1 and 95 tokens/s at batch 8, i.e. batch 8 costs 1.43x batch 1).
+#: Note that the machine was shared with other jobs (load average 6-11) during calibration:
+#: the preset describes this machine as it was, not an idle one. ``plora bench engine`` JSON
+#: was not available when the preset was written.
 CPU_STEP_MEASUREMENTS: dict[str, float] = {
-    "decode_batch1_s": 1.0 / 17.0,
-    "decode_batch8_s": 8.0 / 95.0,
+    "decode_batch1_s": 0.13,
+    "prefill_57_tokens_s": 0.54,
+    "reference_batch8_over_batch1": (8.0 / 95.0) / (1.0 / 17.0),
+    "load_fixed_s": 0.1,
+    "load_bytes_per_s": 100e6,
+    "gateway_overhead_s": 0.013,
 }
 
 _cpu_base = CPU_STEP_MEASUREMENTS["decode_batch1_s"]
-_cpu_row = (CPU_STEP_MEASUREMENTS["decode_batch8_s"] - _cpu_base) / 7.0
+_cpu_row = _cpu_base * (CPU_STEP_MEASUREMENTS["reference_batch8_over_batch1"] - 1.0) / 7.0
+_cpu_prefill = (CPU_STEP_MEASUREMENTS["prefill_57_tokens_s"] - _cpu_base) / 57.0
 
 CPU_PRESET = Preset(
     name="cpu",
@@ -232,10 +247,11 @@ CPU_PRESET = Preset(
     step=StepTimeModel(
         base_s=_cpu_base - _cpu_row,
         per_row_s=_cpu_row,
-        # a 128-token prompt costs about as much as 40 decode rows on CPU (matmul-bound)
-        per_prefill_token_s=_cpu_row / 3.0,
-        lora_segment_s=2.0e-3,
-        lora_token_rank_s=1.5e-7,
+        per_prefill_token_s=_cpu_prefill,
+        # per adapter segment: 210 small addmm pairs in Python; per token and unit rank: the
+        # LoRA matmuls (about 1 % of the base model's FLOPs per unit rank at this width)
+        lora_segment_s=4.0e-3,
+        lora_token_rank_s=3.0e-6,
         rank_mode="sum",
     ),
     max_batch_size=32,  # WorkerConfig.max_batch_size
@@ -248,13 +264,14 @@ CPU_PRESET = Preset(
     h2d_bytes_per_s=4.0e9,  # CPU "device": one memcpy into the pool tensor
     device_copy_bytes_per_s=4.0e9,
     source="fixed",
-    source_fixed_s=0.02,  # open + parse safetensors + registry look-up
-    source_bytes_per_s=0.4e9,  # read + convert + pack float32 on 2 cores
+    source_fixed_s=CPU_STEP_MEASUREMENTS["load_fixed_s"],
+    source_bytes_per_s=CPU_STEP_MEASUREMENTS["load_bytes_per_s"],
     loader_threads=2,  # StoreConfig.loader_threads
     adapter_wait_timeout_s=60.0,  # EngineConfig.adapter_wait_timeout_s
     load_wait_timeout_s=30.0,  # StoreConfig.load_wait_timeout_s
-    network_s=0.002,  # two loopback gRPC hops
-    notes="SmolLM2-135M float32 on 2 CPU cores; see CPU_STEP_MEASUREMENTS",
+    network_s=CPU_STEP_MEASUREMENTS["gateway_overhead_s"],
+    shared_compute=1.0,  # both workers' torch threads compete for the same 2 cores
+    notes="SmolLM2-135M float32, 2 workers on 2 shared CPU cores; see CPU_STEP_MEASUREMENTS",
 )
 
 # ---------------------------------------------------------------------------------- h100

@@ -136,6 +136,7 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
         "external_fragmentation": c["frag_sum"] / samples if samples else None,
         "free_run_fragmentation": c["raw_frag_sum"] / samples if samples else None,
         "pressure_samples": samples,
+        "peak_concurrency": peak_concurrency(result),
         "slo_ttft_s": slo_ttft_s,
         "slo_attainment": slo_attainment(result, slo_ttft_s),
         "min_workers_for_slo": None,
@@ -143,6 +144,19 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
         "sim_wall_s": result.wall_s,
         "sim_events": result.events,
     }
+
+
+def peak_concurrency(result: SimResult) -> int:
+    """Most requests in flight at once (gateway receipt -> last token; a failed request counts
+    until its arrival only)."""
+    t = result.arrival_s
+    if len(t) == 0:
+        return 0
+    end = np.where(result.failed, t, result.done_s)
+    times = np.concatenate([t, end])
+    delta = np.concatenate([np.ones(len(t), np.int64), -np.ones(len(t), np.int64)])
+    order = np.lexsort((delta, times))  # at equal times, departures first
+    return int(np.cumsum(delta[order]).max())
 
 
 def slo_attainment(result: SimResult, slo_ttft_s: float) -> float | None:

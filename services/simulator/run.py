@@ -176,9 +176,10 @@ def run_simulations(
     return results, summaries
 
 
-#: Tokens the chat template and the synthetic prompt's word -> token ratio add to a replayed
-#: prompt of ``w`` words (SmolLM2's template with its default system turn is about 30 tokens).
-REPLAY_PROMPT_OVERHEAD_TOKENS = 30
+#: Tokens added to a replayed prompt of ``w`` words: the replay's records show ``w`` words of
+#: its synthetic prompts plus the chat template come to about ``w`` tokens (e.g. 57 tokens for
+#: 64 words), so none.
+REPLAY_PROMPT_OVERHEAD_TOKENS = 0
 
 
 def replay_matched_inputs(

@@ -47,6 +47,11 @@ SIMPLE = CPU_PRESET.with_overrides(
     source_bytes_per_s=1e30,
     h2d_bytes_per_s=1e30,
     network_s=0.0,
+    shared_compute=0.0,
+)
+# The cpu preset's sizes with a step model fast enough for the synthetic loads below.
+FAST = CPU_PRESET.with_overrides(
+    step=StepTimeModel(0.01, 0.001, 0.0002, 0.001, 1e-6, rank_mode="sum"), shared_compute=0.0
 )
 
 
@@ -106,6 +111,16 @@ def test_step_time_model_terms() -> None:
     assert s.step_s(2, 10, 3, 400.0, 8) == pytest.approx(1 + 0.2 + 0.1 + 1.5 + 0.4)
 
 
+def test_shared_compute_slows_steps_of_concurrent_workers() -> None:
+    # two requests on two workers at once: with a shared processor each step takes twice as long
+    tr = _trace([0.0, 0.0], ["a", "b"])
+    _, own = _run(tr, SIMPLE, "baseline", workers=2)
+    _, shared = _run(tr, SIMPLE.with_overrides(shared_compute=1.0), "baseline", workers=2)
+    np.testing.assert_allclose(own.done_s, [1.03, 1.03], atol=1e-9)
+    np.testing.assert_allclose(shared.first_token_s, [1.01, 1.02], atol=1e-9)
+    assert shared.done_s.max() > own.done_s.max()
+
+
 def test_mixed_ranks_cost_more_under_padding() -> None:
     # padded kernels: the same rows cost more when one row has a larger rank
     m = H100_8B_PRESET.step
@@ -136,7 +151,7 @@ def _zipf_trace(n=600, keys=40, rate=40.0, seed=1) -> Trace:
 def test_conservation_and_pool_invariants(policy: str) -> None:
     tr = _zipf_trace()
     # a pool of ~4 adapters forces evictions (and compaction or fragmentation)
-    preset = CPU_PRESET.with_overrides(pool_bytes=160 << 20, host_cache_bytes=320 << 20)
+    preset = FAST.with_overrides(pool_bytes=160 << 20, host_cache_bytes=320 << 20)
     sim, res = _run(tr, preset, policy, workers=3, k=24, forecaster="ewma")
     n = len(tr)
     ok = ~res.failed
@@ -186,7 +201,7 @@ def test_predictor_prefetches_and_prefetched_adapters_serve() -> None:
             times.append(s * 1.0 + j * 0.01)
             keys.append(f"p{(s // 3 + j) % 10}")
     tr = Trace.from_arrays(times, keys, 20, 4)
-    preset = CPU_PRESET.with_overrides(pool_bytes=200 << 20, host_cache_bytes=2 << 30)
+    preset = FAST.with_overrides(pool_bytes=200 << 20, host_cache_bytes=2 << 30)
     _, plora = _run(tr, preset, "plora", 1, 10, forecaster="ewma")
     _, nopred = _run(tr, preset, "plora-no-predictor", 1, 10)
     c = plora.counters
@@ -217,6 +232,7 @@ def test_summary_slo_and_load_curve() -> None:
     assert s["ttft_mean_s"] == pytest.approx((1.01 + 0.51 + 0.015) / 3)
     assert s["throughput_req_s"] == pytest.approx(3 / 1.05)
     assert slo_attainment(res, 2.0) == 1.0
+    assert s["peak_concurrency"] == 3  # r2 arrives (1.015) before r0 and r1 finish (1.03)
     curve = slo_vs_load(res, 0.6, window_s=1.0)
     assert curve["requests"] == [1.0, 2.0]  # window [1,2) has 1 request, [0,1) has 2
     assert curve["slo_attainment"] == [1.0, 0.5]
