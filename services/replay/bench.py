@@ -15,7 +15,8 @@ worker's pool holds only a fraction of the adapter set and eviction and prefetch
 
 Writes ``DIR/report.json``, ``DIR/report.md``, ``DIR/ttft_cdf.png``,
 ``DIR/cold_starts_over_time.png``, ``DIR/pool_utilization_over_time.png``, and per policy
-``DIR/<policy>/requests.jsonl`` (one record per request), ``DIR/<policy>/samples.json`` and the
+``DIR/<policy>/requests.jsonl`` (one record per request), ``DIR/<policy>/samples.json``, each
+service's Prometheus metrics at the end of the replay ``DIR/<policy>/metrics/*.prom`` and the
 cluster's logs ``DIR/<policy>/logs/*.log``. Definitions of every figure:
 :mod:`services.replay.report`.
 """
@@ -254,6 +255,7 @@ def run_policy(
             time.sleep(1.5)  # let the last heartbeats reach the registry before the final sample
         samples = sampler.samples
         timings["replay_s"] = time.monotonic() - t0
+        _save_metrics(state, run_dir / "metrics")
     finally:
         mark = time.monotonic()
         cluster.stop()
@@ -265,6 +267,20 @@ def run_policy(
             f.write(json.dumps(r.to_dict()) + "\n")
     write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
     return records, samples, timings
+
+
+def _save_metrics(state: dict[str, Any], out_dir: Path) -> None:
+    """Save every service's Prometheus text (``DIR/<policy>/metrics/<name>.prom``) before the
+    cluster stops: prefetches, loads by tier and forecasts are there, not in the logs."""
+    import urllib.request  # noqa: PLC0415
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, url in dict(state.get("metrics") or {}).items():
+        try:
+            with urllib.request.urlopen(str(url), timeout=10) as resp:  # noqa: S310 - loopback
+                (out_dir / f"{name}.prom").write_bytes(resp.read())
+        except OSError as exc:
+            logger.warning("could not scrape %s metrics at %s: %s", name, url, exc)
 
 
 # ------------------------------------------------------------------------------ the verb
