@@ -21,7 +21,7 @@ thousands of ids and ids never seen before cost nothing special. Only adapters w
 activity are scored; any other adapter has probability 0 and expected count 0.
 
 The LSTM (:class:`LSTMForecaster`) is a single-layer LSTM with one set of weights shared by all
-adapters (hidden 20, 8 input features, 2 output heads: 2,498 parameters = 9.8 KB in float32).
+adapters (hidden 20, 10 input features, 2 output heads: 2,622 parameters = 10.5 KB in float32).
 It is run as a *streaming* model: every tick, each tracked adapter advances its own ``(h, c)``
 state by one step on that second's features, in one batched numpy step, so a tick costs one LSTM
 step over the active adapters. Its outputs are a multiplicative correction of a simple
@@ -402,7 +402,7 @@ class EWMAForecaster(Forecaster):
 # ---------------------------------------------------------------------------- LSTM
 @dataclass(frozen=True)
 class LSTMConfig:
-    """Hyper-parameters of :class:`LSTMForecaster` (defaults: 2,458 parameters, 9.8 KB fp32).
+    """Hyper-parameters of :class:`LSTMForecaster` (defaults: 2,622 parameters, 10.5 KB fp32).
 
     Attributes:
         hidden: LSTM hidden size H.
@@ -447,12 +447,13 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 class LSTMForecaster(Forecaster):
     """Online-trained single-layer LSTM shared by all adapters (see the module doc).
 
-    Per bucket and tracked adapter, the input (8 features) is: ``log1p`` of the bucket count,
+    Per bucket and tracked adapter, the input (10 features) is: ``log1p`` of the bucket count,
     of the counts over the last 5 s and 60 s, of the EWMA rates with time constants 300 s and
-    3600 s (per minute / per hour), ``log1p(seconds since the last request) / 4``, and the
-    phase of ``now`` in the minute (sin, cos). The base rate of the skip connection is
-    ``base = horizon * (0.5 c5/5 + 0.25 c60/60 + 0.15 r300 + 0.1 r3600) + 1e-4``; the heads
-    give ``expected = base * exp(o_0)`` and ``probability = sigmoid(log(expm1(base)) + o_1)``
+    3600 s (per minute; per hour, / 2), ``log1p(seconds since the last request) / 4``, the
+    phase of ``now`` in the minute (sin, cos), ``log1p`` of the 10 s EWMA rate (per 10 s) and
+    ``log1p(requests ever) / 4``. The base rate of the skip connection is ``base = horizon *
+    (0.4 r10 + 0.2 c5/5 + 0.2 c60/60 + 0.1 r300 + 0.1 r3600) + 1e-4``; the heads give
+    ``expected = base * exp(o_0)`` and ``probability = sigmoid(log(expm1(base)) + o_1)``
     with ``o = W [h; x] + b`` (zero at initialization).
 
     Args:
