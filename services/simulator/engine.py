@@ -263,6 +263,7 @@ class SimResult:
         counters: Pool, load, prefetch and routing counters (JSON-ready).
         wall_s: Wall-clock seconds the simulation took.
         events: Events processed (arrivals included).
+        cpu_s: CPU seconds of this process during the simulation.
     """
 
     policy: str
@@ -278,6 +279,7 @@ class SimResult:
     counters: dict[str, Any]
     wall_s: float
     events: int
+    cpu_s: float = 0.0
 
     @property
     def ttft_s(self) -> np.ndarray:
@@ -658,6 +660,7 @@ class SimWorker:
         sim = self.sim
         al = self.allocator
         nbytes = int(sim.adapters.nbytes[job.a])
+        compacted = False
         while True:
             compact = 0
             try:
@@ -668,6 +671,7 @@ class SimWorker:
             except FragmentationError as err:
                 if (
                     al.supports_compaction
+                    and not compacted
                     and al.allocatable_units(self._pinned()) >= err.needed_units
                 ):
                     compact = err.needed_units
@@ -689,11 +693,13 @@ class SimWorker:
                 self.c["compactions"] += 1
                 self.c["bytes_moved"] += moved
                 job.compact_s += moved / sim.preset.device_copy_bytes_per_s
+                compacted = True  # if it did not help, evict before compacting again
                 continue
             victim = self._victim(job)
             if victim is not None:
                 job.pressure = True
                 self.evict(victim)
+                compacted = False  # the pool changed: compaction may help again
                 continue
             if not job.demanded:  # a prefetch never waits: dropped
                 del self.jobs[job.a]
@@ -988,6 +994,7 @@ class ClusterSimulation:
 
     def _run(self) -> SimResult:
         started = time.perf_counter()
+        self._cpu0 = time.process_time()
         arrival = self.arrival
         n = len(arrival)
         heap = self._heap
@@ -1067,6 +1074,7 @@ class ClusterSimulation:
             counters=counters,
             wall_s=wall_s,
             events=events,
+            cpu_s=time.process_time() - self._cpu0,
         )
 
 

@@ -142,6 +142,7 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
         "min_workers_for_slo": None,
         "counters": {k: v for k, v in c.items() if k not in ("failed_by_reason",)},
         "sim_wall_s": result.wall_s,
+        "sim_cpu_s": result.cpu_s,
         "sim_events": result.events,
     }
 

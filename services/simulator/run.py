@@ -377,6 +377,7 @@ def _print_table(report: dict[str, Any], policies: list[str]) -> None:
         ("slo_attainment", "slo"),
         ("min_workers_for_slo", "min_w"),
         ("sim_wall_s", "wall_s"),
+        ("sim_cpu_s", "cpu_s"),
     ]
     head = f"{'policy':<20}" + "".join(f"{h:>11}" for _, h in cols)
     print(head)
