@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.common.errors import ConfigError
 from services.common.types import ModelSpec
 from services.worker.lora_ops import LoRABatch
 
@@ -41,7 +42,7 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     ``_compute_llama3_parameters``), read from ``spec.rope_scaling``.
 
     Raises:
-        ValueError: an unsupported ``rope_type``.
+        ConfigError: an unsupported ``rope_type``.
     """
     dim = spec.head_dim
     base = spec.rope_theta
@@ -65,7 +66,7 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, inv_llama), 1.0
-    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+    raise ConfigError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
 class KVCache:
