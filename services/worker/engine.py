@@ -276,6 +276,8 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        #: CPU seconds the step thread spent in steps (its own thread's CPU clock).
+        self.step_cpu_seconds = 0.0
         self._stack_key: tuple[tuple[str, int], ...] = ()
         self._stack_streak = 0
         self._stacked: StackedLoRA | None = None
@@ -408,7 +410,9 @@ class Engine:
                 self._handle_cancels(cancels)
                 self._admit()
                 if self._running:
+                    c0 = time.thread_time()
                     self._step()
+                    self.step_cpu_seconds += time.thread_time() - c0
                 elif self._waiting:
                     # Only adapter loads are pending: wait briefly without spinning.
                     with self._cond:
