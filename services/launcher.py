@@ -253,9 +253,14 @@ class Cluster:
             )
             predictor.start(env)
         workers = []
+        # Workers on one host split the cores: OpenMP threads beyond the cores spin-wait on
+        # each other and decode several times slower.
+        threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
         for i in range(a.workers):
             flags = [
                 *common,
+                "--threads",
+                str(threads),
                 "--worker-id",
                 f"worker-{i}",
                 "--port",

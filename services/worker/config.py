@@ -46,6 +46,9 @@ class WorkerConfig:
         allocator: ``paged`` (first-fit pages + compaction) or ``contiguous`` (baseline).
         eviction: ``predictive`` (lowest forecast demand per byte) or ``lru`` (baseline).
         load_wait_timeout_s: How long a load may wait for pool space before failing its request.
+        threads: Intra-op CPU threads of the engine (``PLORA_WORKER_THREADS``); 0 = all cores.
+            Several workers on one host should split the cores (the launcher does): OpenMP
+            threads that outnumber the cores wait on each other and run many times slower.
         heartbeat_interval_s / heartbeat_ttl_s: Registry heartbeat period and liveness TTL.
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
@@ -70,6 +73,7 @@ class WorkerConfig:
     allocator: str = "paged"
     eviction: str = "predictive"
     load_wait_timeout_s: float = 30.0
+    threads: int = 0
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     ready_file: str = ""
@@ -88,6 +92,8 @@ class WorkerConfig:
                 f"host_cache_bytes ({self.host_cache_bytes}) must be >= pool_bytes "
                 f"({self.pool_bytes}): the host tier backs every resident adapter"
             )
+        if self.threads < 0:
+            raise ConfigError("threads must be >= 0 (0 = all cores)")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("heartbeat_ttl_s must exceed heartbeat_interval_s")
 
@@ -119,6 +125,7 @@ class WorkerConfig:
         parser.add_argument("--allocator", choices=ALLOCATORS)
         parser.add_argument("--eviction", choices=EVICTIONS)
         parser.add_argument("--load-wait-timeout-s", type=float)
+        parser.add_argument("--threads", type=int)
         parser.add_argument("--ready-file")
 
     @classmethod
@@ -162,5 +169,8 @@ class WorkerConfig:
             load_wait_timeout_s=args.load_wait_timeout_s
             if args.load_wait_timeout_s is not None
             else env_float("PLORA_LOAD_WAIT_TIMEOUT_S", d.load_wait_timeout_s),
+            threads=args.threads
+            if args.threads is not None
+            else env_int("PLORA_WORKER_THREADS", d.threads),
             ready_file=args.ready_file or "",
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -246,6 +247,8 @@ class WorkerService:
         self.registry = Registry(connect(config.redis_url))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.threads or os.cpu_count() or 1)
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         logger.info("resolving base model %s", config.model)
         model_dir = resolve_model(config.model, cache)
