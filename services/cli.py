@@ -32,6 +32,11 @@ _DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
         "engine throughput vs transformers and PEFT",
     ),
     ("bench", "pool"): ("services.worker.bench_pool", "paged vs contiguous adapter pool"),
+    ("bench", "replay"): (
+        "services.replay.bench",
+        "replay a trace against a fresh live cluster per policy",
+    ),
+    ("simulate",): ("services.simulator.run", "trace-driven cluster simulator at GPU scale"),
     ("eval", "predictor"): (
         "services.predictor.evaluate",
         "replay a trace through the forecasters",

@@ -91,7 +91,13 @@ class Child:
             return True
         return False
 
+    def signal_stop(self) -> None:
+        """Send SIGTERM without waiting (several children stop in parallel)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)
@@ -401,8 +407,14 @@ class Cluster:
         self._stopping.set()
 
     def stop(self) -> None:
-        """Stop the gateway first, then workers and predictor, then Redis; remove the state."""
-        for c in reversed(self.children):
+        """Stop the gateway first (no new requests), then the others together, then Redis."""
+        gateways = [c for c in self.children if c.name == "gateway"]
+        for c in gateways:
+            c.stop()
+        rest = [c for c in self.children if c.name != "gateway"]
+        for c in rest:
+            c.signal_stop()
+        for c in rest:
             c.stop()
         if self.redis is not None:
             self.redis.stop()
