@@ -91,8 +91,9 @@ def plan_placement(
     Args:
         demand: ``adapter_id -> AdapterDemand``; adapters with ``expected <= 0`` are not placed.
         workers: Healthy workers.
-        previous: The last placement; an assignment is kept while the worker stays within
-            ``(1 + tolerance)`` of the fair share and has pool room.
+        previous: The last placement. A worker that holds the adapter resident, then one of the
+            last placement, keeps it while it stays within ``(1 + tolerance)`` of the fair
+            share and has pool room.
         tolerance: Allowed overshoot of the fair share before a kept assignment is moved.
 
     Returns:
@@ -115,7 +116,10 @@ def plan_placement(
         replicas = 1 if share <= 0 else max(1, min(len(workers), math.ceil(d.load / share - 1e-9)))
         per_replica = d.load / replicas
         chosen: list[str] = []
-        kept = [w for w in previous.get(a, ()) if w in load]
+        # Keep what already serves the adapter: workers holding it resident first (moving it
+        # would cost a load and waste the copy the router is using), then the last placement.
+        resident_on = [w.worker_id for w in workers if a in w.resident]
+        kept = list(dict.fromkeys([*resident_on, *(w for w in previous.get(a, ()) if w in load)]))
         for w in kept:
             if len(chosen) == replicas:
                 break

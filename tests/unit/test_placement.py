@@ -181,3 +181,16 @@ def test_prefetch_respects_count_and_pool_budget() -> None:
         )
         == 3
     )
+
+
+def test_placement_prefers_where_the_adapter_is_already_resident() -> None:
+    demand = {"a": AdapterDemand(16, MB, 2.0), "b": AdapterDemand(16, MB, 2.0)}
+    ws = [
+        WorkerView("w0", 100 * MB, 100 * MB),
+        WorkerView("w1", 100 * MB, 100 * MB, resident=frozenset({"a"})),
+    ]
+    placement, _ = plan_placement(demand, ws)
+    assert placement == {"a": ["w1"], "b": ["w0"]}
+    # ... and the prefetch plan then has nothing to load for "a".
+    plan = PrefetchSelector(high=0.1, low=0.05).select(demand, placement, ws)
+    assert plan == {"w0": [("b", 2.0)], "w1": []}
