@@ -10,6 +10,7 @@ the predictor without ever waiting on it. The servicer is thin: validation rules
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import re
 import threading
@@ -90,6 +91,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._round_robin = RoundRobinRouter()
+        self._placement_cache = _TTLCache(config.worker_cache_s)
+        self._inflight: collections.Counter[str] = collections.Counter()
+        self._inflight_lock = threading.Lock()
         self.events = EventStreamer(
             config.predictor_address,
             config.event_queue_size,
@@ -158,21 +162,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))
                 ),
                 resident=frozenset(w.resident),
-                queue_length=w.queue_length + w.running,
+                # Heartbeats are up to a second old: between them, count what this gateway
+                # itself has in flight on each worker, so a burst is not sent to one worker.
+                queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
             )
             for w in workers
         ]
         by_id = {w.worker_id: w for w in workers}
-        if self.config.routing == "round_robin":
-            chosen = self._round_robin.route(views)
-            reason = "round_robin"
-        else:
-            placement = self.registry.get_placement() if adapter else {}
-            chosen, reason = route_rank_aware(
-                adapter.adapter_id if adapter else "", views, placement
-            )
+        placement = self._placement() if adapter and self.config.routing != "round_robin" else {}
+        with self._inflight_lock:
+            if self.config.routing == "round_robin":
+                chosen = self._round_robin.route(views)
+                reason = "round_robin"
+            else:
+                chosen, reason = route_rank_aware(
+                    adapter.adapter_id if adapter else "", views, placement
+                )
+            self._inflight[chosen] += 1
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
+
+    def _done(self, worker_id: str) -> None:
+        with self._inflight_lock:
+            self._inflight[worker_id] -= 1
+
+    def _placement(self) -> dict[str, list[str]]:
+        cached = self._placement_cache.get("placement")
+        if cached is None:
+            cached = self.registry.get_placement()
+            self._placement_cache.put("placement", cached)
+        return cached  # type: ignore[return-value]
 
     # -- Generate -------------------------------------------------------------------------
 
@@ -271,6 +290,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if not context.is_active():
                     return
                 context.abort(exc.code(), exc.details() or exc.code().name)
+            finally:
+                self._done(worker.worker_id)
 
     # -- adapters -------------------------------------------------------------------------
 

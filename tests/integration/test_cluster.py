@@ -297,3 +297,11 @@ def test_health_and_reflection_on_every_server(cluster: dict) -> None:
             )
             names = {s.name for r in responses for s in r.list_services_response.service}
             assert any(n.startswith("plora.v1.") for n in names), (address, names)
+
+
+def test_a_burst_is_spread_over_the_workers(stub) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: collect(stub, chat(max_new_tokens=16))[1][-1], range(4)))
+    assert {r.worker_id for r in results} == {"worker-0", "worker-1"}
