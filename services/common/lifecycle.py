@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
+
+from services.common.errors import PLoRAError
+from services.common.logging_setup import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+class _Config(Protocol):
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Any: ...
 
 
 def write_ready_file(path: str, grpc_port: int, metrics_port: int) -> None:
@@ -25,3 +41,47 @@ def serve_until_signalled(stop: Callable[[], None]) -> None:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     stop()
+
+
+def run_service(
+    name: str,
+    config_cls: type[_Config],
+    service_factory: Callable[[Any], Any],
+    argv: list[str] | None,
+    log_name: Callable[[Any], str] | None = None,
+) -> int:
+    """Entry point shared by ``plora serve {gateway,worker,predictor}``.
+
+    Parses the service's flags, configures logging once, builds and starts the service, then
+    serves until SIGINT/SIGTERM and stops it gracefully.
+
+    Args:
+        name: Service name (``gateway``).
+        config_cls: The service's config dataclass (``add_arguments`` / ``from_args``).
+        service_factory: ``config -> service`` with ``start() -> service`` and ``stop()``.
+        argv: Command-line arguments (None = ``sys.argv[1:]``).
+        log_name: Prefix of log lines from the config (default: ``name``).
+
+    Returns:
+        0 after a clean stop; 2 when the service cannot start (bad config, Redis unreachable,
+        model missing) - with a one-line reason in the log, not a stack trace.
+    """
+    parser = argparse.ArgumentParser(prog=f"plora serve {name}")
+    config_cls.add_arguments(parser)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        config = config_cls.from_args(args)
+    except PLoRAError as exc:
+        configure_logging(args.log_level, args.log_json, service=name)
+        logger.error("%s", exc)
+        return 2
+    configure_logging(args.log_level, args.log_json, service=log_name(config) if log_name else name)
+    try:
+        service = service_factory(config).start()
+    except PLoRAError as exc:
+        logger.error("%s", exc)
+        return 2
+    serve_until_signalled(service.stop)
+    return 0

@@ -180,3 +180,22 @@ class LoRAWeights:
             m.lora_a.numel() * m.lora_a.element_size() + m.lora_b.numel() * m.lora_b.element_size()
             for m in self.modules.values()
         )
+
+
+#: Shape of the default base model, SmolLM2-135M-Instruct (its ``config.json``: 30 layers,
+#: hidden 576, MLP 1536, 9 heads, 3 KV heads, vocab 49,152). Serving reads the real config;
+#: benchmarks and the simulator size adapters with this constant.
+SMOLLM2_135M = ModelSpec(
+    name="SmolLM2-135M-Instruct",
+    num_layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)

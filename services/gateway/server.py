@@ -9,7 +9,6 @@ the predictor without ever waiting on it. The servicer is thin: validation rules
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
 import re
@@ -39,8 +38,7 @@ from services.common.grpc_util import (
     map_errors,
     set_serving,
 )
-from services.common.lifecycle import serve_until_signalled, write_ready_file
-from services.common.logging_setup import configure_logging
+from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
 from services.gateway.config import GatewayConfig
@@ -479,16 +477,4 @@ class GatewayService:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``plora serve gateway``."""
-    parser = argparse.ArgumentParser(prog="plora serve gateway")
-    GatewayConfig.add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-json", action="store_true")
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_json, service="gateway")
-    try:
-        service = GatewayService(GatewayConfig.from_args(args)).start()
-    except PLoRAError as exc:
-        logger.error("%s", exc)
-        return 2
-    serve_until_signalled(service.stop)
-    return 0
+    return run_service("gateway", GatewayConfig, GatewayService, argv)

@@ -11,7 +11,6 @@ counts are persisted to Redis and restored at start, so a restarted predictor re
 
 from __future__ import annotations
 
-import argparse
 import collections
 import logging
 import threading
@@ -25,8 +24,7 @@ from plora.v1 import predictor_pb2, predictor_pb2_grpc, worker_pb2, worker_pb2_g
 from services.common import convert
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
-from services.common.lifecycle import serve_until_signalled, write_ready_file
-from services.common.logging_setup import configure_logging
+from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, connect
 from services.predictor.config import PredictorConfig
@@ -338,16 +336,4 @@ class PredictorService:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``plora serve predictor``."""
-    parser = argparse.ArgumentParser(prog="plora serve predictor")
-    PredictorConfig.add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-json", action="store_true")
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level, args.log_json, service="predictor")
-    try:
-        service = PredictorService(PredictorConfig.from_args(args)).start()
-    except PLoRAError as exc:
-        logger.error("%s", exc)
-        return 2
-    serve_until_signalled(service.stop)
-    return 0
+    return run_service("predictor", PredictorConfig, PredictorService, argv)

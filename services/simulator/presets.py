@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.types import PROJECTION_MODULES, ModelSpec
+from services.common.types import PROJECTION_MODULES, SMOLLM2_135M, ModelSpec
 
 #: Presets understood by :func:`get_preset`.
 PRESET_NAMES: tuple[str, ...] = ("cpu", "h100-8b")
@@ -174,22 +174,6 @@ class Preset:
 
 
 # ---------------------------------------------------------------------------------- models
-#: SmolLM2-135M-Instruct (its ``config.json``: 30 layers, hidden 576, MLP 1536, 9 heads, 3 KV
-#: heads, vocab 49,152).
-SMOLLM2_135M = ModelSpec(
-    name="SmolLM2-135M-Instruct",
-    num_layers=30,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
 
 #: Llama-3-8B (Meta's ``config.json``: 32 layers, hidden 4096, MLP 14336, 32 heads, 8 KV
 #: heads, vocab 128,256).

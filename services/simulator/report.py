@@ -30,28 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from services.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
 from services.simulator.engine import SimResult
 
 logger = logging.getLogger(__name__)
 
-#: Per-policy keys of report.json (the issue's contract).
-POLICY_KEYS: tuple[str, ...] = (
-    "requests",
-    "completed",
-    "failed",
-    "ttft_mean_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "throughput_req_s",
-    "throughput_tok_s",
-    "cold_starts",
-    "cold_start_rate",
-    "cold_start_wait_mean_s",
-    "pool_utilization_under_pressure",
-    "external_fragmentation",
-    "slo_attainment",
-    "min_workers_for_slo",
-)
+#: Per-policy keys of report.json: the live replay's keys plus the simulator's SLO figures.
+POLICY_KEYS: tuple[str, ...] = (*REPLAY_POLICY_KEYS, "slo_attainment", "min_workers_for_slo")
 
 #: Published figures the report puts the simulated ones beside.
 PAPER_FIGURES: dict[str, dict[str, Any]] = {

@@ -44,7 +44,13 @@ from typing import Any
 import torch
 
 from services.common.traces import Trace, load_trace
-from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, LoRAWeights, ModelSpec
+from services.common.types import (
+    PROJECTION_MODULES,
+    SMOLLM2_135M,
+    LoRAModuleWeights,
+    LoRAWeights,
+    ModelSpec,
+)
 from services.worker.adapter_api import AdapterRef
 from services.worker.pool import DEFAULT_PAGE_BYTES
 from services.worker.store import DTYPES, AdapterStore, StoreConfig, StoreLease
@@ -54,22 +60,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_TRACE = "../shared/data/traces/alibaba_genai2026_lora_requests_nov.csv"
 DEFAULT_RANKS = (8, 16, 32, 64, 128)
 DEFAULT_PAGE_SWEEP = (4 << 20, 1 << 20, 256 << 10, 64 << 10)
-
-#: SmolLM2-135M-Instruct's shape (config.json of HuggingFaceTB/SmolLM2-135M-Instruct).
-SMOLLM2_135M = ModelSpec(
-    name="SmolLM2-135M-Instruct",
-    num_layers=30,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
 
 
 def adapter_bytes(

@@ -8,7 +8,6 @@ messages and delegates (STYLE.md "Follow" 3).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import threading
@@ -30,8 +29,7 @@ from services.common.grpc_util import (
     map_errors,
     set_serving,
 )
-from services.common.lifecycle import serve_until_signalled, write_ready_file
-from services.common.logging_setup import configure_logging
+from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, WorkerRecord, connect
 from services.common.types import LoRAWeights, ModelSpec
@@ -413,17 +411,4 @@ class WorkerService:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``plora serve worker``."""
-    parser = argparse.ArgumentParser(prog="plora serve worker")
-    WorkerConfig.add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-json", action="store_true")
-    args = parser.parse_args(argv)
-    config = WorkerConfig.from_args(args)
-    configure_logging(args.log_level, args.log_json, service=config.worker_id)
-    try:
-        service = WorkerService(config).start()
-    except PLoRAError as exc:
-        logger.error("%s", exc)
-        return 2
-    serve_until_signalled(service.stop)
-    return 0
+    return run_service("worker", WorkerConfig, WorkerService, argv, log_name=lambda c: c.worker_id)

@@ -305,7 +305,8 @@ def test_make_policy() -> None:
 
 # ---------------------------------------------------------------------- bench helpers
 def test_smollm2_rank_unit_bytes() -> None:
-    from services.worker.bench_pool import SMOLLM2_135M, adapter_bytes
+    from services.common.types import SMOLLM2_135M
+    from services.worker.bench_pool import adapter_bytes
 
     # per layer: q 576+576, k 576+192, v 576+192, o 576+576, gate/up 576+1536, down 1536+576
     assert adapter_bytes(SMOLLM2_135M, 1, 4) == 10176 * 30 * 4 == 1_221_120
