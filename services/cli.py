@@ -1,4 +1,4 @@
-"""The ``plora`` command: run the cluster, talk to it, benchmark and evaluate it.
+"""The plora command: run the cluster, talk to it, benchmark and evaluate it.
 
 Verbs (ARCHITECTURE.md "CLI"): ``up``, ``serve {gateway,worker,predictor}``, ``generate``,
 ``adapters {register,list,get,delete}``, ``status``, ``make-adapters``,
@@ -271,7 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return int(args.func(args))
         except grpc.RpcError as exc:
-            print(f"plora: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = ""
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
+                hint = (
+                    f" (is the cluster running? `make up` starts it; gateway "
+                    f"{gateway_address(getattr(args, 'gateway', None))})"
+                )
+            print(f"plora: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
             return 1
     if args.command == "up":
         import logging  # noqa: PLC0415

@@ -73,6 +73,19 @@ def map_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+#: ``time_remaining()`` above this many seconds means the client set no deadline (grpcio
+#: reports an "infinite" deadline as ~9.2e18 s rather than None).
+_NO_DEADLINE_S = 1e9
+
+
+def remaining_or(context: grpc.ServicerContext, default: float) -> float:
+    """Seconds left before the client's deadline, or ``default`` when it set none."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > _NO_DEADLINE_S:
+        return default
+    return max(0.001, remaining)
+
+
 def already_aborted(context: grpc.ServicerContext) -> bool:
     """True once ``context.abort`` ran: it raises a bare ``Exception`` that must propagate."""
     code = context.code()

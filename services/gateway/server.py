@@ -36,6 +36,7 @@ from services.common.grpc_util import (
     already_aborted,
     create_server,
     map_errors,
+    remaining_or,
     set_serving,
 )
 from services.common.lifecycle import run_service, write_ready_file
@@ -246,8 +247,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         worker_request = worker_pb2.WorkerGenerateRequest(
             request=forwarded, adapter=convert.adapter_info(adapter) if adapter else None
         )
-        remaining = context.time_remaining()
-        timeout = self.config.request_timeout_s if remaining is None else max(0.001, remaining)
+        timeout = remaining_or(context, self.config.request_timeout_s)
         tried: set[str] = set()
         while True:
             worker = self._choose(adapter, tried)
@@ -299,8 +299,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.RegisterAdapterResponse:
         if not _ADAPTER_ID.match(request.adapter_id):
             raise InvalidRequestError(
-                f"adapter_id {request.adapter_id!r} is invalid: use 1-128 letters, digits, "
-                "'.', '_', '-', ':' or '/', starting with a letter or digit"
+                f"adapter_id {request.adapter_id!r} is invalid: use only letters, digits and "
+                "'.', '_', '-', ':', '/' (1-128 characters, starting with a letter or digit)"
             )
         if not request.source:
             raise InvalidRequestError("source is required: a directory in PEFT layout")

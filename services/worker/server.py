@@ -27,6 +27,7 @@ from services.common.grpc_util import (
     already_aborted,
     create_server,
     map_errors,
+    remaining_or,
     set_serving,
 )
 from services.common.lifecycle import run_service, write_ready_file
@@ -162,8 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         start = time.monotonic()
         lease = self.store.acquire(ref)
         try:
-            remaining = context.time_remaining()
-            lease.wait(self.config.load_wait_timeout_s if remaining is None else remaining)
+            lease.wait(remaining_or(context, self.config.load_wait_timeout_s))
             if lease.error() is not None:
                 raise lease.error()  # type: ignore[misc]
             return worker_pb2.LoadAdapterResponse(

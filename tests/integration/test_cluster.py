@@ -305,3 +305,9 @@ def test_a_burst_is_spread_over_the_workers(stub) -> None:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda _: collect(stub, chat(max_new_tokens=16))[1][-1], range(4)))
     assert {r.worker_id for r in results} == {"worker-0", "worker-1"}
+
+
+def test_generate_without_a_client_deadline(stub) -> None:
+    """A client that sets no deadline (the README's Python example, grpcurl) is served."""
+    chunks = list(stub.Generate(chat(max_new_tokens=12)))
+    assert "Paris" in "".join(c.text for c in chunks)
