@@ -524,6 +524,9 @@ class LSTMForecaster(Forecaster):
         self._buf_b = np.zeros((cfg.buffer, L), dtype=np.float32)
         self._buf_y = np.zeros((cfg.buffer, L), dtype=np.float32)
         self._buf_n = 0
+        # Steps whose training windows are still to be recorded: done in train(), after the
+        # forecast was served, so the tick itself only runs the LSTM step.
+        self._pending_windows: list[int] = []
         self._buf_pos = 0
         self._rng = np.random.default_rng(seed)
         self.train_steps_done = 0
@@ -646,7 +649,19 @@ class LSTMForecaster(Forecaster):
         base = np.exp(logbase.astype(np.float64))
         self._out_exp[rows] = base * np.exp(corr)
         self._out_prob[rows] = _sigmoid(np.log(np.expm1(base)) + out[:, 1])
-        self._record_windows(b)
+        self._pending_windows.append(b)
+
+    def _flush_windows(self) -> None:
+        """Record the training windows of the steps since the last call (oldest first).
+
+        A step's windows read the count ring, which holds ``_RING`` buckets: steps older than
+        the ring can still serve are skipped rather than read from overwritten buckets.
+        """
+        oldest_valid = self._b - (_RING - self.config.window - self.h - 1)
+        for b in self._pending_windows:
+            if b >= oldest_valid:
+                self._record_windows(b)
+        self._pending_windows.clear()
 
     def _features(
         self, rows: np.ndarray, bucket: np.ndarray, age: np.ndarray, now: float
@@ -724,6 +739,7 @@ class LSTMForecaster(Forecaster):
         the buffer holds fewer than ``batch`` windows).
         """
         cfg = self.config
+        self._flush_windows()
         if self._buf_n < cfg.batch:
             return None
         torch = self._torch
