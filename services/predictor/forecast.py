@@ -565,10 +565,11 @@ class LSTMForecaster(Forecaster):
         a half-updated model)."""
         m, hd, torch = self.model, self.head, self._torch
         with torch.no_grad():
-            w = torch.cat([m.weight_ih_l0, m.weight_hh_l0], dim=1).clone()  # [4H, d + H]
-            b = (m.bias_ih_l0 + m.bias_hh_l0)[:, None].clone()  # [4H, 1]
-            wo = hd.weight.clone()  # [2, H + d]
-            bo = hd.bias[:, None].clone()  # [2, 1]
+            # Row-major layout for the tick: inputs [T, features] @ weights [features, out].
+            w = torch.cat([m.weight_ih_l0, m.weight_hh_l0], dim=1).T.contiguous()  # [d + H, 4H]
+            b = (m.bias_ih_l0 + m.bias_hh_l0).clone()  # [4H]
+            wo = hd.weight.T.contiguous()  # [H + d, 2]
+            bo = hd.bias.clone()  # [2]
         self._np = (w, b, wo, bo)
 
     # -- stepping
@@ -634,15 +635,15 @@ class LSTMForecaster(Forecaster):
         torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
         try:
             with torch.no_grad():
-                # transposed [features, T] layout: gate blocks are contiguous rows
-                xt = torch.from_numpy(x).T.contiguous()  # [d, T]
-                hct = torch.from_numpy(hc).T.contiguous()  # [2H, T]
-                gates = torch.addmm(bias, w, torch.cat([xt, hct[:H]], dim=0))  # [4H, T]
+                # row-major [T, features]: no transposes of the batch
+                xr = torch.from_numpy(x)  # [T, d]
+                hcr = torch.from_numpy(hc)  # [T, 2H]
+                gates = torch.addmm(bias, torch.cat([xr, hcr[:, :H]], dim=1), w)  # [T, 4H]
                 sg = torch.sigmoid(gates)  # torch gate order i, f, g, o
-                c = sg[H : 2 * H] * hct[H:] + sg[:H] * torch.tanh(gates[2 * H : 3 * H])
-                h = sg[3 * H :] * torch.tanh(c)
-                out = torch.addmm(bo, wo, torch.cat([h, xt], dim=0)).T.numpy()  # [T, 2]
-                self._hc[rows] = torch.cat([h, c], dim=0).T.numpy()
+                c = sg[:, H : 2 * H] * hcr[:, H:] + sg[:, :H] * torch.tanh(gates[:, 2 * H : 3 * H])
+                h = sg[:, 3 * H :] * torch.tanh(c)
+                out = torch.addmm(bo, torch.cat([h, xr], dim=1), wo).numpy()  # [T, 2]
+                self._hc[rows] = torch.cat([h, c], dim=1).numpy()
         finally:
             torch.set_num_threads(threads)
         corr = np.clip(out[:, 0], -cfg.max_log_correction, cfg.max_log_correction)
