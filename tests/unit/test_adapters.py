@@ -29,40 +29,14 @@ from services.common.adapters import (
 )
 from services.common.errors import IncompatibleAdapterError, InvalidAdapterError
 from services.common.make_adapters import write_peft_adapter
-from services.common.types import PROJECTION_MODULES, ModelSpec
+from services.common.types import PROJECTION_MODULES, SMOLLM2_135M, ModelSpec
+from tests.helpers import TINY, tiny_llama
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 ADAPTERS = DATA / "adapters"
 CONFIGS = DATA / "adapter_configs"
 
-TINY = ModelSpec(
-    name="tiny-llama",
-    num_layers=3,
-    hidden_size=64,
-    intermediate_size=96,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    max_position_embeddings=128,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
-SMOLLM2 = ModelSpec(
-    name="SmolLM2-135M-Instruct",
-    num_layers=30,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+SMOLLM2 = SMOLLM2_135M
 # Gemma-3-270m: hidden 640, q out 1024 = 4 heads x 256, k/v out 256 = 1 head x 256, 18 layers —
 # all read off the adapter headers (test_gemma_spec_matches_headers). intermediate_size (2048)
 # and vocab are Gemma-3-270m's config values; the adapters (q/k/v/o only) cannot show them.
@@ -80,25 +54,6 @@ GEMMA3_270M = ModelSpec(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
-
-
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=TINY.vocab_size,
-        hidden_size=TINY.hidden_size,
-        intermediate_size=TINY.intermediate_size,
-        num_hidden_layers=TINY.num_layers,
-        num_attention_heads=TINY.num_heads,
-        num_key_value_heads=TINY.num_kv_heads,
-        head_dim=TINY.head_dim,
-        max_position_embeddings=TINY.max_position_embeddings,
-        rms_norm_eps=TINY.rms_norm_eps,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _write_config(d: Path, **changes) -> None:

@@ -1,0 +1,43 @@
+"""Small shared test fixtures: a tiny Llama shape and a random transformers model of it."""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.types import ModelSpec
+
+#: A tiny Llama-family shape (3 layers, GQA) for fast adapter and engine tests.
+TINY = ModelSpec(
+    name="tiny-llama",
+    num_layers=3,
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_llama(seed: int = 0):
+    """A random ``LlamaForCausalLM`` with :data:`TINY`'s shapes (no download), in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=TINY.vocab_size,
+        hidden_size=TINY.hidden_size,
+        intermediate_size=TINY.intermediate_size,
+        num_hidden_layers=TINY.num_layers,
+        num_attention_heads=TINY.num_heads,
+        num_key_value_heads=TINY.num_kv_heads,
+        head_dim=TINY.head_dim,
+        max_position_embeddings=TINY.max_position_embeddings,
+        rms_norm_eps=TINY.rms_norm_eps,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(cfg).eval()
