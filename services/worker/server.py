@@ -40,7 +40,7 @@ from services.worker.engine import Engine, EngineConfig, EngineRequest
 from services.worker.metrics import WorkerMetrics
 from services.worker.model import LlamaModel
 from services.worker.model_loader import default_cache_dir, model_display_name, resolve_model
-from services.worker.store import AdapterStore, StoreConfig, StoreEvent
+from services.worker.store import AdapterStore, StoreConfig, StoreEvent, StoreStats
 from services.worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             queue_length=self.engine.queue_length,
             running=self.engine.running,
             resident_adapters=resident_ids(self.store),
-            pool=convert.pool_stats(pool_stats_dict(self.store, self.config)),
+            pool=convert.pool_stats(pool_stats_dict(self.store.stats(), self.config)),
             device=str(self.engine.config.device),
         )
 
@@ -208,9 +208,8 @@ def resident_ids(store: AdapterStore) -> list[str]:
     return sorted({r.adapter_id for r in store.resident_adapters()})
 
 
-def pool_stats_dict(store: AdapterStore, config: WorkerConfig) -> dict[str, object]:
-    """The store's statistics as ``plora.v1.PoolStats`` keys (heartbeat JSON)."""
-    s = store.stats()
+def pool_stats_dict(s: StoreStats, config: WorkerConfig) -> dict[str, object]:
+    """A store statistics snapshot as ``plora.v1.PoolStats`` keys (heartbeat JSON)."""
     return {
         "allocator": config.allocator,
         "eviction": config.eviction,
@@ -350,8 +349,10 @@ class WorkerService:
 
     def heartbeat(self) -> None:
         """Publish status to Redis and pull the latest forecast for predictive eviction."""
-        stats = pool_stats_dict(self.store, self.config)
+        snapshot = self.store.stats()  # one snapshot for the heartbeat and the gauges
         resident = resident_ids(self.store)
+        # Gauges first: they stay current even while Redis is unreachable.
+        self._export_metrics(snapshot, len(resident))
         record = WorkerRecord(
             worker_id=self.config.worker_id,
             address=self.address,
@@ -361,18 +362,16 @@ class WorkerService:
             queue_length=self.engine.queue_length,
             running=self.engine.running,
             resident=resident,
-            pool=stats,
+            pool=pool_stats_dict(snapshot, self.config),
         )
         self.registry.heartbeat(record, self.config.heartbeat_ttl_s)
         forecast = self.registry.get_forecast()
         if forecast is not None:
             self.store.set_forecast({k: float(v) for k, v in forecast["expected"].items()})
         self._last_heartbeat = time.monotonic()
-        self._export_metrics(stats, len(resident))
 
-    def _export_metrics(self, stats: dict[str, object], resident: int) -> None:
+    def _export_metrics(self, s: StoreStats, resident: int) -> None:
         m = self.metrics
-        s = self.store.stats()
         m.queue_length.set(self.engine.queue_length)
         m.running.set(self.engine.running)
         m.resident.set(resident)
