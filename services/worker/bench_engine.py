@@ -15,8 +15,16 @@ produces exactly ``--new-tokens`` per request):
 Throughput is generated tokens / wall seconds from submission to the last token, prefill
 included. With ``--threads 1`` the run also reports ``*_tok_per_cpu_s`` and ``*_b8_cpu``
 ratios: tokens per CPU second of the computing thread, which stay comparable on a machine
-that other processes load (wall-clock figures on a shared 2-core box swing by 2x). The adapters are created by PEFT itself and handed to our engine as the very same
-tensors, so both sides compute the same function.
+that other processes load (wall-clock figures on a shared 2-core box swing by 2x). The
+adapters are created by PEFT itself and handed to our engine as the very same tensors, so
+both sides compute the same function.
+
+``--adapter-ranks`` changes the 8 adapters' ranks: at rank 1 their weights are negligible,
+which isolates the engine's per-adapter overhead (segments, masks, dispatch) from the cost of
+reading the adapters' weights. The JSON also gives the weight bytes one decode step reads
+(``base_weight_bytes_per_step``, ``adapter_weight_bytes_per_step_b8``) and
+``mixed_over_base_weight_read_bound = base / (base + adapters)``: the best mixed/base ratio
+a step bound by weight reads can reach.
 """
 
 from __future__ import annotations
@@ -120,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="short run: batch sizes 1,8 and 12 new tokens"
     )
+    parser.add_argument(
+        "--adapter-ranks",
+        default=",".join(str(r) for r in ADAPTER_RANKS),
+        help="ranks of the 8 distinct adapters (comma-separated); rank 1 isolates the "
+        "engine's per-adapter overhead from the adapters' weight bytes",
+    )
 
 
 def _chat_ids(tok: Tokenizer, n: int) -> list[list[int]]:
@@ -191,14 +205,17 @@ def _hf_run(
     return n / dt, n / max(cpu, 1e-9)
 
 
-def _peft_adapters(hf: torch.nn.Module, num_layers: int) -> tuple[object, dict]:  # type: ignore[type-arg]
-    """Wrap ``hf`` in PEFT with 8 random adapters; return it and our view of the same tensors."""
+def _peft_adapters(
+    hf: torch.nn.Module, num_layers: int, ranks: tuple[int, ...] = ADAPTER_RANKS
+) -> tuple[object, dict]:  # type: ignore[type-arg]
+    """Wrap ``hf`` in PEFT with one random adapter per rank in ``ranks``; return it and our
+    view of the same tensors."""
     import peft
 
-    names = [f"bench-r{r}-{i}" for i, r in enumerate(ADAPTER_RANKS)]
+    names = [f"bench-r{r}-{i}" for i, r in enumerate(ranks)]
     cfgs = [
         peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(PROJECTION_MODULES))
-        for r in ADAPTER_RANKS
+        for r in ranks
     ]
     pm = peft.get_peft_model(hf, cfgs[0], adapter_name=names[0])  # type: ignore[arg-type]
     for n, c in zip(names[1:], cfgs[1:], strict=True):
@@ -235,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    ranks = tuple(int(x) for x in str(args.adapter_ranks).split(",") if x)
+    if not ranks or min(ranks) < 1:
+        raise SystemExit(f"--adapter-ranks: positive integers expected, got {args.adapter_ranks!r}")
     sizes = [1, 8] if args.quick else [int(x) for x in str(args.batch_sizes).split(",") if x]
     new_tokens = 12 if args.quick else int(args.new_tokens)
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -256,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         "new_tokens": new_tokens,
         "repeats": max(1, int(args.repeats)),
         "batch_sizes": sizes,
-        "adapter_ranks": list(ADAPTER_RANKS),
+        "adapter_ranks": list(ranks),
         "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
     }
     hf_base: dict[str, float] = {}
@@ -269,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         hf_base[str(b)] = max(r[0] for r in runs)
         hf_base_cpu[str(b)] = max(r[1] for r in runs)
 
-    pm, ours = _peft_adapters(hf, model.spec.num_layers)
+    pm, ours = _peft_adapters(hf, model.spec.num_layers, ranks)
     names = list(ours)
     peft_mixed: dict[str, float] = {}
     logger.info("PEFT mixed-adapter generate")
@@ -289,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         peft_mixed_cpu[str(b)] = max(r[1] for r in runs)
     del pm, hf
 
+    model_elem_size = torch.empty((), dtype=dtype).element_size()
     provider = _ResidentProvider(ours)
     engine = Engine(
         model,
@@ -350,6 +371,19 @@ def run(args: argparse.Namespace) -> int:
     result["mixed_over_base_b8"] = eng_mixed[ref_b] / eng_base[ref_b]
     result["mixed_over_peft_b8"] = eng_mixed[ref_b] / peft_mixed[ref_b]
     result["base_over_hf_b8"] = eng_base[ref_b] / hf_base[ref_b]
+    # A decode step reads every base weight once whatever the batch (tied embeddings count once,
+    # as the LM head), and every distinct adapter's A and B once (each row has its own adapter:
+    # no reuse across rows). Where the step is bound by weight reads, mixed/base cannot exceed
+    # base / (base + adapters): the bound the measured ratio is compared with.
+    base_bytes = model.decode_weight_bytes
+    adapter_bytes = sum(
+        (m.lora_a.numel() + m.lora_b.numel()) * model_elem_size
+        for w in ours.values()
+        for m in w.values()
+    )
+    result["base_weight_bytes_per_step"] = base_bytes
+    result["adapter_weight_bytes_per_step_b8"] = adapter_bytes
+    result["mixed_over_base_weight_read_bound"] = base_bytes / (base_bytes + adapter_bytes)
 
     if torch.get_num_threads() == 1:
         result["mixed_over_base_b8_cpu"] = eng_mixed_cpu[ref_b] / eng_base_cpu[ref_b]
@@ -376,6 +410,11 @@ def run(args: argparse.Namespace) -> int:
         f"mixed/base b{ref_b}: {result['mixed_over_base_b8']:.2f} (target >= 0.85)  "
         f"mixed/PEFT b{ref_b}: {result['mixed_over_peft_b8']:.2f} (target >= 2.5)  "
         f"base/HF b{ref_b}: {result['base_over_hf_b8']:.2f} (target >= 1.0)"
+    )
+    print(
+        f"weights read per decode step: base {base_bytes / 1e6:.0f} MB, the {len(ours)} adapters "
+        f"{adapter_bytes / 1e6:.0f} MB -> mixed/base bound where reads dominate: "
+        f"{result['mixed_over_base_weight_read_bound']:.2f}"
     )
     if "mixed_over_base_b8_cpu" in result:
         print(

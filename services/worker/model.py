@@ -260,6 +260,16 @@ class LlamaModel:
         state = _load_state(model_dir)
         return cls(spec, state, device=device, dtype=dtype)
 
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every layer's projections and norms, the
+        final norm and the LM head (the embedding rows a step gathers are negligible; tied
+        embeddings count once, as the LM head)."""
+        tensors = [self.lm_head, self.norm]
+        for layer in self.layers:
+            tensors += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, layer.ln1, layer.ln2]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _ensure_rope(self, length: int) -> None:
         if length <= self._rope_len:
             return
