@@ -9,16 +9,20 @@ run the same store code (ARCHITECTURE.md "Baseline policy"):
     A/B tensors are plain views of the flat buffer and the engine computes straight from pool
     memory. Allocation is first-fit over free runs. When no run fits but enough pages are free,
     :meth:`Allocator.plan_compaction` slides movable adapters to lower addresses (never one in
-    use: the caller passes them as ``pinned``). The page table is a tensor: ``page_table[p]`` is
-    the handle owning page ``p`` or ``-1``.
+    use: the caller passes them as ``pinned``). When pinned adapters split the free space so
+    that compaction cannot join it, :meth:`Allocator.alloc_pieces` with ``split=True`` spreads
+    the adapter over several runs (*extents*), as S-LoRA's unified paging does (arXiv
+    2311.03285), cutting only between tensors: every A and B stays one contiguous view, and
+    compaction moves extents one by one. The page table is a tensor: ``page_table[p]`` is the
+    handle owning page ``p`` or ``-1``.
 ``contiguous`` (:class:`ContiguousAllocator`)
     The S-LoRA-style baseline: exact-size first-fit over bytes (rounded only to a small
     alignment, as ``cudaMalloc`` does), no compaction, so holes left by evictions fragment it.
 
 Both keep their free space as a sorted list of extents (``O(#extents)`` per call, independent of
-the number of pages), raise typed errors and never return ``None``. :class:`DevicePool` owns the
-tensor: it zeroes freed space (so no adapter can ever read another's bytes), copies adapters in,
-and performs compaction moves with overlap-safe copies.
+the number of pages), raise typed errors and never return ``None`` from an allocation.
+:class:`DevicePool` owns the tensor: it zeroes freed space (so no adapter can ever read another's
+bytes), copies adapters in, and performs compaction moves with overlap-safe copies.
 
 Units: allocators count *units* (pages for ``paged``, alignment quanta for ``contiguous``);
 every public byte figure is in bytes.
@@ -27,9 +31,10 @@ every public byte figure is in bytes.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,41 +101,66 @@ class Extent:
 
 @dataclass(frozen=True)
 class Allocation:
-    """One allocated run.
+    """One allocation: one run of units, or (``paged`` with splitting) several.
 
     Attributes:
         handle: Allocator-unique id (never reused by the same allocator).
-        start: First unit.
-        units: Units in the run.
+        extents: The runs, in *logical* order (extent ``i`` holds the caller's bytes
+            ``[sum(extent_bytes[:i]), sum(extent_bytes[:i + 1]))``); addresses need not
+            increase. One extent unless the allocation was split.
         nbytes: Bytes the caller asked for (live bytes; ``<= units * unit_bytes``).
         unit_bytes: Bytes per unit.
+        extent_bytes: Live bytes held by each extent (sums to ``nbytes``); each extent's
+            live bytes start at its first unit.
     """
 
     handle: int
-    start: int
-    units: int
+    extents: tuple[Extent, ...]
     nbytes: int
     unit_bytes: int
+    extent_bytes: tuple[int, ...]
+
+    @property
+    def start(self) -> int:
+        """First unit of the first extent."""
+        return self.extents[0].start
+
+    @property
+    def units(self) -> int:
+        """Units over all extents."""
+        return sum(e.length for e in self.extents)
+
+    @property
+    def is_split(self) -> bool:
+        """Whether the allocation spans more than one run."""
+        return len(self.extents) > 1
 
     @property
     def byte_offset(self) -> int:
-        """Offset of the run in the pool, bytes."""
+        """Offset of the first extent in the pool, bytes."""
         return self.start * self.unit_bytes
 
     @property
     def byte_length(self) -> int:
-        """Allocated bytes (whole units)."""
+        """Allocated bytes (whole units, all extents)."""
         return self.units * self.unit_bytes
 
     @property
     def extent(self) -> Extent:
-        """The run as an :class:`Extent`."""
-        return Extent(self.start, self.units)
+        """The run as an :class:`Extent`.
+
+        Raises:
+            ValueError: the allocation is split (use :attr:`extents`).
+        """
+        if self.is_split:
+            raise ValueError(f"allocation {self.handle} spans {len(self.extents)} extents")
+        return self.extents[0]
 
 
 @dataclass(frozen=True)
 class Move:
-    """One compaction step: move allocation ``handle`` from unit ``src`` to unit ``dst``."""
+    """One compaction step: move the extent of allocation ``handle`` that starts at unit
+    ``src`` (``units`` long) to unit ``dst``. A split allocation's extents move one by one."""
 
     handle: int
     src: int
@@ -138,8 +168,28 @@ class Move:
     units: int
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """Where :meth:`Allocator.plan_split` would put each group of consecutive pieces.
+
+    Attributes:
+        extents: One free-list run prefix per group, in logical (piece) order.
+        extent_bytes: Live bytes of each group.
+        extent_pieces: Pieces in each group (consecutive, in the caller's order).
+    """
+
+    extents: tuple[Extent, ...]
+    extent_bytes: tuple[int, ...]
+    extent_pieces: tuple[int, ...]
+
+
 class Allocator:
     """First-fit allocation of unit runs over a fixed capacity.
+
+    Allocations are made of *extents* (runs of units). :meth:`alloc` always makes one;
+    :meth:`alloc_pieces` with ``split=True`` may make several when the allocator supports it
+    (``paged``): the caller's bytes are a sequence of *pieces* (tensors) and a split never cuts
+    a piece, so every piece stays contiguous in the pool.
 
     Args:
         capacity_units: Units in the pool (> 0).
@@ -153,6 +203,8 @@ class Allocator:
     kind: str = ""
     #: Whether :meth:`plan_compaction` can move allocations.
     supports_compaction: bool = False
+    #: Whether :meth:`alloc_pieces` may spread an allocation over several runs.
+    supports_split: bool = False
 
     def __init__(self, capacity_units: int, unit_bytes: int) -> None:
         if capacity_units <= 0 or unit_bytes <= 0:
@@ -165,11 +217,13 @@ class Allocator:
         self._free_starts: list[int] = [0]  # sorted starts of free extents
         self._free_len: dict[int, int] = {0: capacity_units}  # start -> length
         self._allocs: dict[int, Allocation] = {}
-        self._alloc_starts: list[int] = []  # sorted starts of allocations
-        self._by_start: dict[int, int] = {}  # start -> handle
+        self._ext_starts: list[int] = []  # sorted starts of allocated extents
+        self._ext_owner: dict[int, int] = {}  # allocated extent start -> handle
+        self._ext_len: dict[int, int] = {}  # allocated extent start -> length
         self._next_handle = 0
         self._free_units = capacity_units
         self._live_bytes = 0
+        self._splits = 0
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -192,6 +246,20 @@ class Allocator:
         """Bytes requested by the current allocations (<= allocated bytes)."""
         return self._live_bytes
 
+    @property
+    def split_allocations(self) -> int:
+        """Allocations made over more than one run since the allocator was built."""
+        return self._splits
+
+    @property
+    def allocated_extents(self) -> int:
+        """Extents held by the current allocations (``len(self)`` when none is split)."""
+        return len(self._ext_starts)
+
+    def mean_extents(self) -> float:
+        """Mean extents per live allocation (0.0 when empty)."""
+        return len(self._ext_starts) / len(self._allocs) if self._allocs else 0.0
+
     def units_for(self, nbytes: int) -> int:
         """Units needed to hold ``nbytes`` (at least one)."""
         return max(1, -(-nbytes // self.unit_bytes))
@@ -205,8 +273,12 @@ class Allocator:
         return max(self._free_len.values(), default=0)
 
     def allocations(self) -> list[Allocation]:
-        """Current allocations in address order."""
-        return [self._allocs[self._by_start[s]] for s in self._alloc_starts]
+        """Current allocations in address order of their first extent."""
+        return sorted(self._allocs.values(), key=lambda a: a.start)
+
+    def extent_spans(self) -> list[tuple[int, int, int]]:
+        """Allocated extents in address order: ``(start, units, handle)``."""
+        return [(s, self._ext_len[s], self._ext_owner[s]) for s in self._ext_starts]
 
     def get(self, handle: int) -> Allocation:
         """The allocation with ``handle``.
@@ -221,7 +293,7 @@ class Allocator:
 
     # ------------------------------------------------------------------ alloc / free
     def alloc(self, nbytes: int) -> Allocation:
-        """Allocate the first free run that holds ``nbytes`` bytes.
+        """Allocate the first free run that holds ``nbytes`` bytes (one extent).
 
         Args:
             nbytes: Bytes to hold (> 0).
@@ -237,6 +309,35 @@ class Allocator:
         """
         if nbytes <= 0:
             raise ValueError(f"alloc needs nbytes > 0, got {nbytes}")
+        return self.alloc_pieces((nbytes,))
+
+    def alloc_pieces(self, pieces: Sequence[int], *, split: bool = False) -> Allocation:
+        """Allocate room for ``pieces`` (byte sizes, in layout order) laid end to end.
+
+        First-fit of one run holding ``sum(pieces)`` bytes. When none exists, ``split=True``
+        and the allocator :attr:`supports_split`, the pieces are spread over free runs by
+        :meth:`plan_split` (S-LoRA's unified paging, arXiv 2311.03285, places an adapter in
+        non-contiguous pages; here a cut falls only between pieces, so each piece, a tensor,
+        stays contiguous). ``alloc(n)`` is ``alloc_pieces([n])``.
+
+        Args:
+            pieces: Byte sizes (each > 0), in the order the caller lays them out.
+            split: Allow several extents when no single run fits.
+
+        Returns:
+            The new allocation (``extent_bytes`` says which bytes each extent holds).
+
+        Raises:
+            ValueError: no pieces, or a piece of ``<= 0`` bytes.
+            TooLargeError: more units than the pool has.
+            OutOfSpaceError: fewer units free than needed.
+            FragmentationError: enough units free, but no run long enough (and, with
+                ``split``, the pieces cannot be spread over the free runs either: a piece
+                bigger than every remaining run, or page rounding at the cuts).
+        """
+        if not pieces or min(pieces) <= 0:
+            raise ValueError(f"alloc needs pieces of > 0 bytes, got {list(pieces)[:8]}")
+        nbytes = sum(pieces)
         units = self.units_for(nbytes)
         if units > self.capacity_units:
             raise TooLargeError(
@@ -247,59 +348,129 @@ class Allocator:
             raise OutOfSpaceError(f"{units} units needed, {self._free_units} free; evict first")
         for s in self._free_starts:
             if self._free_len[s] >= units:
-                return self._take(s, units, nbytes)
+                return self._take(((Extent(s, units), nbytes),), nbytes)
+        if split and self.supports_split:
+            plan = self.plan_split(pieces)
+            if plan is not None:
+                self._splits += 1
+                return self._take(tuple(zip(plan.extents, plan.extent_bytes, strict=True)), nbytes)
         largest = self.largest_free_run()
         raise FragmentationError(
-            f"{units} units needed, {self._free_units} free but the longest free run is {largest}",
+            f"{units} units needed, {self._free_units} free but the longest free run is {largest}"
+            + (" and the pieces do not spread over the free runs" if split else ""),
             units,
             self._free_units,
             largest,
         )
 
-    def _take(self, start: int, units: int, nbytes: int) -> Allocation:
-        length = self._free_len.pop(start)
-        i = bisect.bisect_left(self._free_starts, start)
-        del self._free_starts[i]
-        if length > units:
-            rest = start + units
-            self._free_len[rest] = length - units
-            self._free_starts.insert(i, rest)
+    def plan_split(self, pieces: Sequence[int]) -> SplitPlan | None:
+        """Where a split allocation of ``pieces`` would go; None if it cannot be placed now.
+
+        Pure. Greedy over free runs in address order (first fit): each run takes as many of
+        the next pieces as it holds whole; a run too short for the next piece is skipped and
+        stays free. Each group starts at its run's first unit and is rounded up to whole units.
+        The baseline never splits (None).
+
+        Args:
+            pieces: Byte sizes (each > 0), in layout order.
+        """
+        return None
+
+    def placeable_bytes(self, pieces: Sequence[int]) -> int:
+        """Largest allocation, in bytes, that :meth:`alloc_pieces` with ``split=True`` could
+        place now without moving anything, for an allocation laid out like ``pieces``
+        repeated as often as needed (a longer adapter of the same shape).
+
+        Exact for that layout: ``alloc_pieces(pieces, split=True)`` succeeds if and only if
+        ``sum(pieces) <= placeable_bytes(pieces)``. Without splitting this is the bytes of the
+        longest free run; with splitting it is what :meth:`plan_split`'s greedy places over
+        every free run: all free bytes except, in each run, the tail that the next piece does
+        not fit (the rounding at piece boundaries).
+
+        Args:
+            pieces: A representative layout, byte sizes (each > 0).
+
+        Raises:
+            ValueError: no pieces, or a piece of ``<= 0`` bytes.
+        """
+        if not pieces or min(pieces) <= 0:
+            raise ValueError("placeable_bytes needs pieces of > 0 bytes")
+        return self.largest_free_run() * self.unit_bytes
+
+    def placeable_units(self, pieces: Sequence[int]) -> int:
+        """:meth:`placeable_bytes` as the units such an allocation needs (0 if none fits):
+        the *largest allocatable extent* of ARCHITECTURE.md for a splitting allocator."""
+        b = self.placeable_bytes(pieces)
+        return self.units_for(b) if b else 0
+
+    def _take(self, parts: tuple[tuple[Extent, int], ...], nbytes: int) -> Allocation:
+        """Carve each ``(extent, live bytes)`` (a prefix of a free run) out of the free list."""
+        for ext, _ in parts:
+            self._take_range(ext.start, ext.length)
         handle = self._next_handle
         self._next_handle += 1
-        a = Allocation(handle, start, units, nbytes, self.unit_bytes)
+        a = Allocation(
+            handle,
+            tuple(e for e, _ in parts),
+            nbytes,
+            self.unit_bytes,
+            tuple(b for _, b in parts),
+        )
         self._register(a)
-        self._free_units -= units
+        self._free_units -= a.units
         self._live_bytes += nbytes
         return a
 
+    def _take_range(self, start: int, units: int) -> None:
+        """Remove ``[start, start + units)`` (inside one free extent) from the free list."""
+        s = self._free_extent_containing(start, units)
+        length = self._free_len.pop(s)
+        idx = bisect.bisect_left(self._free_starts, s)
+        del self._free_starts[idx]
+        if start > s:
+            self._free_starts.insert(idx, s)
+            self._free_len[s] = start - s
+            idx += 1
+        tail = s + length - (start + units)
+        if tail > 0:
+            self._free_starts.insert(idx, start + units)
+            self._free_len[start + units] = tail
+
     def _register(self, a: Allocation) -> None:
         self._allocs[a.handle] = a
-        bisect.insort(self._alloc_starts, a.start)
-        self._by_start[a.start] = a.handle
-        self._mark(a.start, a.units, a.handle)
+        for e in a.extents:
+            self._register_extent(e.start, e.length, a.handle)
 
-    def _unregister(self, a: Allocation) -> None:
-        del self._allocs[a.handle]
-        i = bisect.bisect_left(self._alloc_starts, a.start)
-        del self._alloc_starts[i]
-        del self._by_start[a.start]
-        self._mark(a.start, a.units, -1)
+    def _register_extent(self, start: int, units: int, handle: int) -> None:
+        bisect.insort(self._ext_starts, start)
+        self._ext_owner[start] = handle
+        self._ext_len[start] = units
+        self._mark(start, units, handle)
+
+    def _unregister_extent(self, start: int, units: int) -> None:
+        i = bisect.bisect_left(self._ext_starts, start)
+        del self._ext_starts[i]
+        del self._ext_owner[start]
+        del self._ext_len[start]
+        self._mark(start, units, -1)
 
     def _mark(self, start: int, units: int, handle: int) -> None:
         """Hook for page tables (the paged allocator records owners per page)."""
 
     def free(self, allocation: Allocation | int) -> None:
-        """Return a run to the free list (merging with free neighbours).
+        """Return every extent of an allocation to the free list (merging with free
+        neighbours).
 
         Raises:
             KeyError: the allocation is not live (double free).
         """
         handle = allocation if isinstance(allocation, int) else allocation.handle
-        a = self._allocs[handle]
-        self._unregister(a)
+        a = self._allocs.pop(handle)
+        for e in a.extents:
+            self._unregister_extent(e.start, e.length)
+            self._insert_free(e.start, e.length)
         self._free_units += a.units
         self._live_bytes -= a.nbytes
-        self._insert_free(a.start, a.units)
 
     def _insert_free(self, start: int, length: int) -> None:
         i = bisect.bisect_left(self._free_starts, start)
@@ -325,21 +496,22 @@ class Allocator:
     ) -> list[Move]:
         """Moves that join free space (none for the baseline).
 
-        Pure: the allocator does not change until :meth:`apply_moves`. Allocations in
-        ``pinned`` never move; every move goes to a lower address. Moves are to be applied in
-        the order given (each is valid after the previous ones); a move may overlap its own
-        source (a slide), never another allocation.
+        Pure: the allocator does not change until :meth:`apply_moves`. Extents of allocations
+        in ``pinned`` never move; every move goes to a lower address. A split allocation's
+        extents are moved independently (each holds whole pieces, so it can go anywhere).
+        Moves are to be applied in the order given (each is valid after the previous ones); a
+        move may overlap its own source (a slide), never another extent.
 
         With ``need_units``, the cheapest of these that yields one free run of that length:
 
         1. *relocation*: a window of ``need_units`` starting or ending at a free run, whose
-           (unpinned) allocations move out into free runs elsewhere (best fit, largest
-           first); the window with the fewest allocated units that can be cleared wins;
-        2. *slide*: the window of consecutive free runs and movable allocations gathering
-           enough free units with the fewest allocated units inside; its allocations slide
+           (unpinned) extents move out into free runs elsewhere (best fit, largest first);
+           the window with the fewest allocated units that can be cleared wins;
+        2. *slide*: the window of consecutive free runs and movable extents gathering
+           enough free units with the fewest allocated units inside; its extents slide
            down, joining its free runs at the window's end.
 
-        Without ``need_units``, or when neither works: a full compaction (each allocation, in
+        Without ``need_units``, or when neither works: a full compaction (each extent, in
         address order, moves to the first free position that holds it, its own run counted
         as free).
 
@@ -357,24 +529,23 @@ class Allocator:
         """
         for m in moves:
             a = self._allocs.get(m.handle)
-            if a is None or a.start != m.src or a.units != m.units:
+            idx = next(
+                (
+                    i
+                    for i, e in enumerate(a.extents if a is not None else ())
+                    if e.start == m.src and e.length == m.units
+                ),
+                None,
+            )
+            if a is None or idx is None:
                 raise ValueError(f"stale compaction move {m}")
-            self._unregister(a)
-            self._insert_free(a.start, a.units)
-            # take [dst, dst + units) out of the free list
-            s = self._free_extent_containing(m.dst, m.units)
-            length = self._free_len.pop(s)
-            idx = bisect.bisect_left(self._free_starts, s)
-            del self._free_starts[idx]
-            if m.dst > s:
-                self._free_starts.insert(idx, s)
-                self._free_len[s] = m.dst - s
-                idx += 1
-            tail = s + length - (m.dst + m.units)
-            if tail > 0:
-                self._free_starts.insert(idx, m.dst + m.units)
-                self._free_len[m.dst + m.units] = tail
-            self._register(Allocation(a.handle, m.dst, a.units, a.nbytes, a.unit_bytes))
+            self._unregister_extent(m.src, m.units)
+            self._insert_free(m.src, m.units)
+            self._take_range(m.dst, m.units)
+            self._register_extent(m.dst, m.units, a.handle)
+            ext = list(a.extents)
+            ext[idx] = Extent(m.dst, m.units)
+            self._allocs[a.handle] = replace(a, extents=tuple(ext))
 
     def _free_extent_containing(self, start: int, units: int) -> int:
         i = bisect.bisect_right(self._free_starts, start) - 1
@@ -386,22 +557,25 @@ class Allocator:
         return s
 
     def allocatable_units(self, pinned: Iterable[int] = ()) -> int:
-        """Longest run this allocator could serve now without evicting anything.
+        """Longest single run this allocator could serve now without evicting anything.
 
         For an allocator with compaction this is the longest free run after compacting
-        around ``pinned``; for the baseline it is the longest free run.
+        around ``pinned``; for the baseline it is the longest free run. Splitting is not
+        counted here (see :meth:`placeable_units`): callers use this figure to decide whether
+        compaction can help.
         """
         return self.largest_free_run()
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Assert the free list and allocations tile the pool exactly (tests call this).
+        """Assert the free list and allocated extents tile the pool exactly (tests call this).
 
         Raises:
             AssertionError: the bookkeeping is inconsistent.
         """
         spans = [(e.start, e.length, -1) for e in self.free_extents()]
-        spans += [(a.start, a.units, a.handle) for a in self._allocs.values()]
+        owned = [(e.start, e.length, a.handle) for a in self._allocs.values() for e in a.extents]
+        spans += owned
         spans.sort()
         pos = 0
         prev_free = False
@@ -415,11 +589,17 @@ class Allocator:
         assert pos == self.capacity_units, f"spans cover {pos} of {self.capacity_units} units"
         assert self._free_units == sum(self._free_len.values())
         assert self._live_bytes == sum(a.nbytes for a in self._allocs.values())
-        assert self._alloc_starts == sorted(a.start for a in self._allocs.values())
+        assert self.extent_spans() == sorted(owned), "extent index disagrees with allocations"
+        for a in self._allocs.values():
+            assert len(a.extent_bytes) == len(a.extents) and sum(a.extent_bytes) == a.nbytes
+            for e, b in zip(a.extents, a.extent_bytes, strict=True):
+                assert 0 < b <= e.length * self.unit_bytes, f"extent {e} of {a.handle} holds {b}"
+                assert self.units_for(b) == e.length, f"extent {e} of {a.handle} not tight"
 
 
 class PagedAllocator(Allocator):
-    """Fixed-size pages, first-fit over free runs, compaction around pinned allocations.
+    """Fixed-size pages, first-fit over free runs, splitting at piece boundaries, and
+    compaction around pinned allocations.
 
     Args:
         num_pages: Pages in the pool.
@@ -431,6 +611,7 @@ class PagedAllocator(Allocator):
 
     kind = "paged"
     supports_compaction = True
+    supports_split = True
 
     def __init__(self, num_pages: int, page_bytes: int) -> None:
         super().__init__(num_pages, page_bytes)
@@ -450,16 +631,64 @@ class PagedAllocator(Allocator):
         self.page_table[start : start + units] = handle
 
     def pages_of(self, handle: int) -> torch.Tensor:
-        """``int64 [units]`` page indices of an allocation, in order (its page table row).
+        """``int64 [units]`` page indices of an allocation, in logical order (its page table
+        row; several runs for a split allocation).
 
         Raises:
             KeyError: no such live allocation.
         """
         a = self._allocs[handle]
-        return torch.arange(a.start, a.start + a.units, dtype=torch.int64)
+        return torch.cat([torch.arange(e.start, e.end, dtype=torch.int64) for e in a.extents])
 
+    # ------------------------------------------------------------------ splitting
+    def plan_split(self, pieces: Sequence[int]) -> SplitPlan | None:
+        ub = self.unit_bytes
+        n = len(pieces)
+        i = 0
+        exts: list[Extent] = []
+        nbytes: list[int] = []
+        counts: list[int] = []
+        for s in self._free_starts:
+            if i == n:
+                break
+            cap = self._free_len[s] * ub
+            used = 0
+            j = i
+            while j < n and used + pieces[j] <= cap:
+                used += pieces[j]
+                j += 1
+            if j > i:
+                exts.append(Extent(s, self.units_for(used)))
+                nbytes.append(used)
+                counts.append(j - i)
+                i = j
+        if i < n:
+            return None
+        return SplitPlan(tuple(exts), tuple(nbytes), tuple(counts))
+
+    def placeable_bytes(self, pieces: Sequence[int]) -> int:
+        if not pieces or min(pieces) <= 0:
+            raise ValueError("placeable_bytes needs pieces of > 0 bytes")
+        n = len(pieces)
+        total_bytes = sum(pieces)
+        prefix = [0]
+        for p in itertools.chain(pieces, pieces):  # the layout twice: any phase, one lap
+            prefix.append(prefix[-1] + p)
+        ub = self.unit_bytes
+        phase = 0
+        placed = 0
+        for s in self._free_starts:
+            laps, rest = divmod(self._free_len[s] * ub, total_bytes)
+            # pieces from `phase` on that fit whole in `rest` (fewer than one lap)
+            k = bisect.bisect_right(prefix, prefix[phase] + rest, phase, phase + n) - 1 - phase
+            placed += laps * total_bytes + prefix[phase + k] - prefix[phase]
+            phase = (phase + k) % n
+        return placed
+
+    # ------------------------------------------------------------------ compaction
     def _simulate(self, pinned: set[int]) -> tuple[list[Move], list[tuple[int, int]]]:
-        """First-fit compaction around pinned runs; returns the moves and the final free runs."""
+        """First-fit compaction around pinned extents; returns the moves and the final free
+        runs."""
         free: list[list[int]] = [[e.start, e.length] for e in self.free_extents()]
         moves: list[Move] = []
 
@@ -482,17 +711,17 @@ class PagedAllocator(Allocator):
             if start > s:
                 free.insert(i, [s, start - s])
 
-        for a in self.allocations():
-            if a.handle in pinned:
+        for start, units, h in self.extent_spans():
+            if h in pinned:
                 continue
-            # only runs below the allocation can improve on its current place
-            if not free or free[0][0] > a.start:
+            # only runs below the extent can improve on its current place
+            if not free or free[0][0] > start:
                 continue
-            release(a.start, a.units)
-            dst = next(s for s, ln in free if ln >= a.units)  # its own run always fits
-            take(dst, a.units)
-            if dst != a.start:
-                moves.append(Move(a.handle, a.start, dst, a.units))
+            release(start, units)
+            dst = next(s for s, ln in free if ln >= units)  # its own run always fits
+            take(dst, units)
+            if dst != start:
+                moves.append(Move(h, start, dst, units))
         return moves, [(s, ln) for s, ln in free]
 
     def plan_compaction(
@@ -508,7 +737,7 @@ class PagedAllocator(Allocator):
         return moves
 
     def _relocation_plan(self, pinned: set[int], need: int) -> list[Move] | None:
-        """Clear the cheapest clearable window of ``need`` units by moving its allocations out."""
+        """Clear the cheapest clearable window of ``need`` units by moving its extents out."""
         cap = self.capacity_units
         windows = set()
         for e in self.free_extents():
@@ -516,31 +745,29 @@ class PagedAllocator(Allocator):
                 windows.add(e.start)
             if e.end - need >= 0:
                 windows.add(e.end - need)
-        scored: list[tuple[int, int, list[Allocation]]] = []
+        starts = self._ext_starts
+        scored: list[tuple[int, int, list[tuple[int, int, int]]]] = []
         for ws in windows:
             we = ws + need
-            i = bisect.bisect_right(self._alloc_starts, ws) - 1
-            if (
-                i < 0
-                or self._alloc_starts[i] + self._allocs[self._by_start[self._alloc_starts[i]]].units
-                <= ws
-            ):
+            i = bisect.bisect_right(starts, ws) - 1
+            if i < 0 or starts[i] + self._ext_len[starts[i]] <= ws:
                 i += 1
-            inside: list[Allocation] = []
+            inside: list[tuple[int, int, int]] = []  # (start, units, handle)
             ok = True
-            while i < len(self._alloc_starts) and self._alloc_starts[i] < we:
-                a = self._allocs[self._by_start[self._alloc_starts[i]]]
-                if a.handle in pinned:
+            while i < len(starts) and starts[i] < we:
+                s = starts[i]
+                h = self._ext_owner[s]
+                if h in pinned:
                     ok = False
                     break
-                inside.append(a)
+                inside.append((s, self._ext_len[s], h))
                 i += 1
             if ok:
-                scored.append((sum(a.units for a in inside), ws, inside))
+                scored.append((sum(u for _, u, _ in inside), ws, inside))
         scored.sort(key=lambda x: (x[0], x[1]))
         for _, ws, inside in scored:
-            lo = min([ws] + [a.start for a in inside])
-            hi = max([ws + need] + [a.start + a.units for a in inside])
+            lo = min([ws] + [s for s, _, _ in inside])
+            hi = max([ws + need] + [s + u for s, u, _ in inside])
             # free runs outside the cleared span [lo, hi)
             holes: list[list[int]] = []
             for e in self.free_extents():
@@ -552,14 +779,14 @@ class PagedAllocator(Allocator):
                     if e.end > hi:
                         holes.append([hi, e.end - hi])
             moves = []
-            for a in sorted(inside, key=lambda a: (-a.units, a.start)):
-                fits = [h for h in holes if h[1] >= a.units]
+            for s, u, h in sorted(inside, key=lambda x: (-x[1], x[0])):
+                fits = [hole for hole in holes if hole[1] >= u]
                 if not fits:
                     break
-                h = min(fits, key=lambda h: (h[1], h[0]))  # best fit
-                moves.append(Move(a.handle, a.start, h[0], a.units))
-                h[0] += a.units
-                h[1] -= a.units
+                hole = min(fits, key=lambda x: (x[1], x[0]))  # best fit
+                moves.append(Move(h, s, hole[0], u))
+                hole[0] += u
+                hole[1] -= u
             else:
                 return moves
         return None
@@ -568,7 +795,7 @@ class PagedAllocator(Allocator):
         """Slide plan of the cheapest window gathering ``need`` free units (None if none)."""
         # spans in address order: (start, length, handle or -1 for free)
         spans = [(e.start, e.length, -1) for e in self.free_extents()]
-        spans += [(a.start, a.units, a.handle) for a in self._allocs.values()]
+        spans += self.extent_spans()
         spans.sort()
         best: tuple[int, int, int] | None = None  # (cost units, lo index, hi index)
         lo = 0
@@ -609,8 +836,8 @@ class PagedAllocator(Allocator):
         return moves
 
     def allocatable_units(self, pinned: Iterable[int] = ()) -> int:
-        """Free units of the richest stretch between pinned allocations: sliding that
-        stretch's movable allocations together (the slide plan) joins all of them."""
+        """Free units of the richest stretch between pinned extents: sliding that
+        stretch's movable extents together (the slide plan) joins all of them."""
         pins = set(pinned)
         if self._free_units == 0:
             return 0
@@ -618,14 +845,14 @@ class PagedAllocator(Allocator):
             return self.largest_free_run()
         best = seg = 0
         fi = ai = 0
-        fs, as_ = self._free_starts, self._alloc_starts
-        # merge free runs and allocations in address order
+        fs, as_ = self._free_starts, self._ext_starts
+        # merge free runs and allocated extents in address order
         while fi < len(fs) or ai < len(as_):
             if ai >= len(as_) or (fi < len(fs) and fs[fi] < as_[ai]):
                 seg += self._free_len[fs[fi]]
                 fi += 1
             else:
-                if self._by_start[as_[ai]] in pins:
+                if self._ext_owner[as_[ai]] in pins:
                     best, seg = max(best, seg), 0
                 ai += 1
         return max(best, seg)
@@ -634,7 +861,8 @@ class PagedAllocator(Allocator):
         super().check_invariants()
         expect = torch.full((self.capacity_units,), -1, dtype=torch.int64)
         for a in self._allocs.values():
-            expect[a.start : a.start + a.units] = a.handle
+            for e in a.extents:
+                expect[e.start : e.end] = a.handle
         assert torch.equal(expect, self.page_table), "page table disagrees with allocations"
 
 
@@ -729,25 +957,54 @@ class DevicePool:
         return self.buffer[start * u : (start + units) * u]
 
     def alloc(self, nbytes: int) -> Allocation:
-        """Allocate (see :meth:`Allocator.alloc`; same errors). The run reads as zeros."""
+        """Allocate one run (see :meth:`Allocator.alloc`; same errors). It reads as zeros."""
         return self.allocator.alloc(nbytes)
 
+    def alloc_pieces(self, pieces: Sequence[int], *, split: bool = False) -> Allocation:
+        """Allocate room for ``pieces`` (see :meth:`Allocator.alloc_pieces`; same errors).
+
+        Every extent reads as zeros. Pieces must be whole elements, so each extent's views
+        (:meth:`extent_views`) are whole elements too.
+
+        Raises:
+            ValueError: a piece that is not a multiple of the element size.
+        """
+        if any(p % self.element_size for p in pieces):
+            raise ValueError(f"pieces must be multiples of the {self.element_size}-byte dtype")
+        return self.allocator.alloc_pieces(pieces, split=split)
+
     def free(self, allocation: Allocation) -> None:
-        """Zero the run, then return it to the allocator.
+        """Zero every extent, then return the allocation to the allocator.
 
         Raises:
             KeyError: double free.
         """
         a = self.allocator.get(allocation.handle)
-        self._run(a.start, a.units).zero_()
+        for e in a.extents:
+            self._run(e.start, e.length).zero_()
         self.allocator.free(a)
 
     def view(self, allocation: Allocation) -> torch.Tensor:
-        """``dtype [nbytes // element_size]`` view of an allocation's live bytes (no copy)."""
+        """``dtype [nbytes // element_size]`` view of an allocation's live bytes (no copy).
+
+        Raises:
+            ValueError: the allocation is split (use :meth:`extent_views`).
+        """
         a = self.allocator.get(allocation.handle)
-        n = a.nbytes // self.element_size
-        start = a.start * self._unit_elems
-        return self.buffer[start : start + n]
+        if a.is_split:
+            raise ValueError(f"allocation {a.handle} is split over {len(a.extents)} extents")
+        return self.extent_views(a)[0]
+
+    def extent_views(self, allocation: Allocation) -> list[torch.Tensor]:
+        """Views (no copies) of each extent's live bytes, in logical order: view ``i`` is
+        ``dtype [extent_bytes[i] // element_size]``; concatenated they are the bytes the
+        caller laid out."""
+        a = self.allocator.get(allocation.handle)
+        u = self._unit_elems
+        return [
+            self.buffer[e.start * u : e.start * u + b // self.element_size]
+            for e, b in zip(a.extents, a.extent_bytes, strict=True)
+        ]
 
     def compact(
         self, pinned: Iterable[int] = (), need_units: int | None = None

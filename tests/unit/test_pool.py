@@ -140,6 +140,148 @@ def test_make_allocator() -> None:
         make_allocator("buddy", 1000)
 
 
+# ---------------------------------------------------------------------- split allocations
+def holes(pages: int, free: list[int]) -> PagedAllocator:
+    """A paged allocator of one-page allocations with ``free`` pages freed again."""
+    al = paged(pages)
+    allocs = [al.alloc(PAGE) for _ in range(pages)]
+    for p in free:
+        al.free(allocs[p])
+    return al
+
+
+@pytest.mark.parametrize(
+    ("free", "pieces", "extents", "extent_bytes"),
+    [
+        # runs [1,3) [4,5) [6,9): six one-page pieces fill them in address order
+        ([1, 2, 4, 6, 7, 8], [PAGE] * 6, [(1, 2), (4, 1), (6, 3)], [128, 64, 192]),
+        # a 96-byte piece skips the one-page run; the last group rounds up to whole pages
+        ([1, 2, 4, 6, 7, 8], [96, 96, 96], [(1, 2), (6, 3)], [96, 192]),
+        # a piece never straddles runs: 40 + 40 in the first, 40 in the second
+        ([0, 2, 3, 5], [40, 40, 40, 40, 40], [(0, 1), (2, 2), (5, 1)], [40, 120, 40]),
+    ],
+)
+def test_split_alloc_spreads_over_runs_at_piece_boundaries(
+    free: list[int], pieces: list[int], extents: list[tuple[int, int]], extent_bytes: list[int]
+) -> None:
+    al = holes(10, free)
+    with pytest.raises(FragmentationError):
+        al.alloc_pieces(pieces)  # no single run holds them
+    assert al.placeable_bytes(pieces) >= sum(pieces)
+    a = al.alloc_pieces(pieces, split=True)
+    assert [(e.start, e.length) for e in a.extents] == extents
+    assert list(a.extent_bytes) == extent_bytes and a.nbytes == sum(pieces)
+    assert a.is_split and a.units == sum(n for _, n in extents)
+    assert al.split_allocations == 1
+    assert al.pages_of(a.handle).tolist() == [p for s, n in extents for p in range(s, s + n)]
+    with pytest.raises(ValueError):
+        _ = a.extent
+    al.check_invariants()
+    al.free(a)
+    al.check_invariants()
+    assert al.free_units == len(free)
+
+
+def test_split_fails_when_pieces_do_not_fit_the_runs() -> None:
+    # runs [1,3) [4,5) [6,9) = 6 pages, but four 96-byte pieces need 2 + 0 + 3 pages for 3
+    al = holes(10, [1, 2, 4, 6, 7, 8])
+    pieces = [96] * 4
+    assert al.units_for(sum(pieces)) == 6 == al.free_units
+    assert al.placeable_bytes(pieces) == 96 + 192 < sum(pieces)
+    assert al.plan_split(pieces) is None
+    with pytest.raises(FragmentationError):
+        al.alloc_pieces(pieces, split=True)
+    assert al.split_allocations == 0
+    al.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("free", "pieces", "placeable"),
+    [
+        ([], [PAGE], 0),
+        (list(range(10)), [PAGE], 10 * PAGE),  # one run: everything
+        ([1, 2, 4, 6, 7, 8], [PAGE], 6 * PAGE),  # one-page pieces: every free page
+        ([1, 2, 4, 6, 7, 8], [96], 96 + 0 + 192),  # rounding at piece boundaries
+        # the layout repeats: [100, 28] x n over runs of 128, 64, 192 bytes (64 left over)
+        ([1, 2, 4, 6, 7, 8], [100, 28], 128 + 0 + 128),
+    ],
+)
+def test_placeable_bytes(free: list[int], pieces: list[int], placeable: int) -> None:
+    al = holes(10, free)
+    assert al.placeable_bytes(pieces) == placeable
+    assert al.placeable_units(pieces) == (al.units_for(placeable) if placeable else 0)
+
+
+def test_contiguous_never_splits() -> None:
+    al = ContiguousAllocator(1024, alignment_bytes=64)
+    allocs = [al.alloc(64) for _ in range(16)]
+    for i in (1, 2, 5, 6):
+        al.free(allocs[i])
+    with pytest.raises(FragmentationError):
+        al.alloc_pieces([64] * 4, split=True)
+    assert not al.supports_split and al.plan_split([64] * 4) is None
+    assert al.placeable_bytes([64]) == 128 and al.split_allocations == 0
+
+
+def test_alloc_pieces_rejects_bad_pieces() -> None:
+    al = paged()
+    for bad in ([], [64, 0], [-1]):
+        with pytest.raises(ValueError):
+            al.alloc_pieces(bad, split=True)
+
+
+def test_compaction_moves_extents_of_split_allocations_and_never_pinned_ones() -> None:
+    al = holes(12, [1, 2, 4, 6, 7, 8])
+    split = al.alloc_pieces([PAGE] * 5, split=True)  # extents [1,3) [4,5) [6,8)
+    assert [(e.start, e.length) for e in split.extents] == [(1, 2), (4, 1), (6, 2)]
+    al.free(0)  # handle 0: page 0
+    al.free(3)  # page 3
+    al.free(5)  # page 5
+    # pinned split allocation: none of its extents moves; the rest join around it
+    pins = {split.handle}
+    al.apply_moves(al.plan_compaction(pins))
+    al.check_invariants()
+    assert al.get(split.handle).extents == split.extents
+    assert al.free_extents() == [Extent(8, 4)]
+    al.free(int(al.page_table[0]))  # a hole below the split allocation
+    # unpinned: its extents move down one by one, each staying whole
+    moves = al.plan_compaction()
+    assert {m.handle for m in moves} >= {split.handle}
+    al.apply_moves(moves)
+    al.check_invariants()
+    moved = al.get(split.handle)
+    assert [e.length for e in moved.extents] == [2, 1, 2]
+    assert moved.extent_bytes == split.extent_bytes
+    assert al.largest_free_run() == al.free_units  # one free run at the top
+
+
+def test_split_pool_bytes_survive_compaction_and_free_zeroes_every_extent() -> None:
+    pool = DevicePool(holes(12, [1, 2, 4, 6, 7, 8]), torch.float32, "cpu")
+    al = pool.allocator
+    pieces = [PAGE, 32, PAGE, 96, PAGE]  # 320 bytes in 5 tensors
+    a = pool.alloc_pieces(pieces, split=True)
+    assert a.is_split
+    with pytest.raises(ValueError):
+        pool.view(a)  # a split allocation has no single view
+    views = pool.extent_views(a)
+    assert [v.numel() * 4 for v in views] == list(a.extent_bytes)
+    want = torch.arange(sum(pieces) // 4, dtype=torch.float32) + 1.0
+    off = 0
+    for v in views:
+        v.copy_(want[off : off + v.numel()])
+        off += v.numel()
+    for h in (0, 3, 5):  # free the one-page allocations below and between its extents
+        pool.free(al.get(h))
+    res = pool.compact()
+    assert any(m.handle == a.handle for m in res.moves)
+    assert torch.equal(torch.cat(pool.extent_views(al.get(a.handle))), want)
+    pool.free(al.get(a.handle))
+    for h in [x.handle for x in al.allocations()]:
+        pool.free(al.get(h))
+    assert bool((pool.buffer == 0).all())
+    al.check_invariants()
+
+
 # ---------------------------------------------------------------------- compaction planning
 @pytest.mark.parametrize(
     ("layout", "pinned", "moves", "allocatable"),
@@ -223,7 +365,8 @@ def test_pool_rejects_unit_not_multiple_of_dtype() -> None:
 
 @pytest.mark.parametrize("kind", ["paged", "contiguous"])
 def test_ten_thousand_cycles_leave_pool_as_it_started(kind: str) -> None:
-    """10,000 alloc/free cycles with mixed sizes, compactions included, end at the start state."""
+    """10,000 alloc/free cycles with mixed sizes, split allocations and compactions around
+    pinned allocations included, end at the start state."""
     al = make_allocator(kind, 64 * PAGE, PAGE, alignment_bytes=16)
     pool = DevicePool(al, torch.float32, "cpu")
     start_free = al.free_extents()
@@ -233,13 +376,21 @@ def test_ten_thousand_cycles_leave_pool_as_it_started(kind: str) -> None:
         if live and (rng.random() < 0.5 or al.free_units < 8):
             pool.free(live.pop(rng.randrange(len(live))))
         else:
-            n = rng.randint(1, 8 * PAGE)
+            pieces = [4 * rng.randint(1, 2 * PAGE // 4) for _ in range(rng.randint(1, 8))]
             try:
-                live.append(pool.alloc(n))
+                live.append(pool.alloc_pieces(pieces))
             except FragmentationError:
-                if al.supports_compaction:
-                    pool.compact()
+                pins = {a.handle for a in live if rng.random() < 0.3}
+                if al.supports_compaction and al.allocatable_units(pins) >= al.units_for(
+                    sum(pieces)
+                ):
+                    pool.compact(pins)
                     live = [al.get(a.handle) for a in live]
+                else:
+                    try:
+                        live.append(pool.alloc_pieces(pieces, split=True))
+                    except FragmentationError:
+                        pass
             except OutOfSpaceError:
                 pass
         if i % 1000 == 0:
@@ -252,6 +403,9 @@ def test_ten_thousand_cycles_leave_pool_as_it_started(kind: str) -> None:
     assert bool((pool.buffer == 0).all())
     if isinstance(al, PagedAllocator):
         assert bool((al.page_table == -1).all())
+        assert al.split_allocations > 50
+    else:
+        assert al.split_allocations == 0
 
 
 # ---------------------------------------------------------------------- eviction orderings

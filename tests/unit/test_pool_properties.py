@@ -1,12 +1,14 @@
 """Property tests: random operation sequences on the device pool and on the whole store.
 
 Checked after every operation: the allocator tiles the pool exactly (no page owned twice,
-accounting adds up), every resident adapter's bytes are intact (compaction included), nothing in
-use was moved or evicted, and every byte outside live runs is zero.
+accounting adds up), every resident adapter's bytes are intact (compaction included, and split
+allocations, whose extents move one by one), nothing in use was moved or evicted, and every
+byte outside live runs is zero.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 
@@ -25,6 +27,7 @@ from hypothesis.stateful import (
 
 from services.worker.adapter_api import AdapterRef
 from services.worker.pool import (
+    Allocation,
     DevicePool,
     FragmentationError,
     OutOfSpaceError,
@@ -51,7 +54,7 @@ SETTINGS = settings(
 
 # ---------------------------------------------------------------------- pool level
 class PoolMachine(RuleBasedStateMachine):
-    """Random alloc / free / pin / compact on a DevicePool with real bytes."""
+    """Random alloc / split alloc / free / pin / compact on a DevicePool with real bytes."""
 
     allocs = Bundle("allocs")
 
@@ -59,8 +62,21 @@ class PoolMachine(RuleBasedStateMachine):
     def setup(self, kind: str) -> None:
         self.pool = DevicePool(make_allocator(kind, 32 * 64, 64, 16), torch.float32, "cpu")
         self.data: dict[int, torch.Tensor] = {}
-        self.pinned: dict[int, int] = {}  # handle -> start when pinned
+        self.pinned: dict[int, tuple] = {}  # handle -> extents when pinned
         self.counter = 0
+        self.splits = 0
+
+    def _fill(self, a: Allocation) -> int:
+        self.counter += 1
+        views = self.pool.extent_views(a)
+        n = sum(v.numel() for v in views)
+        want = torch.arange(n, dtype=torch.float32) * 0.5 + self.counter
+        off = 0
+        for v in views:
+            v.copy_(want[off : off + v.numel()])
+            off += v.numel()
+        self.data[a.handle] = want
+        return a.handle
 
     @rule(target=allocs, nbytes=st.integers(1, 10 * 64).map(lambda n: n - n % 4 or 4))
     def alloc(self, nbytes: int) -> int:
@@ -68,11 +84,28 @@ class PoolMachine(RuleBasedStateMachine):
             a = self.pool.alloc(nbytes)
         except (OutOfSpaceError, FragmentationError):
             return -1
-        self.counter += 1
-        v = self.pool.view(a)
-        v.copy_(torch.arange(v.numel(), dtype=torch.float32) * 0.5 + self.counter)
-        self.data[a.handle] = v.clone()
-        return a.handle
+        assert not a.is_split
+        return self._fill(a)
+
+    @rule(target=allocs, pieces=st.lists(st.integers(4, 32).map(lambda n: 4 * n), max_size=8))
+    def alloc_split(self, pieces: list[int]) -> int:
+        """A split-allowed allocation succeeds exactly when the allocator says it can place it;
+        no extent cuts a piece."""
+        if not pieces:
+            return -1
+        al = self.pool.allocator
+        placeable = al.placeable_bytes(pieces)
+        try:
+            a = self.pool.alloc_pieces(pieces, split=True)
+        except (OutOfSpaceError, FragmentationError):
+            assert placeable < sum(pieces), "refused an allocation it said it could place"
+            return -1
+        assert placeable >= sum(pieces), "placed an allocation it said it could not"
+        assert al.supports_split or not a.is_split
+        cuts = set(itertools.accumulate(pieces))
+        assert set(itertools.accumulate(a.extent_bytes)) <= cuts, "an extent cuts a piece"
+        self.splits += a.is_split
+        return self._fill(a)
 
     @rule(handle=consumes(allocs))
     def free(self, handle: int) -> None:
@@ -88,7 +121,7 @@ class PoolMachine(RuleBasedStateMachine):
         if handle in self.pinned:
             del self.pinned[handle]
         else:
-            self.pinned[handle] = self.pool.allocator.get(handle).start
+            self.pinned[handle] = self.pool.allocator.get(handle).extents
 
     @rule(need=st.none() | st.integers(1, 12))
     def compact(self, need: int | None) -> None:
@@ -109,16 +142,30 @@ class PoolMachine(RuleBasedStateMachine):
         mask = torch.ones(self.pool.buffer.numel(), dtype=torch.bool)
         for h, want in self.data.items():
             a = al.get(h)
-            assert torch.equal(self.pool.view(a), want), f"bytes of {h} changed"
-            start = a.byte_offset // 4
-            mask[start : start + a.byte_length // 4] = False
-        for h, start in self.pinned.items():
-            assert al.get(h).start == start, f"pinned {h} moved"
+            got = torch.cat(self.pool.extent_views(a))
+            assert torch.equal(got, want), f"bytes of {h} changed"
+            u = al.unit_bytes // 4  # float32 elements per unit
+            for e in a.extents:
+                mask[e.start * u : e.end * u] = False
+        for h, extents in self.pinned.items():
+            assert al.get(h).extents == extents, f"pinned {h} moved"
         assert bool((self.pool.buffer[mask] == 0).all()), "free space not zero"
+
+    def teardown(self) -> None:
+        if hasattr(self, "pool"):
+            POOL_SPLITS.append(self.splits)
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = SETTINGS
+TestPoolMachine.settings = settings(SETTINGS, max_examples=40, stateful_step_count=50)
+POOL_SPLITS: list[int] = []  # split allocations of every finished pool run
+
+
+def test_pool_machine_exercised_splits() -> None:
+    """The pool runs above must have made split allocations (else they prove little there)."""
+    if not POOL_SPLITS:
+        pytest.skip("run together with TestPoolMachine")
+    assert sum(POOL_SPLITS) > 0
 
 
 # ---------------------------------------------------------------------- store level
@@ -128,6 +175,11 @@ TOTALS: list = []  # stats of every finished run (for the coverage check below)
 
 def rank_of(name: str, version: int) -> int:
     return 1 + (int(name[1:]) * 3 + version) % 5  # 1..5 rank units: 2..10 pages
+
+
+def view_ptrs(lease: StoreLease) -> dict:
+    """Where each of the lease's A and B views starts in memory."""
+    return {k: (m.lora_a.data_ptr(), m.lora_b.data_ptr()) for k, m in lease.weights().items()}
 
 
 def settle(store: AdapterStore, leases: list[StoreLease]) -> None:
@@ -142,8 +194,10 @@ def settle(store: AdapterStore, leases: list[StoreLease]) -> None:
 class StoreMachine(RuleBasedStateMachine):
     """Random acquire / release / cancel / unload / re-register / prefetch on a real store."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    @initialize(ratio=st.sampled_from([float("inf"), 0.0]))
+    def setup(self, ratio: float) -> None:
+        """``ratio`` 0 never compacts while something can be split or evicted, so the random
+        runs reach split allocations; ``inf`` always compacts when pins allow it."""
         self.src = Source()
         self.store = AdapterStore(
             StoreConfig(
@@ -153,11 +207,14 @@ class StoreMachine(RuleBasedStateMachine):
                 page_bytes=PAGE,
                 host_cache_bytes=40 * PAGE,
                 load_wait_timeout_s=0.02,
+                compaction_max_ratio=ratio,
             ),
             self.src,
         )
         self.version = dict.fromkeys(NAMES, 1)
-        self.held: list[tuple[StoreLease, int]] = []  # lease, data_ptr at acquire
+        self.max_extents = 0
+        # lease, data_ptr of every A and B view at acquire
+        self.held: list[tuple[StoreLease, dict]] = []
 
     def ref(self, name: str, version: int | None = None) -> AdapterRef:
         v = self.version[name] if version is None else version
@@ -165,7 +222,7 @@ class StoreMachine(RuleBasedStateMachine):
         return AdapterRef(name, v, f"rank:{r}", r * UNIT)
 
     def teardown(self) -> None:
-        TOTALS.append(self.store.stats())
+        TOTALS.append((self.store.stats(), self.max_extents))
         self.store.close()
 
     @rule(name=st.sampled_from(NAMES))
@@ -173,7 +230,7 @@ class StoreMachine(RuleBasedStateMachine):
         lease = self.store.acquire(self.ref(name))
         settle(self.store, [lease])
         if lease.error() is None:
-            self.held.append((lease, lease.flat().data_ptr()))
+            self.held.append((lease, view_ptrs(lease)))
         else:
             lease.release()
 
@@ -222,29 +279,33 @@ class StoreMachine(RuleBasedStateMachine):
         live = 0
         seen_pages: set[int] = set()
         for r in s.resident_adapters():
-            got = pool.buffer[r.first_page * elem : r.first_page * elem + r.nbytes // 4]
+            assert sum(u for _, u, _ in r.extents) == r.pages and r.first_page == r.extents[0][0]
+            got = torch.cat([pool.buffer[p * elem : p * elem + b // 4] for p, _, b in r.extents])
             assert torch.equal(
                 got, expected_flat(r.adapter_id, rank_of(r.adapter_id, r.version), r.version)
             ), f"{r.adapter_id} v{r.version} bytes changed"
-            pages = set(range(r.first_page, r.first_page + r.pages))
-            assert not pages & seen_pages, "two adapters share a page"
-            seen_pages |= pages
-            mask[r.first_page * elem : (r.first_page + r.pages) * elem] = False
+            for p, u, _ in r.extents:
+                pages = set(range(p, p + u))
+                assert not pages & seen_pages, "two adapters share a page"
+                seen_pages |= pages
+                mask[p * elem : (p + u) * elem] = False
             live += r.nbytes
-        for lease, ptr in self.held:
+            self.max_extents = max(self.max_extents, len(r.extents))
+        for lease, ptrs in self.held:
             assert lease.ready() and lease.error() is None
-            flat = lease.flat()
-            assert flat.data_ptr() == ptr, "an adapter in use was moved"
+            assert view_ptrs(lease) == ptrs, "an adapter in use was moved"
             want = expected_flat(
                 lease.ref.adapter_id,
                 rank_of(lease.ref.adapter_id, lease.ref.version),
                 lease.ref.version,
             )
-            assert torch.equal(flat, want), "an adapter in use changed"
-            start = (ptr - pool.buffer.data_ptr()) // 4
-            if mask[start]:  # superseded but still held: not in resident_adapters
-                mask[start : start + flat.numel()] = False
-                live += flat.numel() * 4
+            assert torch.equal(lease.flat(), want), "an adapter in use changed"
+            views = [t for m in lease.weights().values() for t in (m.lora_a, m.lora_b)]
+            starts = [(t.data_ptr() - pool.buffer.data_ptr()) // 4 for t in views]
+            if mask[starts[0]]:  # superseded but still held: not in resident_adapters
+                for start, t in zip(starts, views, strict=True):
+                    mask[start : start + t.numel()] = False
+                live += sum(t.numel() for t in views) * 4
         st_ = s.stats()
         assert st_.live_bytes == live == al.live_bytes
         assert st_.pages_used + st_.pages_free == st_.pages_total
@@ -259,24 +320,33 @@ def test_store_machine_exercised_evictions_and_compactions() -> None:
     """The random runs above must have hit the interesting paths (else they prove little)."""
     if not TOTALS:
         pytest.skip("run together with TestStoreMachine")
-    assert sum(sum(t.evictions_by_reason.values()) for t in TOTALS) > 0
-    assert sum(t.compactions for t in TOTALS) > 0
-    assert sum(t.failed_loads for t in TOTALS) > 0
-    assert sum(t.prefetches_issued for t in TOTALS) > 0
+    stats = [t for t, _ in TOTALS]
+    assert sum(sum(t.evictions_by_reason.values()) for t in stats) > 0
+    assert sum(t.compactions for t in stats) > 0
+    assert sum(t.split_allocations for t in stats) > 0
+    assert max(m for _, m in TOTALS) > 1, "no split adapter was ever checked while resident"
+    assert sum(t.failed_loads for t in stats) > 0
+    assert sum(t.prefetches_issued for t in stats) > 0
 
 
 # ---------------------------------------------------------------------- long run
-@pytest.mark.parametrize("allocator", ["paged", "contiguous"])
-def test_ten_thousand_store_cycles_leave_pool_as_it_started(allocator: str) -> None:
-    """10,000 acquire/release cycles (loads and evictions) then unload: the pool is as new."""
+@pytest.mark.parametrize(
+    ("allocator", "ratio"),
+    [("paged", float("inf")), ("paged", 0.0), ("contiguous", float("inf"))],
+    ids=["paged", "paged-split", "contiguous"],
+)
+def test_ten_thousand_store_cycles_leave_pool_as_it_started(allocator: str, ratio: float) -> None:
+    """10,000 acquire/release cycles (loads, evictions, compactions and, with ``ratio`` 0,
+    split allocations) while one other adapter stays leased, then unload: the pool is as new."""
     s = AdapterStore(
         StoreConfig(
             allocator=allocator,
-            pool_bytes=16 * PAGE,
+            pool_bytes=24 * PAGE,
             page_bytes=PAGE,
             host_cache_bytes=64 * PAGE,
             alignment_bytes=64,
             loader_threads=1,
+            compaction_max_ratio=ratio,
         ),
         Source(),
     )
@@ -284,19 +354,33 @@ def test_ten_thousand_store_cycles_leave_pool_as_it_started(allocator: str) -> N
     start = al.free_extents()
     rng = random.Random(3)
     names = [f"c{i}" for i in range(12)]
+    held: StoreLease | None = None
     with s:
         for _ in range(10_000):
             n = rng.choice(names)
             r = 1 + int(n[1:]) % 4
             lease = s.acquire(AdapterRef(n, 1, f"rank:{r}", r * UNIT))
             assert lease.wait(5) and lease.error() is None
-            lease.release()
+            if rng.random() < 0.2:  # keep it leased (pinned) for a while
+                if held is not None:
+                    held.release()
+                held = lease
+            else:
+                lease.release()
+        if held is not None:
+            held.release()
         st_ = s.stats()
         assert sum(st_.evictions_by_reason.values()) > 1000
+        if allocator == "paged" and ratio == float("inf"):
+            assert st_.compactions > 0
+        if ratio == 0.0:
+            assert st_.split_allocations > 100
         for n in names:
             s.unload(n)
         al.check_invariants()
-        assert al.free_extents() == start and al.live_bytes == 0
+        assert al.free_extents() == start and al.live_bytes == 0 and len(al) == 0
         assert bool((s.pool.buffer == 0).all())
         if allocator == "paged":
             assert bool((al.page_table == -1).all())
+        else:
+            assert st_.split_allocations == 0 and st_.compactions == 0
