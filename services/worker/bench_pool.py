@@ -25,8 +25,10 @@ copied), because the working set at real sizes (tens of GB) does not fit in RAM;
 ``--device cpu`` copies real bytes (use ``--max-requests`` to keep the working set small).
 
 Metrics are the store's pressure-sampled means (definitions in ``store.py``): utilization
-under pressure, external fragmentation (largest allocatable extent; ``paged`` counts
-compaction), free-run fragmentation (largest free run as it stands), internal waste.
+under pressure, external fragmentation (largest allocatable extent; ``paged`` counts what
+compaction around pinned adapters joins and what a split allocation, cut between tensors,
+places over the free runs), free-run fragmentation (largest free run as it stands), internal
+waste, and mean extents per adapter; ``splits`` counts allocations spread over several runs.
 """
 
 from __future__ import annotations
@@ -196,6 +198,9 @@ def replay(
         "evictions": sum(s.evictions_by_reason.values()),
         "compactions": s.compactions,
         "bytes_moved": s.bytes_moved,
+        "splits": s.split_allocations,
+        "mean_extents_per_adapter": s.mean_extents_per_adapter_under_pressure,
+        "mean_extents_per_adapter_at_end": s.mean_extents_per_adapter,
         "failed_allocations": failed,
         "compaction_max_ratio": compaction_max_ratio,
         "wall_seconds": wall,
@@ -347,6 +352,8 @@ def _print_table(results: dict[str, Any]) -> None:
         "evict",
         "compact",
         "GiB_moved",
+        "splits",
+        "extents",
         "failed",
         "wall_s",
     )
@@ -367,6 +374,8 @@ def _print_table(results: dict[str, Any]) -> None:
             str(f["evictions"]),
             str(f["compactions"]),
             f"{f['bytes_moved'] / 2**30:.2f}",
+            str(f["splits"]),
+            f"{f['mean_extents_per_adapter']:.3f}",
             str(f["failed_allocations"]),
             f"{f['wall_seconds']:.1f}",
         )

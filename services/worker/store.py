@@ -37,6 +37,7 @@ holding the compute guard, and must not nest the guard.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import hashlib
@@ -257,14 +258,47 @@ def pack_weights(
     return PackedAdapter(weights.adapter_id, weights.version, flat, tuple(slots), weights.sha256)
 
 
+def slot_pieces(slots: Sequence[ModuleSlot], element_size: int) -> list[int]:
+    """Byte sizes of the packed tensors in layout order (A then B of each module): the pieces
+    a split allocation may be cut between (:meth:`services.worker.pool.Allocator.alloc_pieces`).
+    """
+    out: list[int] = []
+    for s in slots:
+        out.append(s.a_shape[0] * s.a_shape[1] * element_size)
+        out.append(s.b_shape[0] * s.b_shape[1] * element_size)
+    return out
+
+
 def module_views(
-    flat: torch.Tensor, slots: Sequence[ModuleSlot]
+    flat: torch.Tensor | Sequence[torch.Tensor], slots: Sequence[ModuleSlot]
 ) -> dict[tuple[int, str], LoRAModuleWeights]:
-    """``(layer, projection) -> LoRAModuleWeights`` whose tensors are views of ``flat``."""
+    """``(layer, projection) -> LoRAModuleWeights`` whose tensors are views of ``flat``.
+
+    Args:
+        flat: The packed buffer (``dtype [numel]``), or its consecutive parts (the extents
+            of a split allocation, :meth:`DevicePool.extent_views`): part ``i`` holds
+            elements ``[sum(numel of parts before i), ... + its numel)`` of the layout.
+        slots: Element offsets of each module's A and B in the layout.
+
+    Raises:
+        ValueError: a tensor crosses a boundary between parts (the split was not made at
+            tensor boundaries).
+    """
+    parts = [flat] if isinstance(flat, torch.Tensor) else list(flat)
+    bounds = list(itertools.accumulate((p.numel() for p in parts), initial=0))
+
+    def piece(offset: int, shape: tuple[int, int]) -> torch.Tensor:
+        n = shape[0] * shape[1]
+        i = bisect.bisect_right(bounds, offset) - 1
+        local = offset - bounds[i]
+        if i >= len(parts) or local + n > parts[i].numel():
+            raise ValueError(f"tensor at element {offset} ({n} elements) crosses a part boundary")
+        return parts[i][local : local + n].view(shape)
+
     out: dict[tuple[int, str], LoRAModuleWeights] = {}
     for s in slots:
-        a = flat[s.a_offset : s.b_offset].view(s.a_shape)
-        b = flat[s.b_offset : s.b_offset + s.b_shape[0] * s.b_shape[1]].view(s.b_shape)
+        a = piece(s.a_offset, s.a_shape)
+        b = piece(s.b_offset, s.b_shape)
         out[s.key] = LoRAModuleWeights(lora_a=a, lora_b=b, scaling=s.scaling)
     return out
 
@@ -366,9 +400,10 @@ class StoreEvent:
     """One thing the store did, for metric hooks.
 
     Attributes:
-        kind: ``"load"``, ``"load_failed"``, ``"evict"``, ``"compact"``, ``"cold_start"``,
-            ``"prefetch_issued"``, ``"prefetch_used"``, ``"prefetch_wasted"``,
-            ``"prefetch_ignored"``.
+        kind: ``"load"``, ``"load_failed"``, ``"evict"``, ``"compact"``, ``"split"`` (an
+            allocation spread over several runs; ``nbytes`` its live bytes),
+            ``"cold_start"``, ``"prefetch_issued"``, ``"prefetch_used"``,
+            ``"prefetch_wasted"``, ``"prefetch_ignored"``.
         adapter_id: The adapter ("" for compaction).
         version: Its version (0 when not applicable).
         tier: For loads: ``"source"`` or ``"host"``.
@@ -430,6 +465,9 @@ class StoreStats:
     evictions_by_reason: dict[str, int]
     compactions: int
     bytes_moved: int
+    split_allocations: int
+    mean_extents_per_adapter: float
+    mean_extents_per_adapter_under_pressure: float
     prefetches_issued: int
     prefetches_used: int
     prefetches_wasted: int
@@ -449,10 +487,12 @@ class ResidentAdapter:
         version: Registry version.
         nbytes: Live bytes.
         allocated_bytes: Bytes of its run.
-        first_page: First unit of its run.
-        pages: Units in its run.
+        first_page: First unit of its (first) run.
+        pages: Units over all its runs.
         leases: Leases held now.
         prefetched: Loaded by a prefetch.
+        extents: ``(first unit, units, live bytes)`` of each run in layout order (one unless
+            its allocation was split).
     """
 
     adapter_id: str
@@ -463,6 +503,7 @@ class ResidentAdapter:
     pages: int
     leases: int
     prefetched: bool
+    extents: tuple[tuple[int, int, int], ...] = ()
 
 
 class PrefetchResult(NamedTuple):
@@ -567,19 +608,23 @@ class StoreLease:
         with self._store._lock:
             if e.views is None:
                 assert e.alloc is not None
-                e.views = module_views(self._store._pool.view(e.alloc), e.slots)
+                e.views = module_views(self._store._pool.extent_views(e.alloc), e.slots)
             return dict(e.views)
 
     def flat(self) -> torch.Tensor:
-        """``dtype [numel]``: the adapter's whole live region of the pool (a view).
+        """``dtype [numel]``: the adapter's packed bytes as laid out in the pool.
 
-        Same validity rules as :meth:`weights`.
+        A view of its run when the adapter occupies one run; a *concatenated copy* of its
+        extents when its allocation was split (no single view exists then; the engine never
+        uses this, only :meth:`weights`, whose tensors are always views). Same validity rules
+        as :meth:`weights`.
         """
         self.weights()
         with self._store._lock:
             e = self._entry
             assert e.alloc is not None
-            return self._store._pool.view(e.alloc)
+            parts = self._store._pool.extent_views(e.alloc)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @property
     def cold(self) -> bool:
@@ -627,6 +672,7 @@ class _Counters:
     evictions: dict[str, int] = field(default_factory=dict)
     compactions: int = 0
     bytes_moved: int = 0
+    splits: int = 0
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_wasted: int = 0
@@ -636,6 +682,7 @@ class _Counters:
     frag_sum: float = 0.0
     raw_frag_sum: float = 0.0
     waste_sum: float = 0.0
+    extents_sum: float = 0.0
 
 
 # ---------------------------------------------------------------------- the store
@@ -692,6 +739,9 @@ class AdapterStore:
         self._waiting = 0
         self._closed = False
         self._c = _Counters()
+        # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
+        # allocatable extent of a splitting allocator (see _fragmentation)
+        self._ref_pieces: tuple[int, ...] = ()
         self._threads = [
             threading.Thread(target=self._worker, name=f"adapter-loader-{i}", daemon=True)
             for i in range(config.loader_threads)
@@ -857,6 +907,10 @@ class AdapterStore:
                             a.units,
                             e.refcount,
                             e.prefetch,
+                            tuple(
+                                (x.start, x.length, b)
+                                for x, b in zip(a.extents, a.extent_bytes, strict=True)
+                            ),
                         )
                     )
             return sorted(out, key=lambda r: r.first_page)
@@ -912,6 +966,9 @@ class AdapterStore:
                 evictions_by_reason=dict(c.evictions),
                 compactions=c.compactions,
                 bytes_moved=c.bytes_moved,
+                split_allocations=c.splits,
+                mean_extents_per_adapter=al.mean_extents(),
+                mean_extents_per_adapter_under_pressure=c.extents_sum / n if n else 0.0,
                 prefetches_issued=c.prefetch_issued,
                 prefetches_used=c.prefetch_used,
                 prefetches_wasted=c.prefetch_wasted,
@@ -1061,10 +1118,18 @@ class AdapterStore:
         }
 
     def _fragmentation(self, allocatable: bool) -> float:
+        """``1 - extent / free units``: the largest allocatable extent (``allocatable``) or the
+        largest free run as it stands. For ``paged`` the allocatable extent is the better of
+        what compaction around pinned adapters joins and what a split allocation of the
+        coarsest layout seen (:attr:`_ref_pieces`) places over the free runs."""
         al = self._pool.allocator
         if al.free_units == 0:
             return 0.0
-        run = al.allocatable_units(self._pinned()) if allocatable else al.largest_free_run()
+        if not allocatable:
+            return 1.0 - al.largest_free_run() / al.free_units
+        run = al.allocatable_units(self._pinned())
+        if al.supports_split and self._ref_pieces:
+            run = max(run, al.placeable_units(self._ref_pieces))
         return 1.0 - run / al.free_units
 
     def _sample_pressure(self) -> None:
@@ -1076,6 +1141,7 @@ class AdapterStore:
         c.frag_sum += self._fragmentation(allocatable=True)
         c.raw_frag_sum += self._fragmentation(allocatable=False)
         c.waste_sum += (allocated - al.live_bytes) / allocated if allocated else 0.0
+        c.extents_sum += al.mean_extents()
 
     def _prefetch_may_fit(self, nbytes: int, expected: float) -> bool:
         al = self._pool.allocator
@@ -1173,7 +1239,7 @@ class AdapterStore:
                 f"holds {self._pool.capacity_bytes}; use a smaller rank or a bigger pool"
             )
         t0 = time.monotonic()
-        _, dst = self._allocate(e, packed.nbytes)
+        _, dst = self._allocate(e, slot_pieces(packed.slots, packed.flat.element_size()))
         self._copy_in(dst, packed.flat, stream)
         t1 = time.monotonic()
         with self._lock:
@@ -1207,19 +1273,33 @@ class AdapterStore:
             self._cv.notify_all()
 
     def _copy_in(
-        self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None
+        self, dst: Sequence[torch.Tensor], src: torch.Tensor, stream: torch.cuda.Stream | None
     ) -> None:
+        """Copy the packed ``src`` into the extent views ``dst`` (one copy per extent)."""
+        parts = []
+        off = 0
+        for d in dst:
+            parts.append((d, src[off : off + d.numel()]))
+            off += d.numel()
         if stream is None:
-            dst.copy_(src)
+            for d, s in parts:
+                d.copy_(s)
             return
         # the destination was zeroed on the default stream: order the copy after it
         stream.wait_stream(torch.cuda.default_stream(self.device))
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            for d, s in parts:
+                d.copy_(s, non_blocking=True)
         stream.synchronize()
 
-    def _allocate(self, e: _Entry, nbytes: int) -> tuple[Allocation, torch.Tensor]:
-        """Find room for ``e`` (evicting, compacting, or waiting); returns its run and view.
+    def _allocate(self, e: _Entry, pieces: Sequence[int]) -> tuple[Allocation, list[torch.Tensor]]:
+        """Find room for ``e``, whose packed tensors have byte sizes ``pieces`` (layout order);
+        returns its allocation and the views of its extents.
+
+        In order: one free run (first fit); compaction, when pinned adapters do not block it
+        and its plan moves at most ``compaction_max_ratio`` bytes per byte needed; a split over
+        free runs, cut only between tensors (``paged``); eviction of one adapter by policy,
+        then retry; compaction even when dear, if nothing can be evicted; a bounded wait.
 
         Raises:
             PoolExhaustedError: bigger than the pool, or no room before the wait timeout.
@@ -1228,33 +1308,35 @@ class AdapterStore:
         """
         pressure = False
         deadline: float | None = None
-        al = self._pool.allocator
+        nbytes = sum(pieces)
+        with self._lock:
+            if max(pieces) > max(self._ref_pieces, default=0):
+                self._ref_pieces = tuple(pieces)
         while True:
             compact = 0
+            a: Allocation | None = None
             with self._cv:
                 if e.detached:
                     raise _Detached()
                 try:
-                    a = self._pool.alloc(nbytes)
+                    a = self._pool.alloc_pieces(pieces)
                 except TooLargeError as err:
                     raise PoolExhaustedError(str(err)) from err
                 except FragmentationError as err:
-                    pinned = self._pinned()
-                    if al.supports_compaction and al.allocatable_units(pinned) >= err.needed_units:
-                        limit = self.config.compaction_max_ratio * err.needed_units
-                        cheap = limit == float("inf") or limit >= sum(
-                            m.units for m in al.plan_compaction(pinned, err.needed_units)
-                        )
-                        if cheap or self._pick_victim(e) is None:
-                            compact = err.needed_units
+                    compact, a = self._compact_or_split(e, pieces, err.needed_units)
                 except OutOfSpaceError:
                     pass
-                else:
+                if a is not None:
                     e.alloc = a
                     self._holders[a.handle] = e
+                    if a.is_split:
+                        self._c.splits += 1
+                        self._emit(
+                            StoreEvent("split", e.ref.adapter_id, e.ref.version, nbytes=nbytes)
+                        )
                     if pressure:
                         self._sample_pressure()
-                    return a, self._pool.view(a)
+                    return a, self._pool.extent_views(a)
                 if not compact:
                     victim = self._pick_victim(e)
                     if victim is not None:
@@ -1288,6 +1370,30 @@ class AdapterStore:
                         self._waiting -= 1
                     continue
             self._compact(compact)
+
+    def _compact_or_split(
+        self, e: _Entry, pieces: Sequence[int], need_units: int
+    ) -> tuple[int, Allocation | None]:
+        """Enough units are free but no run fits: ``(units to compact for, None)`` when
+        compaction is cheap (or the only way left), else ``(0, split allocation or None)``."""
+        al = self._pool.allocator
+        if not al.supports_compaction:
+            return 0, None
+        pinned = self._pinned()
+        joinable = al.allocatable_units(pinned) >= need_units
+        if joinable:
+            limit = self.config.compaction_max_ratio * need_units
+            if limit == float("inf") or limit >= sum(
+                m.units for m in al.plan_compaction(pinned, need_units)
+            ):
+                return need_units, None
+        try:
+            return 0, self._pool.alloc_pieces(pieces, split=True)
+        except FragmentationError:
+            pass
+        if joinable and self._pick_victim(e) is None:
+            return need_units, None
+        return 0, None
 
     def _compact(self, need_units: int) -> None:
         """Compact the pool with the compute guard held exclusively (no step running)."""
