@@ -52,7 +52,8 @@ import torch
 
 from services.common.errors import PoolExhaustedError
 from services.common.traces import Trace, map_keys_to_adapters
-from services.predictor.forecast import DEFAULT_FORECASTER, Forecaster, make_forecaster
+from services.predictor.config import PredictorConfig
+from services.predictor.forecast import DEFAULT_FORECASTER
 from services.predictor.placement import (
     AdapterDemand,
     PrefetchSelector,
@@ -61,6 +62,7 @@ from services.predictor.placement import (
     plan_placement,
     route_rank_aware,
 )
+from services.simulator.feed import DemandFeed, FeedSettings
 from services.simulator.presets import Preset
 from services.worker.eviction import Candidate, EvictionPolicy, make_policy
 from services.worker.pool import (
@@ -145,6 +147,10 @@ def get_policy(name: str) -> PolicySpec:
 
 
 # ------------------------------------------------------------------------------ inputs
+#: The predictor service's defaults (the simulated predictor uses the same).
+_PREDICTOR = PredictorConfig()
+
+
 @dataclass(frozen=True, eq=False)
 class SimConfig:
     """Settings of one simulation.
@@ -159,8 +165,11 @@ class SimConfig:
         train_every: Train the forecaster every this many ticks (1 = every tick, as the
             predictor service does).
         train_budget_s: Wall-clock budget per ``train`` call (the LSTM runs one step anyway).
-        prefetch_min_expected: Prefetch threshold (PredictorConfig's default).
+        prefetch_min_expected: Prefetch threshold.
         max_prefetch_per_worker: Prefetch items per worker per tick.
+
+    The predictor settings (tick, horizon, training budget, prefetch threshold and cap) default
+    to the predictor service's own defaults (:class:`services.predictor.config.PredictorConfig`).
         view_refresh_s: How often the gateway's and predictor's view of the workers (queue
             length, residency, free pool bytes) is refreshed, seconds: the workers publish it
             with their heartbeat (``WorkerConfig.heartbeat_interval_s`` = 1 s) and the gateway
@@ -173,13 +182,13 @@ class SimConfig:
     preset: Preset
     workers: int = 4
     seed: int = 0
-    tick_s: float = 1.0
-    horizon_s: float = 5.0
+    tick_s: float = _PREDICTOR.tick_s
+    horizon_s: float = _PREDICTOR.horizon_s
     forecaster: str = DEFAULT_FORECASTER
     train_every: int = 1
-    train_budget_s: float = 0.05
-    prefetch_min_expected: float = 0.5
-    max_prefetch_per_worker: int = 8
+    train_budget_s: float = _PREDICTOR.train_budget_s
+    prefetch_min_expected: float = _PREDICTOR.prefetch_min_expected
+    max_prefetch_per_worker: int = _PREDICTOR.max_prefetch_per_worker
     view_refresh_s: float = 1.0
     source_latencies_s: np.ndarray | None = field(default=None, repr=False)
 
@@ -194,6 +203,11 @@ class SimConfig:
             self.source_latencies_s is None or len(self.source_latencies_s) == 0
         ):
             raise ValueError("preset source 'alibaba' needs source_latencies_s")
+
+    def feed_settings(self) -> FeedSettings:
+        """What the forecasts depend on (two configs with equal settings can share a feed)."""
+        names = ("forecaster", "horizon_s", "seed", "tick_s", "train_every", "train_budget_s")
+        return FeedSettings(**{k: getattr(self, k) for k in names})
 
 
 @dataclass(frozen=True, eq=False)
@@ -260,7 +274,9 @@ class SimResult:
         cold_wait_s: ``float64 [n]`` wait for the adapter (0 when warm).
         failed: ``bool [n]``.
         worker: ``int64 [n]`` worker that served it (-1 if none).
-        counters: Pool, load, prefetch and routing counters (JSON-ready).
+        counters: Pool, load, prefetch and routing counters (JSON-ready); ``predictor_wall_s``
+            is the wall time of the per-tick placement and prefetch round, ``forecast_wait_s``
+            the time spent waiting for (or computing) the shared forecasts.
         wall_s: Wall-clock seconds the simulation took.
         events: Events processed (arrivals included).
         cpu_s: CPU seconds of this process during the simulation.
@@ -818,10 +834,22 @@ class ClusterSimulation:
         adapters: The adapters and the key -> adapter map.
         policy: The serving policy.
         config: Sizes, seed, predictor settings.
+        feed: The forecasts of this trace and adapter map (:func:`make_feed`), shared by every
+            simulation of them; made here, in this process, when ``None`` and the policy runs
+            the predictor.
+
+    Raises:
+        ValueError: The adapter map does not cover the trace, or ``feed`` was made with other
+            forecaster settings or for a trace with another tick count.
     """
 
     def __init__(
-        self, trace: Trace, adapters: AdapterSet, policy: PolicySpec, config: SimConfig
+        self,
+        trace: Trace,
+        adapters: AdapterSet,
+        policy: PolicySpec,
+        config: SimConfig,
+        feed: DemandFeed | None = None,
     ) -> None:
         if len(adapters.key_adapter) != len(trace.keys):
             raise ValueError("adapters.key_adapter must map every key of the trace")
@@ -859,17 +887,23 @@ class ClusterSimulation:
         self.placement: dict[str, list[str]] = {}
         self.placement_moves = 0
         self.routed: dict[str, int] = {}
-        self.forecaster: Forecaster | None = None
+        self.feed: DemandFeed | None = None
         self.selector: PrefetchSelector | None = None
+        self._names_arr = np.asarray(adapters.names, dtype=object)
+        self._ranks_l: list[int] = adapters.ranks.tolist()
+        self._sizes_l: list[int] = adapters.nbytes.tolist()
         if policy.predictor:
-            self.forecaster = make_forecaster(
-                config.forecaster, horizon_s=config.horizon_s, seed=config.seed
-            )
+            if feed is None:
+                feed = make_feed(trace, adapters, config)
+            elif feed.settings != config.feed_settings() or feed.trace_key != trace_key(trace):
+                raise ValueError("feed was made for other forecaster settings or another trace")
+            self.feed = feed
             self.selector = PrefetchSelector(
                 high=config.prefetch_min_expected, low=config.prefetch_min_expected / 2
             )
         self.ticks = 0
         self.predictor_wall_s = 0.0
+        self._feed_wait0 = feed.wait_s if feed is not None else 0.0
         self.busy_workers = 0
         self._views: list[WorkerView] = []
         self._views_next = -_INF
@@ -936,34 +970,28 @@ class ClusterSimulation:
         self.n_done += 1
 
     # ---------------------------------------------------------------- predictor
-    def _tick(self, t: float, lo: int, hi: int) -> None:
-        """One predictor round over the arrivals ``lo:hi`` of the last tick."""
-        f = self.forecaster
-        assert f is not None and self.selector is not None
-        names = self.adapters.names
-        if hi > lo:
-            counts = np.bincount(self._req_adapter_np[lo:hi], minlength=len(names))
-            nz = np.flatnonzero(counts)
-            f.observe_counts({names[a]: float(counts[a]) for a in nz.tolist()}, t)
-        fc = f.tick(t)
+    def _tick(self, t: float) -> None:
+        """One predictor round (``PredictorCore.tick``): the forecast of this tick (from the
+        shared feed), then eviction forecasts, placement and prefetch."""
+        feed = self.feed
+        assert feed is not None and self.selector is not None
+        k = self.ticks
+        if feed.ticks[k] != t:
+            raise RuntimeError(f"tick {k} at {t} s, the feed has it at {feed.ticks[k]} s")
+        ads, exps = feed.get(k)
         self.ticks += 1
-        if self.ticks % self.config.train_every == 0:
-            f.train(self.config.train_budget_s)
-        expected = {
-            a: float(e)
-            for a, e in zip(fc.adapter_ids, fc.expected_count.tolist(), strict=True)
-            if e > 0
-        }
+        names = self._names_arr[ads].tolist()
+        exp_l = exps.tolist()
+        expected = dict(zip(names, exp_l, strict=True))
         for w in self.workers:
             w.evictor.set_forecast(expected)
-        idx = self.name_index
-        ranks = self.adapters.ranks
-        sizes = self.adapters.nbytes
+        ranks = self._ranks_l
+        sizes = self._sizes_l
         demand = {
-            a: AdapterDemand(rank=int(ranks[idx[a]]), size_bytes=int(sizes[idx[a]]), expected=e)
-            for a, e in expected.items()
-            if a in idx
+            a: AdapterDemand(ranks[i], sizes[i], e)
+            for a, i, e in zip(names, ads.tolist(), exp_l, strict=True)
         }
+        idx = self.name_index
         views = self.views(t)
         placement, moves = plan_placement(demand, views, self.placement)
         self.placement = placement
@@ -981,9 +1009,9 @@ class ClusterSimulation:
     def run(self) -> SimResult:
         """Run every arrival to completion or failure; returns the outcomes.
 
-        The forecaster's torch work runs single-threaded meanwhile (its tiny LSTM steps gain
-        nothing from threads, and oversubscribed cores make them 40x slower); the previous
-        thread count is restored afterwards.
+        Torch runs single-threaded meanwhile (a forecaster computed in this process: its tiny
+        LSTM steps gain nothing from threads, and oversubscribed cores make them 40x slower);
+        the previous thread count is restored afterwards.
         """
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -1002,13 +1030,11 @@ class ClusterSimulation:
         workers = self.workers
         dispatch = self._dispatch
         tick_s = self.config.tick_s
-        next_tick = tick_s if self.forecaster is not None and n else _INF
+        next_tick = tick_s if self.feed is not None and n else _INF
         if next_tick < _INF:
             self.push(next_tick, _EV_TICK, -1, None)
-        obs_lo = 0
         i = 0
         events = 0
-        times = self.trace.times
         while True:
             ta = arrival[i] if i < n else _INF
             if heap and heap[0][0] <= ta:
@@ -1023,11 +1049,9 @@ class ClusterSimulation:
                 elif kind == _EV_RETRY:
                     workers[wid].retry_timeout(payload, t)
                 else:  # tick
-                    hi = int(np.searchsorted(times, t, side="right"))
                     t0 = time.perf_counter()
-                    self._tick(t, obs_lo, hi)
+                    self._tick(t)
                     self.predictor_wall_s += time.perf_counter() - t0
-                    obs_lo = hi
                     if i < n:
                         self.push(t + tick_s, _EV_TICK, -1, None)
                 continue
@@ -1058,7 +1082,9 @@ class ClusterSimulation:
         counters["routed_by_reason"] = dict(sorted(self.routed.items()))
         counters["placement_moves"] = self.placement_moves
         counters["predictor_ticks"] = self.ticks
-        counters["predictor_wall_s"] = self.predictor_wall_s
+        wait = self.feed.wait_s - self._feed_wait0 if self.feed is not None else 0.0
+        counters["forecast_wait_s"] = wait
+        counters["predictor_wall_s"] = self.predictor_wall_s - wait
         counters["pool_bytes_per_worker"] = self.workers[0].allocator.capacity_bytes
         return SimResult(
             policy=self.policy.name,
@@ -1078,9 +1104,39 @@ class ClusterSimulation:
         )
 
 
+def trace_key(trace: Trace) -> tuple[int, float, float]:
+    """``(arrivals, first, last arrival time)``: what a feed checks it was made for."""
+    if len(trace) == 0:
+        return (0, 0.0, 0.0)
+    return (len(trace), float(trace.times[0]), float(trace.times[-1]))
+
+
+def make_feed(
+    trace: Trace, adapters: AdapterSet, config: SimConfig, process: bool = False
+) -> DemandFeed:
+    """The production forecaster's output for every predictor tick of ``trace`` (see
+    :mod:`services.simulator.feed`), to share between simulations of the same trace, adapter
+    map and forecaster settings.
+
+    Args:
+        trace: Arrivals.
+        adapters: Its key -> adapter map.
+        config: Forecaster and tick settings (:meth:`SimConfig.feed_settings`).
+        process: Compute it in a child process that runs ahead of the simulations.
+    """
+    ad = adapters.key_adapter[trace.key_index] if len(trace) else np.zeros(0, np.int64)
+    feed = DemandFeed(trace.times, ad, adapters.names, config.feed_settings(), process)
+    feed.trace_key = trace_key(trace)
+    return feed
+
+
 def simulate(
-    trace: Trace, adapters: AdapterSet, policy: PolicySpec | str, config: SimConfig
+    trace: Trace,
+    adapters: AdapterSet,
+    policy: PolicySpec | str,
+    config: SimConfig,
+    feed: DemandFeed | None = None,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` (see :class:`ClusterSimulation`)."""
     spec = get_policy(policy) if isinstance(policy, str) else policy
-    return ClusterSimulation(trace, adapters, spec, config).run()
+    return ClusterSimulation(trace, adapters, spec, config, feed).run()

@@ -32,8 +32,10 @@ from services.simulator.engine import (
     SimResult,
     build_adapter_set,
     get_policy,
+    make_feed,
     simulate,
 )
+from services.simulator.feed import DemandFeed
 from services.simulator.presets import (
     ALIBABA_LOAD_LATENCY_CSV,
     PRESET_NAMES,
@@ -109,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between the workers' heartbeats that routing sees (default 1; 0 = exact)",
     )
     parser.add_argument(
+        "--forecast-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the forecaster in a child process ahead of the simulations (auto: when the "
+        f"trace has at least {FEED_PROCESS_MIN_TICKS} predictor ticks; default auto)",
+    )
+    parser.add_argument(
         "--source-latencies",
         default=str(ALIBABA_LOAD_LATENCY_CSV),
         help="real LoRA load latencies (ms CSV) for presets with an 'alibaba' source",
@@ -129,6 +138,18 @@ def _config(args: argparse.Namespace, workers: int) -> SimConfig:
     )
 
 
+#: ``--forecast-process auto`` uses a child process from this many predictor ticks on (below
+#: it, starting the process costs more than it saves).
+FEED_PROCESS_MIN_TICKS = 600
+
+
+def _use_process(mode: str, trace: Trace, config: SimConfig) -> bool:
+    if mode in ("on", "off"):
+        return mode == "on"
+    last = float(trace.times[-1]) if len(trace) else 0.0
+    return last / config.tick_s >= FEED_PROCESS_MIN_TICKS
+
+
 def run_simulations(
     trace: Trace,
     adapters: AdapterSet,
@@ -138,17 +159,35 @@ def run_simulations(
     search_max_workers: int = 64,
     search_trace: Trace | None = None,
     search_adapters: AdapterSet | None = None,
+    forecast_process: str = "auto",
 ) -> tuple[dict[str, SimResult], dict[str, dict[str, Any]]]:
     """Simulate every policy, summarize, and search the worker count meeting the SLO.
 
+    The production forecaster runs once per trace (:func:`make_feed`; in a child process that
+    runs ahead of the simulations when ``forecast_process`` says so) and every simulation of
+    that trace with a predictor policy reads its forecasts.
+
     Returns:
-        ``(results, summaries)`` keyed by policy name, in the order given.
+        ``(results, summaries)`` keyed by policy name, in the order given; each summary's
+        ``forecast`` block gives the forecaster's compute time (shared by the policies).
     """
     results: dict[str, SimResult] = {}
     summaries: dict[str, dict[str, Any]] = {}
+    feeds: dict[tuple[int, int], DemandFeed] = {}
+    needs_feed = any(get_policy(p).predictor for p in policies)
+
+    def feed_for(tr: Trace, ad: AdapterSet) -> DemandFeed:
+        key = (id(tr), id(ad))
+        if key not in feeds:
+            feeds[key] = make_feed(tr, ad, config, _use_process(forecast_process, tr, config))
+        return feeds[key]
+
+    if needs_feed:
+        feed_for(trace, adapters)  # start it now: a child process runs ahead meanwhile
     for name in policies:
         spec = get_policy(name)
-        res = simulate(trace, adapters, spec, config)
+        feed = feed_for(trace, adapters) if spec.predictor else None
+        res = simulate(trace, adapters, spec, config, feed)
         logger.info("%s: %d requests in %.1f s wall", name, len(trace), res.wall_s)
         results[name] = res
         s = summarize(res, slo_ttft_s)
@@ -156,13 +195,16 @@ def run_simulations(
             st = search_trace if search_trace is not None else trace
             sa = search_adapters if search_adapters is not None else adapters
             cache = {config.workers: res} if st is trace else {}
+            sfeed = feed_for(st, sa) if spec.predictor else None
             t0 = time.perf_counter()
 
-            def attainment_at(n: int, spec=spec, st=st, sa=sa, cache=cache) -> float | None:
+            def attainment_at(
+                n: int, spec=spec, st=st, sa=sa, cache=cache, sfeed=sfeed
+            ) -> float | None:
                 r = cache.get(n)
                 if r is None:
                     cfg = SimConfig(**{**config.__dict__, "workers": n})
-                    r = simulate(st, sa, spec, cfg)
+                    r = simulate(st, sa, spec, cfg, sfeed)
                 return slo_attainment(r, slo_ttft_s)
 
             best, tried = search_min_workers(attainment_at, 0.99, search_max_workers)
@@ -173,6 +215,20 @@ def run_simulations(
                 "wall_s": time.perf_counter() - t0,
             }
         summaries[name] = s
+    main = feeds.get((id(trace), id(adapters)))
+    for name, s in summaries.items():
+        s["forecast"] = (
+            {
+                "compute_s": main.compute_s,
+                "ticks": len(main),
+                "child_process": main.child_process,
+                "shared_by": [p for p in policies if get_policy(p).predictor],
+            }
+            if main is not None and get_policy(name).predictor
+            else None
+        )
+    for f in feeds.values():
+        f.close()
     return results, summaries
 
 
@@ -249,8 +305,10 @@ def validate_against_replay(
     trace, adapters, config = replay_matched_inputs(replay_report, preset_name, trace_path)
     names = [p for p in replay_report.get("policies", []) if p in POLICIES]
     sim: dict[str, Any] = {"policies": names}
+    feed = make_feed(trace, adapters, config) if any(POLICIES[n].predictor for n in names) else None
     for name in names:
-        sim[name] = summarize(simulate(trace, adapters, name, config), 1.0)
+        f = feed if POLICIES[name].predictor else None
+        sim[name] = summarize(simulate(trace, adapters, name, config, f), 1.0)
     out = compare_to_replay(sim, replay_report, tolerance)
     out["sim"] = {n: {k: sim[n].get(k) for k in POLICY_KEYS} for n in names}
     out["replay"] = {
@@ -294,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
         args.search_max_workers,
         search_trace,
         search_adapters,
+        args.forecast_process,
     )
     curves = {n: slo_vs_load(r, args.slo_ttft) for n, r in results.items()}
     for n in summaries:

@@ -17,6 +17,8 @@ from services.simulator.engine import (
     SimConfig,
     build_adapter_set,
     get_policy,
+    make_feed,
+    simulate,
 )
 from services.simulator.presets import (
     ALIBABA_LOAD_LATENCY_CSV,
@@ -189,8 +191,55 @@ def test_determinism_from_seed() -> None:
     a, b, c = go(3), go(3), go(4)
     for field in ("first_token_s", "done_s", "cold_wait_s", "worker"):
         np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
-    assert a.counters == {**b.counters, "predictor_wall_s": a.counters["predictor_wall_s"]}
+    assert _timeless(a.counters) == _timeless(b.counters)
     assert not np.array_equal(a.cold_wait_s, c.cold_wait_s)  # other load-latency draws
+
+
+def _timeless(counters: dict) -> dict:
+    """Counters without the wall-clock ones."""
+    return {k: v for k, v in counters.items() if k not in ("predictor_wall_s", "forecast_wait_s")}
+
+
+def _same_outcome(a, b) -> None:
+    for f in ("first_token_s", "done_s", "cold_wait_s", "worker", "cold", "failed"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    assert _timeless(a.counters) == _timeless(b.counters)
+
+
+@pytest.mark.slow
+def test_forecast_feed_shared_and_in_a_child_process_changes_nothing() -> None:
+    """One feed shared by several policies, or computed in a child process ahead of the
+    simulation, gives the same outcomes bit for bit as a feed made per simulation in-process."""
+    tr = _zipf_trace(n=600)
+    preset = FAST.with_overrides(pool_bytes=64 << 20, host_cache_bytes=1 << 30)
+    adapters = build_adapter_set(tr, preset, 24, seed=0)
+    cfg = SimConfig(preset=preset, workers=2, forecaster="ensemble")
+    fresh = {p: simulate(tr, adapters, p, cfg) for p in ("plora", "plora-lru")}
+    shared = make_feed(tr, adapters, cfg)
+    child = make_feed(tr, adapters, cfg, process=True)
+    assert child.child_process and len(child) == len(shared) > 10
+    for p in ("plora", "plora-lru"):
+        _same_outcome(simulate(tr, adapters, p, cfg, shared), fresh[p])
+        _same_outcome(simulate(tr, adapters, p, cfg, child), fresh[p])
+    assert child.done and shared.done and child.compute_s > 0
+    for k in (0, len(child) // 2, len(child) - 1):
+        for x, y in zip(child.get(k), shared.get(k), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_feed_must_match_the_trace_and_settings() -> None:
+    tr = _zipf_trace(n=200)
+    adapters = build_adapter_set(tr, FAST, 8, seed=0)
+    cfg = SimConfig(preset=FAST, workers=1, forecaster="ewma")
+    feed = make_feed(tr, adapters, cfg)
+    assert feed.ticks[0] == cfg.tick_s and feed.ticks[-1] > tr.times[-1] >= feed.ticks[-2]
+    with pytest.raises(ValueError, match="feed"):
+        simulate(tr, adapters, "plora", SimConfig(preset=FAST, workers=1, forecaster="lstm"), feed)
+    other = tr.sliced(0.0, float(tr.times[len(tr) // 2]))
+    with pytest.raises(ValueError, match="feed"):
+        simulate(other, build_adapter_set(other, FAST, 8, seed=0), "plora", cfg, feed)
+    with pytest.raises(IndexError):
+        feed.get(len(feed))
 
 
 def test_predictor_prefetches_and_prefetched_adapters_serve() -> None:
