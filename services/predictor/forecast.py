@@ -440,10 +440,6 @@ _N_FEATURES = 10
 _RING = 64  # count-ring length in buckets (>= 60 for the 60 s count, >= window + horizon)
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
 class LSTMForecaster(Forecaster):
     """Online-trained single-layer LSTM shared by all adapters (see the module doc).
 
@@ -493,13 +489,16 @@ class LSTMForecaster(Forecaster):
         self._r300 = np.zeros(0, dtype=np.float64)
         self._total = np.zeros(0, dtype=np.float64)  # requests ever
         self._r3600 = np.zeros(0, dtype=np.float64)
-        self._hc = np.zeros((0, 2 * H), dtype=np.float32)  # [cap, 2H] LSTM (h, c)
+        # LSTM state (h; c) feature-major [2H, cap]: the tick's math runs on [features, rows]
+        # blocks, so every gate is one contiguous block
+        self._hc = np.zeros((2 * H, 0), dtype=np.float32)
         self._tracked = np.zeros(0, dtype=bool)
         self._since = np.zeros(0, dtype=np.int64)  # bucket index tracking began
-        # rings indexed [slot, row, ...] so one bucket's writes land in one contiguous block
-        self._xring = np.zeros((self._R, 0, d), dtype=np.float32)  # inputs per bucket
+        # rings indexed [slot, ...] so one bucket's writes land in one contiguous block, stored
+        # feature-major ([slot, feature, row]) like the state
+        self._xring = np.zeros((self._R, d, 0), dtype=np.float32)  # inputs per bucket
         self._bring = np.zeros((self._R, 0), dtype=np.float32)  # log base per bucket
-        self._sring = np.zeros((self._R, 0, 2 * H), dtype=np.float32)  # state before step
+        self._sring = np.zeros((self._R, 2 * H, 0), dtype=np.float32)  # state before step
         self._out_exp = np.zeros(0, dtype=np.float64)  # last forecast per row
         self._out_prob = np.zeros(0, dtype=np.float64)
         self._b = 0  # buckets closed so far
@@ -517,6 +516,10 @@ class LSTMForecaster(Forecaster):
             list(self.model.parameters()) + list(self.head.parameters()), lr=cfg.lr
         )
         self._publish()
+        # horizon * base rate as a dot product with the inputs before their log (_features)
+        coef = np.zeros((1, d), dtype=np.float32)
+        coef[0, [8, 1, 2, 3, 4]] = [0.04, 0.04, 0.2 / 60.0, 0.1 / 60.0, 0.1 / 3600.0]
+        self._rate_coef = torch.from_numpy(coef * np.float32(self.horizon_s))
         # replay buffer of windows
         L = cfg.window
         self._buf_hc = np.zeros((cfg.buffer, 2 * H), dtype=np.float32)
@@ -542,19 +545,43 @@ class LSTMForecaster(Forecaster):
 
     def _row_arrays(self) -> list[str]:
         return super()._row_arrays() + [
-            "_cring", "_c5", "_c60", "_r10", "_r300", "_r3600", "_total", "_hc", "_tracked",
+            "_cring", "_c5", "_c60", "_r10", "_r300", "_r3600", "_total", "_tracked",
             "_since",
             "_out_exp", "_out_prob",
         ]  # fmt: skip
 
     def _resize(self, cap: int) -> None:
         super()._resize(cap)
-        for name in ("_xring", "_bring", "_sring"):
+        for name, axis in (("_hc", 1), ("_xring", 2), ("_bring", 1), ("_sring", 2)):
             old = getattr(self, name)
-            if old.shape[1] < cap:
-                new = np.zeros((old.shape[0], cap) + old.shape[2:], dtype=old.dtype)
-                new[:, : old.shape[1]] = old
+            if old.shape[axis] < cap:
+                shape = list(old.shape)
+                shape[axis] = cap
+                new = np.zeros(shape, dtype=old.dtype)
+                new[(slice(None),) * axis + (slice(0, old.shape[axis]),)] = old
                 setattr(self, name, new)
+        # tick workspace, reused every tick (no per-tick allocation of [4H, rows] buffers);
+        # flat, so that the [k, T] views the tick takes are contiguous (BLAS writes its
+        # output in place only into a contiguous one)
+        H, d = self.config.hidden, _N_FEATURES
+        self._ws = self._torch.zeros((d + 1 + 4 * H + H + 2 + 3) * cap)
+        self._ws_views: tuple[int, list] = (-1, [])
+
+    def _workspace(self, T: int) -> list:
+        """Contiguous ``[k, T]`` float32 views of the workspace: inputs ``x [d, T]`` and log
+        base rate ``[1, T]`` (numpy), gates ``[4H, T]``, ``tanh(c) [H, T]``, heads ``[2, T]``,
+        output scratch ``[3, T]`` (torch)."""
+        if self._ws_views[0] == T:
+            return self._ws_views[1]
+        H, d = self.config.hidden, _N_FEATURES
+        views, at = [], 0
+        for k in (d, 1, 4 * H, H, 2, 3):
+            views.append(self._ws[at : at + k * T].view(k, T))
+            at += k * T
+        views[0] = views[0].numpy()
+        views[1] = views[1].numpy()
+        self._ws_views = (T, views)
+        return views
 
     def _config(self) -> dict:
         return super()._config() | {"lstm": self.config.__dict__, "seed": self.seed}
@@ -562,15 +589,27 @@ class LSTMForecaster(Forecaster):
     # -- weights
     def _publish(self) -> None:
         """Copy the weights for inference (one atomic attribute swap, so a forecast never sees
-        a half-updated model)."""
+        a half-updated model).
+
+        Layout for the tick (feature-major: ``[out, features] @ [features, T]``): input and
+        recurrent gate weights ``w_x [4H, d]``, ``w_h [4H, H]`` and bias ``[4H, 1]`` with the
+        cell-candidate (g) rows doubled, so one sigmoid over all gates gives
+        ``sigmoid(2 g)`` and ``tanh(g) = 2 sigmoid(2 g) - 1``; heads ``wo_h [2, H]``,
+        ``wo_x [2, d]``, ``bo [2, 1]``.
+        """
         m, hd, torch = self.model, self.head, self._torch
+        H, d = self.config.hidden, _N_FEATURES
         with torch.no_grad():
-            # Row-major layout for the tick: inputs [T, features] @ weights [features, out].
-            w = torch.cat([m.weight_ih_l0, m.weight_hh_l0], dim=1).T.contiguous()  # [d + H, 4H]
-            b = (m.bias_ih_l0 + m.bias_hh_l0).clone()  # [4H]
-            wo = hd.weight.T.contiguous()  # [H + d, 2]
-            bo = hd.bias.clone()  # [2]
-        self._np = (w, b, wo, bo)
+            scale = torch.ones(4 * H)
+            scale[2 * H : 3 * H] = 2.0  # torch gate order i, f, g, o
+            w_x = (m.weight_ih_l0 * scale[:, None]).contiguous()  # [4H, d]
+            w_h = (m.weight_hh_l0 * scale[:, None]).contiguous()  # [4H, H]
+            b = ((m.bias_ih_l0 + m.bias_hh_l0) * scale)[:, None].contiguous()  # [4H, 1]
+            wo_h = hd.weight[:, :H].contiguous()  # [2, H]
+            wo_x = hd.weight[:, H:].contiguous()  # [2, d]
+            bo = hd.bias[:, None].clone()  # [2, 1]
+        assert w_x.shape == (4 * H, d)
+        self._np = (w_x, w_h, b, wo_h, wo_x, bo)
 
     # -- stepping
     def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:
@@ -579,7 +618,7 @@ class LSTMForecaster(Forecaster):
             self._cring[:n] = 0.0
             self._c5[:n] = 0.0
             self._c60[:n] = 0.0
-            self._hc[:n] = 0.0
+            self._hc[:, :n] = 0.0
             self._tracked[:n] = False
             decay = steps - 1
             self._r10[:n] *= (1 - self._a10) ** decay
@@ -611,46 +650,96 @@ class LSTMForecaster(Forecaster):
         if new.any():
             self._tracked[:n][new] = True
             self._since[:n][new] = b
-            self._hc[:n][new] = 0.0
+            self._hc[:, :n][:, new] = 0.0
         gone = self._tracked[:n] & (age > cfg.track_s)
         if gone.any():
             self._tracked[:n][gone] = False
-            self._hc[:n][gone] = 0.0
+            self._hc[:, :n][:, gone] = 0.0
             self._out_exp[:n][gone] = 0.0
             self._out_prob[:n][gone] = 0.0
         rows = np.flatnonzero(self._tracked[:n])
         self._b = b
-        if len(rows) == 0:
+        T = len(rows)
+        if T == 0:
             return
-        x, logbase = self._features(rows, bucket[rows], age[rows], now)
+        # every row tracked (the worst case): slices, i.e. views instead of gathers/scatters
+        full = T == n
+        sel: slice | np.ndarray = slice(0, n) if full else rows
+        x, logbase = self._features(sel, T, bucket, age, now)  # [d, T] view, [T]
         rpos = b % self._R
-        hc = self._hc[rows]
-        self._sring[rpos, rows] = hc
-        self._xring[rpos, rows] = x
-        self._bring[rpos, rows] = logbase
-        H = cfg.hidden
+        if full:
+            self._xring[rpos, :, :n] = x
+        else:
+            self._xring[rpos][:, rows] = x
+        self._bring[rpos, sel] = logbase
+        hc = self._hc[:, sel]  # [2H, T] (a view when full)
+        self._sring[rpos][:, sel] = hc
+        self._lstm_step(x, hc, logbase, sel, full)
+        self._pending_windows.append(b)
+
+    def _lstm_step(
+        self,
+        x: np.ndarray,
+        hc: np.ndarray,
+        logbase: np.ndarray,
+        sel: slice | np.ndarray,
+        full: bool,
+    ) -> None:
+        """One LSTM step of the tracked rows and their forecast (inference only).
+
+        Args:
+            x: ``float32 [d, T]`` inputs, feature-major (a view of the workspace).
+            hc: ``float32 [2H, T]`` state (h; c) before the step (a view of ``_hc`` when
+                ``full``).
+            logbase: ``float32 [T]`` log base rate.
+            sel: The rows (a slice when ``full``).
+            full: Every row is tracked; the new state is then written into ``_hc`` in place.
+
+        The same math as ``torch.nn.LSTM`` (gates i, f, g, o) with ``tanh(z) = 2 sigmoid(2 z)
+        - 1`` (one sigmoid pass over all gates; this torch build's tanh is 3x slower than its
+        sigmoid), feature-major so every gate is a contiguous block, in preallocated buffers,
+        single-threaded.
+        """
+        cfg = self.config
+        H, T = cfg.hidden, x.shape[1]
         torch = self._torch
-        w, bias, wo, bo = self._np  # published copies, swapped atomically by train()
+        w_x, w_h, bias, wo_h, wo_x, bo = self._np  # published copies, swapped by train()
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
+        if threads != 1:
+            torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
         try:
             with torch.no_grad():
-                # row-major [T, features]: no transposes of the batch
-                xr = torch.from_numpy(x)  # [T, d]
-                hcr = torch.from_numpy(hc)  # [T, 2H]
-                gates = torch.addmm(bias, torch.cat([xr, hcr[:, :H]], dim=1), w)  # [T, 4H]
-                sg = torch.sigmoid(gates)  # torch gate order i, f, g, o
-                c = sg[:, H : 2 * H] * hcr[:, H:] + sg[:, :H] * torch.tanh(gates[:, 2 * H : 3 * H])
-                h = sg[:, 3 * H :] * torch.tanh(c)
-                out = torch.addmm(bo, torch.cat([h, xr], dim=1), wo).numpy()  # [T, 2]
-                self._hc[rows] = torch.cat([h, c], dim=1).numpy()
+                xt = torch.from_numpy(x)  # [d, T]
+                hct = torch.from_numpy(hc if full else np.ascontiguousarray(hc))  # [2H, T]
+                h, c = hct[:H], hct[H:]
+                _x, _lb, g, tc, out, v = self._workspace(T)
+                torch.addmm(bias, w_x, xt, out=g)
+                g.addmm_(w_h, h)  # [4H, T] pre-activations (g doubled)
+                g.sigmoid_()
+                gi, gf, gg, go = g[:H], g[H : 2 * H], g[2 * H : 3 * H], g[3 * H :]
+                gg.mul_(2.0).sub_(1.0)  # tanh of the cell candidate
+                c.mul_(gf).addcmul_(gi, gg)  # the new state overwrites the old in place
+                torch.mul(c, 2.0, out=tc)
+                tc.sigmoid_().mul_(2.0).sub_(1.0)  # tanh(c)
+                torch.mul(go, tc, out=h)
+                torch.addmm(bo, wo_h, h, out=out)
+                out.addmm_(wo_x, xt)  # [2, T]
+                # expected = base * exp(clip(o0)); probability = sigmoid(log(expm1(base)) + o1)
+                # with log(expm1(v)) = v + log(-expm1(-v)) (no overflow for a large base)
+                lb = torch.from_numpy(logbase)
+                base, e, p = v[0], v[1], v[2]
+                torch.exp(lb, out=base)
+                torch.clamp(out[0], -cfg.max_log_correction, cfg.max_log_correction, out=e)
+                e.exp_().mul_(base)
+                torch.neg(base, out=p)
+                p.expm1_().neg_().log_().add_(base).add_(out[1]).sigmoid_()
+                if not full:
+                    self._hc[:, sel] = hct.numpy()
         finally:
-            torch.set_num_threads(threads)
-        corr = np.clip(out[:, 0], -cfg.max_log_correction, cfg.max_log_correction)
-        base = np.exp(logbase.astype(np.float64))
-        self._out_exp[rows] = base * np.exp(corr)
-        self._out_prob[rows] = _sigmoid(np.log(np.expm1(base)) + out[:, 1])
-        self._pending_windows.append(b)
+            if threads != 1:
+                torch.set_num_threads(threads)
+        self._out_exp[sel] = e.numpy()
+        self._out_prob[sel] = p.numpy()
 
     def _flush_windows(self) -> None:
         """Record the training windows of the steps since the last call (oldest first).
@@ -665,26 +754,41 @@ class LSTMForecaster(Forecaster):
         self._pending_windows.clear()
 
     def _features(
-        self, rows: np.ndarray, bucket: np.ndarray, age: np.ndarray, now: float
+        self,
+        sel: slice | np.ndarray,
+        T: int,
+        bucket: np.ndarray,
+        age: np.ndarray,
+        now: float,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Inputs ``float32 [T, 8]`` and log base rate ``float32 [T]`` of the tracked rows."""
-        c5, c60 = self._c5[rows], self._c60[rows]
-        r10, r300, r3600 = self._r10[rows], self._r300[rows], self._r3600[rows]
-        x = np.empty((len(rows), _N_FEATURES), dtype=np.float32)
-        x[:, 0] = np.log1p(bucket)
-        x[:, 1] = np.log1p(c5)
-        x[:, 2] = np.log1p(c60)
-        x[:, 3] = np.log1p(60.0 * r300)
-        x[:, 4] = np.log1p(3600.0 * r3600) / 2.0
-        x[:, 5] = np.log1p(np.maximum(age, 0.0)) / 4.0
+        """Inputs ``float32 [d, T]`` (feature-major, a workspace view) and log base rate
+        ``float32 [T]`` of the rows ``sel`` (``T`` of them); see the class doc."""
+        x, lb = self._workspace(T)[:2]
+        same = "same_kind"
+        np.copyto(x[0], bucket[sel], casting=same)
+        np.copyto(x[1], self._c5[sel], casting=same)
+        np.copyto(x[2], self._c60[sel], casting=same)
+        np.multiply(self._r300[sel], 60.0, out=x[3], casting=same)
+        np.multiply(self._r3600[sel], 3600.0, out=x[4], casting=same)
+        np.maximum(age[sel], 0.0, out=x[5], casting=same)
+        x[6:8] = 0.0
+        np.multiply(self._r10[sel], 10.0, out=x[8], casting=same)
+        np.copyto(x[9], self._total[sel], casting=same)
+        torch = self._torch
+        xt, lbt = torch.from_numpy(x), torch.from_numpy(lb)
+        # horizon * rate = coef . (rows before the log); rate = 0.4 r10 + 0.2 c5 / 5
+        # + 0.2 c60 / 60 + 0.1 r300 + 0.1 r3600
+        torch.mm(self._rate_coef, xt, out=lbt)
+        lbt.add_(1e-4).log_()
+        xt[:6].log1p_()
+        xt[8:].log1p_()
+        xt[4].mul_(0.5)
+        xt[5].mul_(0.25)
+        xt[9].mul_(0.25)
         ph = 2.0 * math.pi * (now % 60.0) / 60.0
-        x[:, 6] = math.sin(ph)
-        x[:, 7] = math.cos(ph)
-        x[:, 8] = np.log1p(10.0 * r10)
-        x[:, 9] = np.log1p(self._total[rows]) / 4.0
-        rate = 0.4 * r10 + 0.2 * c5 / 5.0 + 0.2 * c60 / 60.0 + 0.1 * r300 + 0.1 * r3600
-        logbase = np.log(self.horizon_s * rate + 1e-4).astype(np.float32)
-        return x, logbase
+        x[6] = math.sin(ph)
+        x[7] = math.cos(ph)
+        return x, lb[0]
 
     def _record_windows(self, b: int) -> None:
         """Add windows whose targets are now known (steps ``b-h-L+1 .. b-h``) to the buffer."""
@@ -719,8 +823,8 @@ class LSTMForecaster(Forecaster):
         y = self._cring[rows][:, cols].sum(axis=2)  # [m, L]
         m = len(rows)
         k = (self._buf_pos + np.arange(m)) % cfg.buffer
-        self._buf_hc[k] = self._sring[rpos[0], rows]
-        self._buf_x[k] = self._xring[rpos][:, rows].transpose(1, 0, 2)
+        self._buf_hc[k] = self._sring[rpos[0]][:, rows].T
+        self._buf_x[k] = self._xring[rpos][:, :, rows].transpose(2, 0, 1)  # [m, L, d]
         self._buf_b[k] = self._bring[rpos][:, rows].T
         self._buf_y[k] = y
         self._buf_pos = int((self._buf_pos + m) % cfg.buffer)
@@ -790,7 +894,8 @@ class LSTMForecaster(Forecaster):
         return super()._scalars() | {"b": self._b, "train_steps_done": self.train_steps_done}
 
     def _extra_arrays(self) -> dict[str, np.ndarray]:
-        out = {f"p_{k}": v.detach().numpy() for k, v in self.model.state_dict().items()}
+        out = {"hc": self._hc[:, : len(self.ids)].T}  # [n, 2H]
+        out |= {f"p_{k}": v.detach().numpy() for k, v in self.model.state_dict().items()}
         out |= {f"h_{k}": v.detach().numpy() for k, v in self.head.state_dict().items()}
         st = self.opt.state_dict()["state"]
         for i, s in st.items():
@@ -803,7 +908,11 @@ class LSTMForecaster(Forecaster):
         self._b = int(scalars["b"])
         # the per-bucket rings are not persisted: record no training window reaching back
         # before the restore
-        self._since[: len(self.ids)] = self._b
+        n = len(self.ids)
+        self._since[:n] = self._b
+        self._hc[:] = 0.0
+        if "hc" in arrays:  # (absent from states written before the feature-major layout)
+            self._hc[:, :n] = arrays["hc"].T
         self.train_steps_done = int(scalars["train_steps_done"])
         self.model.load_state_dict(
             {k[2:]: torch.from_numpy(np.array(v)) for k, v in arrays.items() if k[:2] == "p_"}
@@ -898,8 +1007,10 @@ class EnsembleForecaster(Forecaster):
         prob = np.zeros(n, dtype=np.float64)
         for w, m in zip(self.weights, self.members, strict=True):
             f = m.tick(now)
-            exp[f.rows] += w * f.expected_count
-            prob[f.rows] += w * f.probability
+            # rows are sorted and unique: n of them are all rows (no scatter needed)
+            at = slice(0, n) if len(f.rows) == n else f.rows
+            exp[at] += w * f.expected_count
+            prob[at] += w * f.probability
         self.ticks += 1
         self._last_tick = now
         rows = np.flatnonzero(exp > 0)
