@@ -68,6 +68,8 @@ class Forecast:
         probability: ``float64 [n]`` P(at least one request in the horizon), in [0, 1].
         expected_count: ``float64 [n]`` expected number of requests in the horizon, >= 0.
         ids: The forecaster's append-only row -> adapter id list (shared, not copied).
+        index: The forecaster's adapter id -> row map (shared; optional: :meth:`get` falls
+            back to a scan without it).
     """
 
     now: float
@@ -76,6 +78,7 @@ class Forecast:
     probability: np.ndarray
     expected_count: np.ndarray
     ids: Sequence[str] = field(repr=False)
+    index: Mapping[str, int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -110,11 +113,28 @@ class Forecast:
         return [ids[r] for r in self.rows[self.ranking(k)].tolist()]
 
     def get(self, adapter_id: str) -> tuple[float, float]:
-        """``(probability, expected_count)`` of one adapter ((0, 0) when not scored)."""
-        hit = [i for i, r in enumerate(self.rows.tolist()) if self.ids[r] == adapter_id]
+        """``(probability, expected_count)`` of one adapter ((0, 0) when not scored).
+
+        O(log n) with ``index`` (``rows`` ascending, as forecasters make them), else a scan.
+        """
+        if self.index is not None:
+            r = self.index.get(adapter_id)
+            i = int(np.searchsorted(self.rows, r)) if r is not None else len(self.rows)
+            hit = [i] if i < len(self.rows) and self.rows[i] == r else []
+        else:
+            hit = [i for i, r in enumerate(self.rows.tolist()) if self.ids[r] == adapter_id]
         if not hit:
             return 0.0, 0.0
         return float(self.probability[hit[0]]), float(self.expected_count[hit[0]])
+
+    def expected_by_id(self) -> dict[str, float]:
+        """``{adapter_id: expected_count}`` of the adapters with an expected count > 0."""
+        ids = self.ids
+        return {
+            ids[r]: e
+            for r, e in zip(self.rows.tolist(), self.expected_count.tolist(), strict=True)
+            if e > 0
+        }
 
     def as_dict(self) -> dict[str, tuple[float, float]]:
         """``{adapter_id: (probability, expected_count)}`` of the scored adapters."""
@@ -222,6 +242,7 @@ class Forecaster(ABC):
         """Forecast from the current state."""
 
     def _make(self, now: float, rows: np.ndarray, expected: np.ndarray, prob: np.ndarray):
+        """A :class:`Forecast`; ``rows`` must be ascending (``np.flatnonzero`` order)."""
         return Forecast(
             now,
             self.horizon_s,
@@ -229,6 +250,7 @@ class Forecaster(ABC):
             np.clip(prob.astype(np.float64, copy=False), 0.0, 1.0),
             np.maximum(expected.astype(np.float64, copy=False), 0.0),
             self.ids,
+            self.index,
         )
 
     def train(self, budget_s: float = 0.05) -> float | None:
@@ -992,6 +1014,7 @@ class EnsembleForecaster(Forecaster):
             make_forecaster(m, horizon_s=horizon_s, seed=seed, bucket_s=bucket_s) for m in members
         ]
         self.ids = self.members[0].ids
+        self.index = self.members[0].index
 
     def observe(self, adapter_id: str, t: float) -> None:
         for m in self.members:

@@ -182,10 +182,10 @@ class PredictorCore:
         recall = self.recall.value()
         if recall is not None:
             self.metrics.recall_at_3.set(recall)
-        expected = {a: e for a, (_p, e) in forecast.as_dict().items() if e > 0}
+        expected = forecast.expected_by_id()
         try:
             self.registry.set_forecast(expected, self.config.horizon_s, self.config.forecaster)
-            self._place_and_prefetch(forecast)
+            self._place_and_prefetch(forecast, expected)
         except PLoRAError as exc:
             logger.warning("tick could not reach Redis: %s", exc)
         except Exception as exc:  # noqa: BLE001 - the next tick tries again
@@ -205,15 +205,15 @@ class PredictorCore:
         self.registry.save_predictor_state(blob)
         self._last_persist = time.monotonic()
 
-    def _place_and_prefetch(self, forecast: Forecast) -> None:
+    def _place_and_prefetch(self, forecast: Forecast, expected: dict[str, float]) -> None:
         workers = [w for w in self.registry.list_workers() if w.healthy]
         if not workers:
             return
         records = {r.adapter_id: r for r in self.registry.list_adapters()}
         demand = {
             a: AdapterDemand(rank=records[a].rank, size_bytes=records[a].size_bytes, expected=e)
-            for a, (_p, e) in forecast.as_dict().items()
-            if a in records and e > 0
+            for a, e in expected.items()
+            if a in records
         }
         views = [
             WorkerView(

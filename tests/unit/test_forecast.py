@@ -101,6 +101,23 @@ def test_forecast_top_k(expected, prob, k, top):
     assert fc.top_k(k) == [ids[r] for r in fc.rows[fc.ranking()][:k]]
 
 
+def test_forecast_get_and_expected_by_id_agree_with_the_arrays():
+    """``get`` (id -> row via the forecaster's index) and ``expected_by_id`` report the same
+    numbers as the arrays, for scored, unscored and unknown ids, with and without the index."""
+    f = make_forecaster("ensemble")
+    for t, counts in _traffic(2, 40, ids=50).items():
+        f.observe_counts(counts, float(t))
+        fc = f.tick(float(t))
+    f.observe("late", 40.5)  # known id, not yet in any forecast
+    assert fc.index is not None and len(fc) > 5
+    scan = Forecast(fc.now, fc.horizon_s, fc.rows, fc.probability, fc.expected_count, fc.ids)
+    table = fc.as_dict()
+    for a in [*f.ids, "never-seen"]:
+        want = table.get(a, (0.0, 0.0))
+        assert fc.get(a) == want == scan.get(a)
+    assert fc.expected_by_id() == {a: e for a, (_p, e) in table.items() if e > 0}
+
+
 # ---------------------------------------------------------------- factory, persistence
 def test_factory_names():
     assert set(FORECASTER_NAMES) == {"frequency", "ewma", "lstm", "ensemble"}
@@ -182,6 +199,68 @@ def test_lstm_unseen_ids_and_untracking():
         assert f"new{t}" in fc.adapter_ids
     fc = f.tick(20.0)
     assert "new0" not in fc.adapter_ids  # not requested for > track_s
+
+
+@pytest.mark.parametrize("all_tracked", [True, False])
+def test_lstm_tick_step_equals_torch_lstm_and_heads(all_tracked):
+    """The tick's hand-written step (feature-major, sigmoid-only gates, reused buffers) gives
+    the state and forecast of ``torch.nn.LSTM`` and the linear heads on the same inputs, both
+    when every row is tracked (in-place path) and when some are not (gather/scatter path)."""
+    f = LSTMForecaster(LSTMConfig(track_s=5.0), seed=1)
+    with torch.no_grad():  # non-zero heads, so the head path is checked too
+        f.head.weight.copy_(
+            torch.randn(f.head.weight.shape, generator=torch.Generator().manual_seed(0))
+        )
+        f.head.bias.fill_(0.3)
+    f._publish()
+    ev = _traffic(3, 30, ids=40)
+    for t in range(30):
+        f.observe_counts(ev[t], float(t))
+        f.tick(float(t))
+    if all_tracked:
+        f.observe_counts({a: 1 for a in f.ids}, 30.0)
+    else:
+        f.observe_counts({f.ids[0]: 2}, 30.0)
+    fc = f.tick(30.0)
+    n, H, b = len(f.ids), f.config.hidden, f._b
+    rows = np.flatnonzero(f._tracked[:n])
+    assert (len(rows) == n) == all_tracked and len(rows) > 0
+    x = torch.from_numpy(f._xring[b % f._R][:, rows].T.copy())  # [T, d]
+    hc0 = torch.from_numpy(f._sring[b % f._R][:, rows].T.copy())  # [T, 2H]
+    with torch.no_grad():
+        out, (h1, c1) = f.model(x[:, None, :], (hc0[None, :, :H], hc0[None, :, H:].contiguous()))
+        o = f.head(torch.cat([out[:, 0], x], dim=1)).double()
+    np.testing.assert_allclose(f._hc[:H, rows].T, h1[0].numpy(), atol=2e-6)
+    np.testing.assert_allclose(f._hc[H:, rows].T, c1[0].numpy(), atol=2e-6)
+    # the inputs are the documented features (class doc of LSTMForecaster)
+    bucket = f._cring[rows, b % 64].astype(np.float64)
+    age = np.maximum(30.0 - f._last_seen[rows], 0.0)
+    want_x = np.stack(
+        [
+            np.log1p(bucket),
+            np.log1p(f._c5[rows]),
+            np.log1p(f._c60[rows]),
+            np.log1p(60.0 * f._r300[rows]),
+            np.log1p(3600.0 * f._r3600[rows]) / 2.0,
+            np.log1p(age) / 4.0,
+            np.full(len(rows), math.sin(2 * math.pi * 30.0 / 60.0)),
+            np.full(len(rows), math.cos(2 * math.pi * 30.0 / 60.0)),
+            np.log1p(10.0 * f._r10[rows]),
+            np.log1p(f._total[rows]) / 4.0,
+        ],
+        axis=1,
+    )
+    np.testing.assert_allclose(x.numpy(), want_x, rtol=1e-5, atol=1e-6)
+    r = f._r10, f._c5, f._c60, f._r300, f._r3600
+    rate = 0.4 * r[0] + 0.2 * r[1] / 5 + 0.2 * r[2] / 60 + 0.1 * r[3] + 0.1 * r[4]
+    want_lb = np.log(5.0 * rate[rows] + 1e-4)
+    np.testing.assert_allclose(f._bring[b % f._R, rows], want_lb, rtol=1e-5, atol=1e-5)
+    base = torch.from_numpy(f._bring[b % f._R, rows]).double().exp()
+    want_e = base * o[:, 0].clamp(-8, 8).exp()
+    want_p = torch.sigmoid(torch.log(torch.expm1(base)) + o[:, 1])
+    assert list(fc.rows) == list(rows)
+    np.testing.assert_allclose(fc.expected_count, want_e.numpy(), rtol=2e-5)
+    np.testing.assert_allclose(fc.probability, want_p.numpy(), rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.slow
