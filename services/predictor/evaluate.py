@@ -22,8 +22,11 @@ Metrics (ARCHITECTURE.md "Definitions"; ``W_t`` = the requests in ``(t, t + h]``
 * ``recall_bound_seen_before``: per second, the share of the true top 3 that had at least one
   request at or before ``t``, averaged like recall: the ceiling of any forecaster that can only
   rank adapters it has seen.
-* ``tick_seconds_p50`` / ``tick_seconds_p99``: wall time of ``tick()`` (forecast served);
-  ``train_seconds_p50`` / ``_p99``: wall time of the ``train()`` call that follows it.
+* ``tick_seconds_p50`` / ``tick_seconds_p99``: wall time of the forecaster's ``tick()``, the
+  call that closes the bucket and makes the forecast (the predictor service runs exactly this
+  call per tick, under its lock; its Redis publication, placement and prefetch RPCs that follow
+  are not part of it); ``train_seconds_p50`` / ``_p99``: wall time of the ``train()`` call that
+  follows it (off the forecast path, as in the service).
 * ``adapters_seen``: distinct adapters the forecaster had observed by the end.
 
 ``oracle`` ranks by the true counts of ``W_t`` (probability 1 for a requested adapter): the
@@ -210,9 +213,11 @@ def tick_benchmark(
 ) -> dict:
     """Tick latency with many adapter ids: the worst case of a large tracked set.
 
-    Every one of ``n_adapters`` ids is requested once at t = 0 (so all are tracked), then for
-    ``seconds`` seconds ``Poisson(rate_per_s)`` requests per second go to ids drawn from a Zipf
-    law. Returns tick p50/p99 (forecast served) and train p50/p99, in seconds.
+    Every one of ``n_adapters`` ids is requested once at t = 0 (so all are tracked: the LSTM
+    steps every one of them each tick), then for ``seconds`` seconds ``Poisson(rate_per_s)``
+    requests per second go to ids drawn from a Zipf law. The timed call is the forecaster's
+    ``tick()``, as in :func:`evaluate_trace`; ``train()`` follows it, timed apart. Returns tick
+    p50/p99 and train p50/p99, in seconds.
     """
     rng = np.random.default_rng(seed)
     f = make_forecaster(name, seed=seed)

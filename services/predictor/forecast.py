@@ -649,9 +649,17 @@ class LSTMForecaster(Forecaster):
             self._b += decay
             steps = 1
         zero = np.zeros(n, dtype=np.float32)
-        for s in range(steps):
-            last = s == steps - 1
-            self._step(bucket if last else zero, now - (steps - 1 - s) * self.bucket_s)
+        torch = self._torch
+        threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
+        try:
+            for s in range(steps):
+                last = s == steps - 1
+                self._step(bucket if last else zero, now - (steps - 1 - s) * self.bucket_s)
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
 
     def _step(self, bucket: np.ndarray, now: float) -> None:
         n = len(bucket)
@@ -720,46 +728,39 @@ class LSTMForecaster(Forecaster):
         The same math as ``torch.nn.LSTM`` (gates i, f, g, o) with ``tanh(z) = 2 sigmoid(2 z)
         - 1`` (one sigmoid pass over all gates; this torch build's tanh is 3x slower than its
         sigmoid), feature-major so every gate is a contiguous block, in preallocated buffers,
-        single-threaded.
+        single-threaded (:meth:`_advance` sets one torch thread).
         """
         cfg = self.config
         H, T = cfg.hidden, x.shape[1]
         torch = self._torch
         w_x, w_h, bias, wo_h, wo_x, bo = self._np  # published copies, swapped by train()
-        threads = torch.get_num_threads()
-        if threads != 1:
-            torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
-        try:
-            with torch.no_grad():
-                xt = torch.from_numpy(x)  # [d, T]
-                hct = torch.from_numpy(hc if full else np.ascontiguousarray(hc))  # [2H, T]
-                h, c = hct[:H], hct[H:]
-                _x, _lb, g, tc, out, v = self._workspace(T)
-                torch.addmm(bias, w_x, xt, out=g)
-                g.addmm_(w_h, h)  # [4H, T] pre-activations (g doubled)
-                g.sigmoid_()
-                gi, gf, gg, go = g[:H], g[H : 2 * H], g[2 * H : 3 * H], g[3 * H :]
-                gg.mul_(2.0).sub_(1.0)  # tanh of the cell candidate
-                c.mul_(gf).addcmul_(gi, gg)  # the new state overwrites the old in place
-                torch.mul(c, 2.0, out=tc)
-                tc.sigmoid_().mul_(2.0).sub_(1.0)  # tanh(c)
-                torch.mul(go, tc, out=h)
-                torch.addmm(bo, wo_h, h, out=out)
-                out.addmm_(wo_x, xt)  # [2, T]
-                # expected = base * exp(clip(o0)); probability = sigmoid(log(expm1(base)) + o1)
-                # with log(expm1(v)) = v + log(-expm1(-v)) (no overflow for a large base)
-                lb = torch.from_numpy(logbase)
-                base, e, p = v[0], v[1], v[2]
-                torch.exp(lb, out=base)
-                torch.clamp(out[0], -cfg.max_log_correction, cfg.max_log_correction, out=e)
-                e.exp_().mul_(base)
-                torch.neg(base, out=p)
-                p.expm1_().neg_().log_().add_(base).add_(out[1]).sigmoid_()
-                if not full:
-                    self._hc[:, sel] = hct.numpy()
-        finally:
-            if threads != 1:
-                torch.set_num_threads(threads)
+        with torch.no_grad():
+            xt = torch.from_numpy(x)  # [d, T]
+            hct = torch.from_numpy(hc if full else np.ascontiguousarray(hc))  # [2H, T]
+            h, c = hct[:H], hct[H:]
+            _x, _lb, g, tc, out, v = self._workspace(T)
+            torch.addmm(bias, w_x, xt, out=g)
+            g.addmm_(w_h, h)  # [4H, T] pre-activations (g doubled)
+            g.sigmoid_()
+            gi, gf, gg, go = g[:H], g[H : 2 * H], g[2 * H : 3 * H], g[3 * H :]
+            gg.mul_(2.0).sub_(1.0)  # tanh of the cell candidate
+            c.mul_(gf).addcmul_(gi, gg)  # the new state overwrites the old in place
+            torch.mul(c, 2.0, out=tc)
+            tc.sigmoid_().mul_(2.0).sub_(1.0)  # tanh(c)
+            torch.mul(go, tc, out=h)
+            torch.addmm(bo, wo_h, h, out=out)
+            out.addmm_(wo_x, xt)  # [2, T]
+            # expected = base * exp(clip(o0)); probability = sigmoid(log(expm1(base)) + o1)
+            # with log(expm1(v)) = v + log(-expm1(-v)) (no overflow for a large base)
+            lb = torch.from_numpy(logbase)
+            base, e, p = v[0], v[1], v[2]
+            torch.exp(lb, out=base)
+            torch.clamp(out[0], -cfg.max_log_correction, cfg.max_log_correction, out=e)
+            e.exp_().mul_(base)
+            torch.neg(base, out=p)
+            p.expm1_().neg_().log_().add_(base).add_(out[1]).sigmoid_()
+            if not full:
+                self._hc[:, sel] = hct.numpy()
         self._out_exp[sel] = e.numpy()
         self._out_prob[sel] = p.numpy()
 
