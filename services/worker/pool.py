@@ -105,13 +105,17 @@ class Allocation:
 
     Attributes:
         handle: Allocator-unique id (never reused by the same allocator).
-        extents: The runs, in *logical* order (extent ``i`` holds the caller's bytes
-            ``[sum(extent_bytes[:i]), sum(extent_bytes[:i + 1]))``); addresses need not
-            increase. One extent unless the allocation was split.
+        extents: The runs, in the order the pieces first use them (extent 0 holds piece 0);
+            addresses need not increase. One extent unless the allocation was split.
         nbytes: Bytes the caller asked for (live bytes; ``<= units * unit_bytes``).
         unit_bytes: Bytes per unit.
-        extent_bytes: Live bytes held by each extent (sums to ``nbytes``); each extent's
-            live bytes start at its first unit.
+        extent_bytes: Live bytes held by each extent: its pieces are packed from its first
+            unit, so they fill its first ``extent_bytes[i]`` bytes.
+        pieces: Byte sizes of the caller's pieces, in the caller's order (``(nbytes,)`` for
+            :meth:`Allocator.alloc`).
+        piece_offsets: ``(extent index, byte offset in that extent)`` of each piece. In one
+            run the pieces lie end to end in order; a split places each piece whole in some
+            extent (the order of pieces in the pool need not be the caller's).
     """
 
     handle: int
@@ -119,6 +123,8 @@ class Allocation:
     nbytes: int
     unit_bytes: int
     extent_bytes: tuple[int, ...]
+    pieces: tuple[int, ...]
+    piece_offsets: tuple[tuple[int, int], ...]
 
     @property
     def start(self) -> int:
@@ -170,17 +176,17 @@ class Move:
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Where :meth:`Allocator.plan_split` would put each group of consecutive pieces.
+    """Where :meth:`Allocator.plan_split` would put each piece.
 
     Attributes:
-        extents: One free-list run prefix per group, in logical (piece) order.
-        extent_bytes: Live bytes of each group.
-        extent_pieces: Pieces in each group (consecutive, in the caller's order).
+        extents: One prefix of a free run per run used, in the order pieces first use them.
+        extent_bytes: Live bytes placed in each extent.
+        piece_offsets: ``(extent index, byte offset in it)`` of each piece, in piece order.
     """
 
     extents: tuple[Extent, ...]
     extent_bytes: tuple[int, ...]
-    extent_pieces: tuple[int, ...]
+    piece_offsets: tuple[tuple[int, int], ...]
 
 
 class Allocator:
@@ -348,12 +354,13 @@ class Allocator:
             raise OutOfSpaceError(f"{units} units needed, {self._free_units} free; evict first")
         for s in self._free_starts:
             if self._free_len[s] >= units:
-                return self._take(((Extent(s, units), nbytes),), nbytes)
+                offsets = tuple((0, o) for o in itertools.accumulate(pieces[:-1], initial=0))
+                return self._take(SplitPlan((Extent(s, units),), (nbytes,), offsets), pieces)
         if split and self.supports_split:
             plan = self.plan_split(pieces)
             if plan is not None:
                 self._splits += 1
-                return self._take(tuple(zip(plan.extents, plan.extent_bytes, strict=True)), nbytes)
+                return self._take(plan, pieces)
         largest = self.largest_free_run()
         raise FragmentationError(
             f"{units} units needed, {self._free_units} free but the longest free run is {largest}"
@@ -366,10 +373,10 @@ class Allocator:
     def plan_split(self, pieces: Sequence[int]) -> SplitPlan | None:
         """Where a split allocation of ``pieces`` would go; None if it cannot be placed now.
 
-        Pure. Greedy over free runs in address order (first fit): each run takes as many of
-        the next pieces as it holds whole; a run too short for the next piece is skipped and
-        stays free. Each group starts at its run's first unit and is rounded up to whole units.
-        The baseline never splits (None).
+        Pure. First fit per piece, in the caller's order: each piece goes whole into the first
+        free run (address order) with room left for it, packed after the pieces already put
+        there; a piece that fits nowhere fails the plan. Every run used becomes one extent
+        from its first unit, rounded up to whole units. The baseline never splits (None).
 
         Args:
             pieces: Byte sizes (each > 0), in layout order.
@@ -382,10 +389,10 @@ class Allocator:
         repeated as often as needed (a longer adapter of the same shape).
 
         Exact for that layout: ``alloc_pieces(pieces, split=True)`` succeeds if and only if
-        ``sum(pieces) <= placeable_bytes(pieces)``. Without splitting this is the bytes of the
-        longest free run; with splitting it is what :meth:`plan_split`'s greedy places over
-        every free run: all free bytes except, in each run, the tail that the next piece does
-        not fit (the rounding at piece boundaries).
+        ``sum(pieces) <= placeable_bytes(pieces)`` (the plan is first fit per piece in order,
+        so what it places of the repeated layout is a prefix). Without splitting this is the
+        bytes of the longest free run; with splitting it is every free byte except what is
+        left in each run once no further piece fits there (the rounding at piece boundaries).
 
         Args:
             pieces: A representative layout, byte sizes (each > 0).
@@ -393,28 +400,39 @@ class Allocator:
         Raises:
             ValueError: no pieces, or a piece of ``<= 0`` bytes.
         """
-        if not pieces or min(pieces) <= 0:
-            raise ValueError("placeable_bytes needs pieces of > 0 bytes")
-        return self.largest_free_run() * self.unit_bytes
+        return self._placeable(pieces)[0]
 
     def placeable_units(self, pieces: Sequence[int]) -> int:
-        """:meth:`placeable_bytes` as the units such an allocation needs (0 if none fits):
-        the *largest allocatable extent* of ARCHITECTURE.md for a splitting allocator."""
-        b = self.placeable_bytes(pieces)
-        return self.units_for(b) if b else 0
+        """Units that the allocation of :meth:`placeable_bytes` would occupy (each extent
+        rounded up to whole units; 0 if nothing fits): the *largest allocatable extent* of
+        ARCHITECTURE.md for an allocator that splits (the longest free run if it does not).
 
-    def _take(self, parts: tuple[tuple[Extent, int], ...], nbytes: int) -> Allocation:
-        """Carve each ``(extent, live bytes)`` (a prefix of a free run) out of the free list."""
-        for ext, _ in parts:
+        Raises:
+            ValueError: as :meth:`placeable_bytes`.
+        """
+        return self._placeable(pieces)[1]
+
+    def _placeable(self, pieces: Sequence[int]) -> tuple[int, int]:
+        if not pieces or min(pieces) <= 0:
+            raise ValueError("placeable_bytes needs pieces of > 0 bytes")
+        run = self.largest_free_run()
+        return run * self.unit_bytes, run
+
+    def _take(self, plan: SplitPlan, pieces: Sequence[int]) -> Allocation:
+        """Carve the plan's extents (each inside a free run) out of the free list."""
+        for ext in plan.extents:
             self._take_range(ext.start, ext.length)
         handle = self._next_handle
         self._next_handle += 1
+        nbytes = sum(pieces)
         a = Allocation(
             handle,
-            tuple(e for e, _ in parts),
+            plan.extents,
             nbytes,
             self.unit_bytes,
-            tuple(b for _, b in parts),
+            plan.extent_bytes,
+            tuple(pieces),
+            plan.piece_offsets,
         )
         self._register(a)
         self._free_units -= a.units
@@ -595,6 +613,44 @@ class Allocator:
             for e, b in zip(a.extents, a.extent_bytes, strict=True):
                 assert 0 < b <= e.length * self.unit_bytes, f"extent {e} of {a.handle} holds {b}"
                 assert self.units_for(b) == e.length, f"extent {e} of {a.handle} not tight"
+            assert len(a.pieces) == len(a.piece_offsets) and sum(a.pieces) == a.nbytes
+            packed = [0] * len(a.extents)  # the pieces of each extent tile its live bytes
+            for (i, off), p in sorted(zip(a.piece_offsets, a.pieces, strict=True)):
+                assert off == packed[i], f"piece at {off} of extent {i} of {a.handle} overlaps"
+                packed[i] += p
+            assert tuple(packed) == a.extent_bytes, f"pieces of {a.handle} do not tile"
+
+
+class _FirstFit:
+    """First fit of pieces over runs' remaining bytes (address order): the placement rule of
+    :meth:`PagedAllocator.plan_split` and :meth:`PagedAllocator.placeable_bytes`.
+
+    Args:
+        caps: Bytes of each free run, in address order.
+        pieces: The layout (its smallest piece decides when a run is full).
+    """
+
+    def __init__(self, caps: Sequence[int], pieces: Sequence[int]) -> None:
+        self.rem = list(caps)
+        self.used = [0] * len(caps)
+        self.smallest = min(pieces)
+        self.active = [i for i, c in enumerate(caps) if c >= self.smallest]
+
+    def take(self, run: int, nbytes: int) -> int:
+        """Put ``nbytes`` in ``run`` (which has room); returns their offset in it."""
+        off = self.used[run]
+        self.used[run] += nbytes
+        self.rem[run] -= nbytes
+        if self.rem[run] < self.smallest:
+            self.active.remove(run)
+        return off
+
+    def put(self, piece: int) -> tuple[int, int] | None:
+        """``(run, offset)`` of ``piece`` in the first run with room, or None."""
+        for run in self.active:
+            if self.rem[run] >= piece:
+                return run, self.take(run, piece)
+        return None
 
 
 class PagedAllocator(Allocator):
@@ -642,48 +698,41 @@ class PagedAllocator(Allocator):
 
     # ------------------------------------------------------------------ splitting
     def plan_split(self, pieces: Sequence[int]) -> SplitPlan | None:
-        ub = self.unit_bytes
-        n = len(pieces)
-        i = 0
-        exts: list[Extent] = []
-        nbytes: list[int] = []
-        counts: list[int] = []
-        for s in self._free_starts:
-            if i == n:
-                break
-            cap = self._free_len[s] * ub
-            used = 0
-            j = i
-            while j < n and used + pieces[j] <= cap:
-                used += pieces[j]
-                j += 1
-            if j > i:
-                exts.append(Extent(s, self.units_for(used)))
-                nbytes.append(used)
-                counts.append(j - i)
-                i = j
-        if i < n:
-            return None
-        return SplitPlan(tuple(exts), tuple(nbytes), tuple(counts))
+        fit = _FirstFit([self._free_len[s] * self.unit_bytes for s in self._free_starts], pieces)
+        ext_of_run: dict[int, int] = {}  # run index -> extent index, in first-use order
+        offsets = []
+        for p in pieces:
+            placed = fit.put(p)
+            if placed is None:
+                return None
+            run, off = placed
+            offsets.append((ext_of_run.setdefault(run, len(ext_of_run)), off))
+        runs = list(ext_of_run)
+        return SplitPlan(
+            tuple(Extent(self._free_starts[r], self.units_for(fit.used[r])) for r in runs),
+            tuple(fit.used[r] for r in runs),
+            tuple(offsets),
+        )
 
-    def placeable_bytes(self, pieces: Sequence[int]) -> int:
+    def _placeable(self, pieces: Sequence[int]) -> tuple[int, int]:
         if not pieces or min(pieces) <= 0:
             raise ValueError("placeable_bytes needs pieces of > 0 bytes")
+        fit = _FirstFit([self._free_len[s] * self.unit_bytes for s in self._free_starts], pieces)
+        lap = sum(pieces)
         n = len(pieces)
-        total_bytes = sum(pieces)
-        prefix = [0]
-        for p in itertools.chain(pieces, pieces):  # the layout twice: any phase, one lap
-            prefix.append(prefix[-1] + p)
-        ub = self.unit_bytes
-        phase = 0
-        placed = 0
-        for s in self._free_starts:
-            laps, rest = divmod(self._free_len[s] * ub, total_bytes)
-            # pieces from `phase` on that fit whole in `rest` (fewer than one lap)
-            k = bisect.bisect_right(prefix, prefix[phase] + rest, phase, phase + n) - 1 - phase
-            placed += laps * total_bytes + prefix[phase + k] - prefix[phase]
-            phase = (phase + k) % n
-        return placed
+        j = placed = 0
+        while fit.active:
+            first = fit.active[0]
+            if fit.rem[first] >= lap:  # the first run with room takes whole laps from any phase
+                k = fit.rem[first] // lap
+                fit.take(first, k * lap)
+                placed += k * lap
+                continue
+            if fit.put(pieces[j]) is None:
+                break
+            placed += pieces[j]
+            j = (j + 1) % n
+        return placed, sum(self.units_for(u) for u in fit.used if u)
 
     # ------------------------------------------------------------------ compaction
     def _simulate(self, pinned: set[int]) -> tuple[list[Move], list[tuple[int, int]]]:
@@ -996,15 +1045,41 @@ class DevicePool:
         return self.extent_views(a)[0]
 
     def extent_views(self, allocation: Allocation) -> list[torch.Tensor]:
-        """Views (no copies) of each extent's live bytes, in logical order: view ``i`` is
-        ``dtype [extent_bytes[i] // element_size]``; concatenated they are the bytes the
-        caller laid out."""
+        """Views (no copies) of each extent's live bytes: view ``i`` is
+        ``dtype [extent_bytes[i] // element_size]``."""
         a = self.allocator.get(allocation.handle)
         u = self._unit_elems
         return [
             self.buffer[e.start * u : e.start * u + b // self.element_size]
             for e, b in zip(a.extents, a.extent_bytes, strict=True)
         ]
+
+    def piece_views(self, allocation: Allocation) -> list[torch.Tensor]:
+        """Views (no copies) of each piece, in the caller's order: view ``i`` is
+        ``dtype [pieces[i] // element_size]``."""
+        return [dst for dst, _, _ in self.segments(allocation, merge=False)]
+
+    def segments(
+        self, allocation: Allocation, merge: bool = True
+    ) -> list[tuple[torch.Tensor, int, int]]:
+        """``(pool view, first element, end element)``: where elements ``[first, end)`` of the
+        caller's layout (its pieces end to end) live in the pool, in layout order.
+
+        With ``merge``, consecutive pieces that are also adjacent in the pool form one
+        segment (one copy to load them; a single run is one segment).
+        """
+        a = self.allocator.get(allocation.handle)
+        u, es = self._unit_elems, self.element_size
+        out: list[tuple[int, int, int]] = []  # (pool element, layout element, elements)
+        src = 0
+        for p, (i, off) in zip(a.pieces, a.piece_offsets, strict=True):
+            dst, n = a.extents[i].start * u + off // es, p // es
+            if merge and out and out[-1][0] + out[-1][2] == dst:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+            else:
+                out.append((dst, src, n))
+            src += n
+        return [(self.buffer[d : d + n], s, s + n) for d, s, n in out]
 
     def compact(
         self, pinned: Iterable[int] = (), need_units: int | None = None

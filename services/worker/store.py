@@ -491,8 +491,9 @@ class ResidentAdapter:
         pages: Units over all its runs.
         leases: Leases held now.
         prefetched: Loaded by a prefetch.
-        extents: ``(first unit, units, live bytes)`` of each run in layout order (one unless
-            its allocation was split).
+        extents: ``(first unit, units, live bytes)`` of each run (one unless its allocation
+            was split), in the order its tensors first use them.
+        handle: Its allocation in ``pool.allocator`` (pieces: ``pool.piece_views``).
     """
 
     adapter_id: str
@@ -504,6 +505,7 @@ class ResidentAdapter:
     leases: int
     prefetched: bool
     extents: tuple[tuple[int, int, int], ...] = ()
+    handle: int = -1
 
 
 class PrefetchResult(NamedTuple):
@@ -608,7 +610,9 @@ class StoreLease:
         with self._store._lock:
             if e.views is None:
                 assert e.alloc is not None
-                e.views = module_views(self._store._pool.extent_views(e.alloc), e.slots)
+                pool = self._store._pool
+                views = pool.view(e.alloc) if not e.alloc.is_split else pool.piece_views(e.alloc)
+                e.views = module_views(views, e.slots)
             return dict(e.views)
 
     def flat(self) -> torch.Tensor:
@@ -623,8 +627,10 @@ class StoreLease:
         with self._store._lock:
             e = self._entry
             assert e.alloc is not None
-            parts = self._store._pool.extent_views(e.alloc)
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            pool = self._store._pool
+            if not e.alloc.is_split:
+                return pool.view(e.alloc)
+            return torch.cat(pool.piece_views(e.alloc))
 
     @property
     def cold(self) -> bool:
@@ -911,6 +917,7 @@ class AdapterStore:
                                 (x.start, x.length, b)
                                 for x, b in zip(a.extents, a.extent_bytes, strict=True)
                             ),
+                            a.handle,
                         )
                     )
             return sorted(out, key=lambda r: r.first_page)
@@ -1239,8 +1246,8 @@ class AdapterStore:
                 f"holds {self._pool.capacity_bytes}; use a smaller rank or a bigger pool"
             )
         t0 = time.monotonic()
-        _, dst = self._allocate(e, slot_pieces(packed.slots, packed.flat.element_size()))
-        self._copy_in(dst, packed.flat, stream)
+        a = self._allocate(e, slot_pieces(packed.slots, packed.flat.element_size()))
+        self._copy_in(self._pool.segments(a), packed.flat, stream)
         t1 = time.monotonic()
         with self._lock:
             if e.detached:
@@ -1273,14 +1280,14 @@ class AdapterStore:
             self._cv.notify_all()
 
     def _copy_in(
-        self, dst: Sequence[torch.Tensor], src: torch.Tensor, stream: torch.cuda.Stream | None
+        self,
+        segments: Sequence[tuple[torch.Tensor, int, int]],
+        src: torch.Tensor,
+        stream: torch.cuda.Stream | None,
     ) -> None:
-        """Copy the packed ``src`` into the extent views ``dst`` (one copy per extent)."""
-        parts = []
-        off = 0
-        for d in dst:
-            parts.append((d, src[off : off + d.numel()]))
-            off += d.numel()
+        """Copy the packed ``src`` into the pool (:meth:`DevicePool.segments`: one copy per
+        run of tensors that lie together; one for an adapter in one run)."""
+        parts = [(d, src[lo:hi]) for d, lo, hi in segments]
         if stream is None:
             for d, s in parts:
                 d.copy_(s)
@@ -1292,9 +1299,9 @@ class AdapterStore:
                 d.copy_(s, non_blocking=True)
         stream.synchronize()
 
-    def _allocate(self, e: _Entry, pieces: Sequence[int]) -> tuple[Allocation, list[torch.Tensor]]:
+    def _allocate(self, e: _Entry, pieces: Sequence[int]) -> Allocation:
         """Find room for ``e``, whose packed tensors have byte sizes ``pieces`` (layout order);
-        returns its allocation and the views of its extents.
+        returns its allocation.
 
         In order: one free run (first fit); compaction, when pinned adapters do not block it
         and its plan moves at most ``compaction_max_ratio`` bytes per byte needed; a split over
@@ -1336,7 +1343,7 @@ class AdapterStore:
                         )
                     if pressure:
                         self._sample_pressure()
-                    return a, self._pool.extent_views(a)
+                    return a
                 if not compact:
                     victim = self._pick_victim(e)
                     if victim is not None:

@@ -157,8 +157,11 @@ def holes(pages: int, free: list[int]) -> PagedAllocator:
         ([1, 2, 4, 6, 7, 8], [PAGE] * 6, [(1, 2), (4, 1), (6, 3)], [128, 64, 192]),
         # a 96-byte piece skips the one-page run; the last group rounds up to whole pages
         ([1, 2, 4, 6, 7, 8], [96, 96, 96], [(1, 2), (6, 3)], [96, 192]),
-        # a piece never straddles runs: 40 + 40 in the first, 40 in the second
+        # a piece never straddles runs: 40 in the first, 3 x 40 in the second, 40 in the third
         ([0, 2, 3, 5], [40, 40, 40, 40, 40], [(0, 1), (2, 2), (5, 1)], [40, 120, 40]),
+        # first fit per piece: the 32-byte piece after the second 96 goes back to the
+        # one-page run the 96s skipped, so extents are in first-use order, not address order
+        ([1, 2, 4, 6, 7, 8], [96, 32, 96, 32], [(1, 2), (6, 2), (4, 1)], [128, 96, 32]),
     ],
 )
 def test_split_alloc_spreads_over_runs_at_piece_boundaries(
@@ -196,20 +199,22 @@ def test_split_fails_when_pieces_do_not_fit_the_runs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("free", "pieces", "placeable"),
+    ("free", "pieces", "placeable", "units"),
     [
-        ([], [PAGE], 0),
-        (list(range(10)), [PAGE], 10 * PAGE),  # one run: everything
-        ([1, 2, 4, 6, 7, 8], [PAGE], 6 * PAGE),  # one-page pieces: every free page
-        ([1, 2, 4, 6, 7, 8], [96], 96 + 0 + 192),  # rounding at piece boundaries
-        # the layout repeats: [100, 28] x n over runs of 128, 64, 192 bytes (64 left over)
-        ([1, 2, 4, 6, 7, 8], [100, 28], 128 + 0 + 128),
+        ([], [PAGE], 0, 0),
+        (list(range(10)), [PAGE], 10 * PAGE, 10),  # one run: everything
+        (list(range(10)), [100, 28], 5 * 128, 10),  # whole laps of the layout
+        ([1, 2, 4, 6, 7, 8], [PAGE], 6 * PAGE, 6),  # one-page pieces: every free page
+        ([1, 2, 4, 6, 7, 8], [96], 96 + 0 + 192, 5),  # rounding at piece boundaries
+        # the layout repeats over runs of 128, 64, 192 bytes: 100 28 | 28 | 100, then the
+        # next 100 fits nowhere (36 + 92 bytes are left)
+        ([1, 2, 4, 6, 7, 8], [100, 28], 256, 5),
     ],
 )
-def test_placeable_bytes(free: list[int], pieces: list[int], placeable: int) -> None:
+def test_placeable_bytes(free: list[int], pieces: list[int], placeable: int, units: int) -> None:
     al = holes(10, free)
     assert al.placeable_bytes(pieces) == placeable
-    assert al.placeable_units(pieces) == (al.units_for(placeable) if placeable else 0)
+    assert al.placeable_units(pieces) == units
 
 
 def test_contiguous_never_splits() -> None:
@@ -263,18 +268,18 @@ def test_split_pool_bytes_survive_compaction_and_free_zeroes_every_extent() -> N
     assert a.is_split
     with pytest.raises(ValueError):
         pool.view(a)  # a split allocation has no single view
-    views = pool.extent_views(a)
-    assert [v.numel() * 4 for v in views] == list(a.extent_bytes)
+    assert [v.numel() * 4 for v in pool.extent_views(a)] == list(a.extent_bytes)
+    assert [v.numel() * 4 for v in pool.piece_views(a)] == pieces
     want = torch.arange(sum(pieces) // 4, dtype=torch.float32) + 1.0
-    off = 0
-    for v in views:
-        v.copy_(want[off : off + v.numel()])
-        off += v.numel()
+    segments = pool.segments(a)
+    assert len(segments) < len(pieces)  # adjacent pieces merge into one copy
+    for dst, lo, hi in segments:
+        dst.copy_(want[lo:hi])
     for h in (0, 3, 5):  # free the one-page allocations below and between its extents
         pool.free(al.get(h))
     res = pool.compact()
     assert any(m.handle == a.handle for m in res.moves)
-    assert torch.equal(torch.cat(pool.extent_views(al.get(a.handle))), want)
+    assert torch.equal(torch.cat(pool.piece_views(al.get(a.handle))), want)
     pool.free(al.get(a.handle))
     for h in [x.handle for x in al.allocations()]:
         pool.free(al.get(h))
