@@ -353,20 +353,106 @@ def test_compaction_repoints_views_and_keeps_leased_in_place() -> None:
             leases.pop(n).release()
         s.unload("b")
         s.unload("d")  # holes at pages 2-3 and 6-7
-        pinned_at = {n: leases[n].flat().data_ptr() for n in "ace"}
+        was_at = {n: leases[n].flat().data_ptr() for n in "ace"}
         for n in "ace":
             leases[n].release()
-        keep = ready(s.acquire(ref("c", 1)))  # c in use: must not move
-        big = ready(s.acquire(ref("f", 2)))  # 4 pages: needs compaction or eviction
+        keep = ready(s.acquire(ref("a", 1)))  # a in use: must not move
+        big = ready(s.acquire(ref("f", 2)))  # 4 pages: c and e can slide down past a
         assert big.error() is None
-        assert keep.flat().data_ptr() == pinned_at["c"]
-        for n, lease in (("c", keep), ("f", big)):
-            assert torch.equal(lease.flat(), expected_flat(n, 1 if n == "c" else 2))
+        st = s.stats()
+        assert st.compactions == 1 and st.split_allocations == 0
+        assert keep.flat().data_ptr() == was_at["a"]
+        for n, lease in (("a", keep), ("f", big)):
+            assert torch.equal(lease.flat(), expected_flat(n, 1 if n == "a" else 2))
+        moved = 0
         for r in s.resident_adapters():
             lease = ready(s.acquire(ref(r.adapter_id, r.pages // 2)))
             assert torch.equal(lease.flat(), expected_flat(r.adapter_id, r.pages // 2))
+            moved += r.adapter_id in "ce" and lease.flat().data_ptr() != was_at[r.adapter_id]
             lease.release()
+        assert moved  # views of a moved adapter were re-pointed to its new run
         s.pool.allocator.check_invariants()
+
+
+def fragment_around_pins(s: AdapterStore) -> dict:
+    """Pages 0-9 as a b c d e (2 pages each) with b and d gone and a, c, e leased: the two
+    free 2-page holes are separated by adapters in use, so compaction cannot join them."""
+    leases = {n: ready(s.acquire(ref(n, 1))) for n in "abcde"}
+    for n in "bd":
+        leases.pop(n).release()
+        s.unload(n)
+    return leases
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_adapter_serves_the_same_weights_as_an_unsplit_one(device: str) -> None:
+    events: list[StoreEvent] = []
+    s, _ = store(pages=10, device=device)
+    s._on_event = events.append
+    whole, _ = store(pages=10, device=device)
+    with s, whole:
+        held = fragment_around_pins(s)
+        split = ready(s.acquire(ref("f", 2)))  # 4 pages: only the two holes are free
+        assert split.error() is None
+        st = s.stats()
+        demand = st.evictions_by_reason.get("demand", 0)
+        assert (st.split_allocations, st.compactions, demand) == (1, 0, 0)
+        (r,) = [r for r in s.resident_adapters() if r.adapter_id == "f"]
+        assert [(p, u) for p, u, _ in r.extents] == [(2, 2), (6, 2)] and r.pages == 4
+        assert st.mean_extents_per_adapter == pytest.approx(5 / 4)  # a c e: 1, f: 2
+        assert [e.kind for e in events].count("split") == 1
+        unsplit = ready(whole.acquire(ref("f", 2)))
+        assert not whole.resident_adapters()[0].extents[1:]
+        w_split, w_whole = split.weights(), unsplit.weights()
+        base = s.pool.buffer
+        lo, hi = base.data_ptr(), base.data_ptr() + base.numel() * base.element_size()
+        x = torch.randn(3, 16, device=device)
+        for key, m in w_split.items():
+            # views of pool memory, contiguous, identical to the unsplit adapter's
+            for t, u in ((m.lora_a, w_whole[key].lora_a), (m.lora_b, w_whole[key].lora_b)):
+                assert lo <= t.data_ptr() < hi and t.is_contiguous()
+                assert torch.equal(t, u)
+            assert m.scaling == w_whole[key].scaling
+            assert torch.equal(
+                x @ m.lora_a.T @ m.lora_b.T, x @ w_whole[key].lora_a.T @ w_whole[key].lora_b.T
+            )
+        want = expected_flat("f", 2).to(device)
+        assert torch.equal(split.flat(), want) and torch.equal(unsplit.flat(), want)
+        assert not lo <= split.flat().data_ptr() < hi  # flat() of a split adapter is a copy
+        for n, lease in held.items():  # the adapters in use were not touched
+            assert torch.equal(lease.flat(), expected_flat(n, 1).to(device))
+        for lease in [*held.values(), split, unsplit]:
+            lease.release()
+        for n in "acef":
+            s.unload(n)
+        assert bool((s.pool.buffer == 0).all()) and s.stats().pages_used == 0
+
+
+def test_split_is_not_used_when_cheap_compaction_can_join_the_space() -> None:
+    s, _ = store(pages=10)
+    with s:
+        held = fragment_around_pins(s)
+        held.pop("c").release()  # c movable: compaction can join both holes
+        ready(s.acquire(ref("f", 2))).release()
+        st = s.stats()
+        assert (st.compactions, st.split_allocations) == (1, 0)
+
+
+def test_split_comes_before_dear_compaction_and_eviction() -> None:
+    """compaction_max_ratio 0: never compact while a split works; with too few free pages for
+    any placement the load evicts."""
+    s, _ = store(pages=10, compaction_max_ratio=0.0)
+    with s:
+        held = fragment_around_pins(s)
+        held.pop("c").release()  # compaction would work, but it is never cheap here
+        ready(s.acquire(ref("f", 2))).release()
+        st = s.stats()
+        demand = st.evictions_by_reason.get("demand", 0)
+        assert (st.compactions, st.split_allocations, demand) == (0, 1, 0)
+        # 6 pages: more than the 4 free in the pool, so something is evicted first
+        big = ready(s.acquire(ref("g", 3)))
+        assert big.error() is None
+        assert s.stats().evictions_by_reason.get("demand", 0) >= 1
 
 
 def test_compaction_waits_for_running_step() -> None:
