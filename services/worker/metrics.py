@@ -85,7 +85,18 @@ class WorkerMetrics:
         )
         self.pool_fragmentation = Gauge(
             "plora_worker_pool_external_fragmentation_ratio",
-            "1 - largest allocatable extent / free bytes",
+            "1 - largest allocatable extent / free bytes (paged: after compaction around "
+            "adapters in use, or split over free runs between tensors)",
+            registry=r,
+        )
+        self.pool_free_run_fragmentation = Gauge(
+            "plora_worker_pool_free_run_fragmentation_ratio",
+            "1 - largest free run as it stands / free bytes",
+            registry=r,
+        )
+        self.pool_extents = Gauge(
+            "plora_worker_pool_extents_per_adapter",
+            "Mean page runs per adapter allocation in the pool (1 unless split)",
             registry=r,
         )
         self.pool_internal_waste = Gauge(
@@ -115,6 +126,11 @@ class WorkerMetrics:
         self.compactions = Counter("plora_worker_pool_compactions", "Pool compactions", registry=r)
         self.bytes_moved = Counter(
             "plora_worker_pool_compaction_moved_bytes", "Bytes moved by compaction", registry=r
+        )
+        self.split_allocations = Counter(
+            "plora_worker_pool_split_allocations",
+            "Adapter allocations spread over several page runs (each tensor kept whole)",
+            registry=r,
         )
         self.prefetches = Counter(
             "plora_worker_prefetches",

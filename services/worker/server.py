@@ -314,6 +314,8 @@ class WorkerService:
         elif event.kind == "compact":
             m.compactions.inc()
             m.bytes_moved.inc(event.nbytes)
+        elif event.kind == "split":
+            m.split_allocations.inc()
         elif event.kind.startswith("prefetch_"):
             m.prefetches.labels(event.kind.removeprefix("prefetch_")).inc()
 
@@ -383,6 +385,8 @@ class WorkerService:
         m.pool_utilization.set(s.utilization)
         m.pool_utilization_pressure.set(s.utilization_under_pressure)
         m.pool_fragmentation.set(s.external_fragmentation)
+        m.pool_free_run_fragmentation.set(s.free_run_fragmentation)
+        m.pool_extents.set(s.mean_extents_per_adapter)
         m.pool_internal_waste.set(s.internal_waste)
 
     def _heartbeat_loop(self) -> None:
