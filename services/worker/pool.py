@@ -318,9 +318,10 @@ class Allocator:
         return self.alloc_pieces((nbytes,))
 
     def alloc_pieces(self, pieces: Sequence[int], *, split: bool = False) -> Allocation:
-        """Allocate room for ``pieces`` (byte sizes, in layout order) laid end to end.
+        """Allocate room for ``pieces`` (byte sizes, in layout order).
 
-        First-fit of one run holding ``sum(pieces)`` bytes. When none exists, ``split=True``
+        First fit of one run holding ``sum(pieces)`` bytes, the pieces end to end in order.
+        When none exists, ``split=True``
         and the allocator :attr:`supports_split`, the pieces are spread over free runs by
         :meth:`plan_split` (S-LoRA's unified paging, arXiv 2311.03285, places an adapter in
         non-contiguous pages; here a cut falls only between pieces, so each piece, a tensor,
@@ -331,7 +332,7 @@ class Allocator:
             split: Allow several extents when no single run fits.
 
         Returns:
-            The new allocation (``extent_bytes`` says which bytes each extent holds).
+            The new allocation (``piece_offsets`` says where each piece lies).
 
         Raises:
             ValueError: no pieces, or a piece of ``<= 0`` bytes.

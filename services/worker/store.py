@@ -15,9 +15,14 @@
   resident adapters that no lease holds. A demand load evicts until its run fits; a prefetch
   (Predictive-LoRA, arXiv 2512.20210, proactive prefetch) evicts only adapters with lower
   expected demand and is dropped when the pool is full of more wanted adapters.
-* **Compaction.** When enough pages are free but no run fits (``paged`` only), the loader takes
-  :meth:`AdapterStore.compute_guard` exclusively, so no forward step is running, slides the
-  unpinned adapters toward address 0, and re-points their views.
+* **Compaction and splitting** (``paged`` only). When enough pages are free but no run fits,
+  and the adapters in use do not block it (and the plan is cheap enough:
+  ``compaction_max_ratio``), the loader takes :meth:`AdapterStore.compute_guard` exclusively, so
+  no forward step is running, slides unpinned extents toward address 0, and re-points their
+  views. Otherwise the adapter is split over the free runs (S-LoRA's unified paging, arXiv
+  2311.03285): each A and B tensor goes whole, first fit, into some run, so every
+  ``weights()`` tensor is still one contiguous view of pool memory; only ``flat()`` of a split
+  adapter is a copy. Only when neither works does it evict.
 * **Versions.** A lease is for one :class:`AdapterRef` version. A newer version drops the older
   one from every tier (a copy still leased is freed at its last release); asking for an older
   version than one seen raises :class:`AdapterNotFoundError`.
@@ -26,9 +31,13 @@ Definitions (ARCHITECTURE.md): *utilization* is live adapter bytes / pool bytes;
 samples it, with fragmentation and waste, at the end of every device allocation during which it
 had to evict or wait (the pool was under pressure) and reports the means. *External
 fragmentation* is ``1 - largest allocatable extent / free bytes``, where the allocatable extent
-of ``paged`` counts what compaction around pinned adapters can join (``contiguous`` has no
-compaction, so its largest hole); ``free_run_fragmentation`` is the same ratio with the largest
-free run as it stands, for both. *Internal waste* is ``(allocated - live) / allocated``.
+of ``paged`` is the larger of what compaction around pinned adapters can join and the pages
+that the largest split allocation it could place now would occupy, for the coarsest tensor
+layout loaded so far (:meth:`~services.worker.pool.Allocator.placeable_units`: every free page
+except the run tails no further tensor of that layout fits); ``contiguous`` has neither, so its
+largest hole. ``free_run_fragmentation`` is the same ratio with the largest free run as it
+stands, for both. *Internal waste* is ``(allocated - live) / allocated``. Mean extents per
+adapter counts page runs per allocation (1 unless split).
 
 Lock order (deadlock-free): compute guard (exclusive) before the store lock; the store lock is
 never held while waiting for the guard or doing I/O. The engine must not wait on a lease while
