@@ -83,7 +83,8 @@ def test_cli_on_real_azure2021(tmp_path, capsys):
     args = parser.parse_args(
         [
             "--trace", str(trace), "--format", "azure2021", "--max-seconds", "300",
-            "--forecasters", "frequency,ewma,lstm", "--bench-ids", "50", "--out", str(out),
+            "--forecasters", "frequency,ewma,lstm", "--bench-ids", "50", "--bench-seconds", "30",
+            "--out", str(out),
         ]
     )  # fmt: skip
     assert run(args) == 0
@@ -98,6 +99,7 @@ def test_cli_on_real_azure2021(tmp_path, capsys):
         assert 0.0 <= r["recall_at_3_5s"] <= 1.0
     assert report["forecasters"]["oracle"]["recall_at_3_5s"] == 1.0
     assert report["tick_bench"]["lstm"]["adapters"] == 50
+    assert report["tick_bench"]["lstm"]["scored_last_tick"] == 50  # all 50 still tracked
     assert "recall@3" in capsys.readouterr().out
 
 
