@@ -137,10 +137,14 @@ def replay(
     device: str,
     dtype: str,
     eviction: str = "lru",
-    compaction_max_ratio: float = float("inf"),
+    compaction_max_ratio: float | None = None,
     spec: ModelSpec = SMOLLM2_135M,
 ) -> dict[str, Any]:
-    """Replay ``trace`` through one store configuration; returns its figures (JSON-ready)."""
+    """Replay ``trace`` through one store configuration; returns its figures (JSON-ready).
+
+    ``compaction_max_ratio`` None keeps the store's default (what the worker runs)."""
+    if compaction_max_ratio is None:
+        compaction_max_ratio = StoreConfig.compaction_max_ratio
     config = StoreConfig(
         allocator=allocator,
         eviction=eviction,
@@ -241,9 +245,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compaction-max-ratio",
         type=float,
-        default=4.0,
+        default=float("inf"),
         help="also replay paged with this compaction budget (bytes moved per byte needed; "
-        "0 to skip); the main paged run always compacts",
+        "0 to skip; default inf = always compact, the paper's design); the main paged run "
+        "uses the worker's default",
     )
 
 

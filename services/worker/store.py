@@ -121,9 +121,10 @@ class StoreConfig:
         alignment_bytes: Allocation granularity of ``contiguous``.
         compaction_max_ratio: Compact only when the cheapest plan moves at most this many
             bytes per byte needed; otherwise evict one more adapter (by policy) and retry.
-            Compaction is always used when nothing else can be evicted. Default ``inf``: always
-            compact (the paper's design; on the full Alibaba replay 4.0 moved 64x fewer bytes
-            for 0.6 % more evictions but left free space fragmented: see bench_pool.py).
+            Compaction is always used when nothing else can be evicted. Default 4.0: on the
+            full Alibaba replay (``plora bench pool``) it reached the same utilization and a
+            lower external fragmentation than always compacting (``inf``, the paper's design)
+            while moving 65x fewer bytes, because a split over free runs costs no copy.
 
     Raises:
         ConfigError: an unknown name or an inconsistent size (host cache < pool, ...).
@@ -140,7 +141,7 @@ class StoreConfig:
     load_wait_timeout_s: float = 30.0
     loader_threads: int = 2
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
-    compaction_max_ratio: float = float("inf")
+    compaction_max_ratio: float = 4.0
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATOR_KINDS:
