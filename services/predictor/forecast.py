@@ -35,6 +35,7 @@ sliding replay buffer of recent windows (Adam; ``train_steps`` steps per tick).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -145,6 +146,20 @@ class Forecast:
 
 
 # ---------------------------------------------------------------------------- base class
+@contextlib.contextmanager
+def _one_torch_thread(torch):
+    """Run the block with one torch intra-op thread (restored after): the forecasters' tensors
+    are small, and contended BLAS/OpenMP threads make them 10-40x slower on a shared host."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
 def _grow(arr: np.ndarray, rows: int) -> np.ndarray:
     """Return ``arr`` with at least ``rows`` rows (zero-filled), doubling to amortize."""
     if arr.shape[0] >= rows:
@@ -524,6 +539,7 @@ class LSTMForecaster(Forecaster):
         self._out_exp = np.zeros(0, dtype=np.float64)  # last forecast per row
         self._out_prob = np.zeros(0, dtype=np.float64)
         self._b = 0  # buckets closed so far
+        self._pre_key: tuple | None = None  # see _prepare_next_step (buffers: _resize)
         # model (torch for training, a numpy copy for inference)
         gen = torch.Generator().manual_seed(seed)
         self._torch = torch
@@ -555,6 +571,7 @@ class LSTMForecaster(Forecaster):
         self._buf_pos = 0
         self._rng = np.random.default_rng(seed)
         self.train_steps_done = 0
+        self.prepared_steps = 0  # steps that used the term _prepare_next_step computed
         self.last_loss = float("nan")
 
     # -- sizes
@@ -588,6 +605,8 @@ class LSTMForecaster(Forecaster):
         H, d = self.config.hidden, _N_FEATURES
         self._ws = self._torch.zeros((d + 1 + 4 * H + H + 2 + 3) * cap)
         self._ws_views: tuple[int, list] = (-1, [])
+        self._pre = self._torch.zeros(4 * H * cap)  # see _prepare_next_step
+        self._pre_key: tuple | None = None
 
     def _workspace(self, T: int) -> list:
         """Contiguous ``[k, T]`` float32 views of the workspace: inputs ``x [d, T]`` and log
@@ -649,17 +668,10 @@ class LSTMForecaster(Forecaster):
             self._b += decay
             steps = 1
         zero = np.zeros(n, dtype=np.float32)
-        torch = self._torch
-        threads = torch.get_num_threads()
-        if threads != 1:
-            torch.set_num_threads(1)  # small matmuls: contended BLAS threads are 10x slower
-        try:
+        with _one_torch_thread(self._torch):
             for s in range(steps):
                 last = s == steps - 1
                 self._step(bucket if last else zero, now - (steps - 1 - s) * self.bucket_s)
-        finally:
-            if threads != 1:
-                torch.set_num_threads(threads)
 
     def _step(self, bucket: np.ndarray, now: float) -> None:
         n = len(bucket)
@@ -677,12 +689,14 @@ class LSTMForecaster(Forecaster):
         age = now - self._last_seen[:n]
         # tracking: start on a request, stop track_s after the last one
         new = (bucket > 0) & ~self._tracked[:n]
-        if new.any():
+        changed = bool(new.any())
+        if changed:
             self._tracked[:n][new] = True
             self._since[:n][new] = b
             self._hc[:, :n][:, new] = 0.0
         gone = self._tracked[:n] & (age > cfg.track_s)
         if gone.any():
+            changed = True
             self._tracked[:n][gone] = False
             self._hc[:, :n][:, gone] = 0.0
             self._out_exp[:n][gone] = 0.0
@@ -690,6 +704,13 @@ class LSTMForecaster(Forecaster):
         rows = np.flatnonzero(self._tracked[:n])
         self._b = b
         T = len(rows)
+        # the recurrent term prepared after the previous step, if still valid: same step,
+        # same rows (no id added, none started or stopped tracking), same weights
+        key, self._pre_key = self._pre_key, None
+        pre = None
+        if key is not None and not changed and key[:3] == (b - 1, n, T) and key[3] is self._np:
+            pre = self._pre[: 4 * cfg.hidden * T].view(4 * cfg.hidden, T)
+            self.prepared_steps += 1
         if T == 0:
             return
         # every row tracked (the worst case): slices, i.e. views instead of gathers/scatters
@@ -704,8 +725,28 @@ class LSTMForecaster(Forecaster):
         self._bring[rpos, sel] = logbase
         hc = self._hc[:, sel]  # [2H, T] (a view when full)
         self._sring[rpos][:, sel] = hc
-        self._lstm_step(x, hc, logbase, sel, full)
+        self._lstm_step(x, hc, logbase, sel, full, pre)
         self._pending_windows.append(b)
+
+    def _prepare_next_step(self) -> None:
+        """Compute the recurrent half of the next step's gate pre-activations, ``w_h h +
+        bias`` (``[4H, T]`` for the rows tracked now), off the forecast path: :meth:`train`
+        runs it after the forecast was served. The next :meth:`_step` uses it only if nothing
+        changed the rows, the state or the weights in between (else it computes the same sum
+        itself), so forecasts do not depend on whether or how often ``train`` is called."""
+        n = len(self.ids)
+        rows = np.flatnonzero(self._tracked[:n])
+        T = len(rows)
+        if T == 0:
+            return
+        H = self.config.hidden
+        h = self._hc[:H, :n] if T == n else self._hc[:H, rows]
+        _w_x, w_h, bias, *_ = self._np
+        torch = self._torch
+        with _one_torch_thread(torch), torch.no_grad():
+            pre = self._pre[: 4 * H * T].view(4 * H, T)
+            torch.addmm(bias, w_h, torch.from_numpy(h), out=pre)
+        self._pre_key = (self._b, n, T, self._np)
 
     def _lstm_step(
         self,
@@ -714,6 +755,7 @@ class LSTMForecaster(Forecaster):
         logbase: np.ndarray,
         sel: slice | np.ndarray,
         full: bool,
+        pre=None,
     ) -> None:
         """One LSTM step of the tracked rows and their forecast (inference only).
 
@@ -724,6 +766,8 @@ class LSTMForecaster(Forecaster):
             logbase: ``float32 [T]`` log base rate.
             sel: The rows (a slice when ``full``).
             full: Every row is tracked; the new state is then written into ``_hc`` in place.
+            pre: ``float32 [4H, T]`` tensor ``w_h h + bias`` from :meth:`_prepare_next_step`
+                (overwritten), or None to compute it here.
 
         The same math as ``torch.nn.LSTM`` (gates i, f, g, o) with ``tanh(z) = 2 sigmoid(2 z)
         - 1`` (one sigmoid pass over all gates; this torch build's tanh is 3x slower than its
@@ -739,8 +783,11 @@ class LSTMForecaster(Forecaster):
             hct = torch.from_numpy(hc if full else np.ascontiguousarray(hc))  # [2H, T]
             h, c = hct[:H], hct[H:]
             _x, _lb, g, tc, out, v = self._workspace(T)
-            torch.addmm(bias, w_x, xt, out=g)
-            g.addmm_(w_h, h)  # [4H, T] pre-activations (g doubled)
+            if pre is None:
+                torch.addmm(bias, w_h, h, out=g)
+            else:
+                g = pre
+            g.addmm_(w_x, xt)  # [4H, T] pre-activations (g doubled)
             g.sigmoid_()
             gi, gf, gg, go = g[:H], g[H : 2 * H], g[2 * H : 3 * H], g[3 * H :]
             gg.mul_(2.0).sub_(1.0)  # tanh of the cell candidate
@@ -864,20 +911,23 @@ class LSTMForecaster(Forecaster):
 
         Loss per window step: Poisson NLL of the count (``lambda - y log lambda``) plus binary
         cross-entropy of ``y >= 1``. Returns the mean loss of the steps run (None if none:
-        the buffer holds fewer than ``batch`` windows).
+        the buffer holds fewer than ``batch`` windows). Then, with the new weights, prepares the
+        recurrent term of the next step (:meth:`_prepare_next_step`), so the next tick's
+        forecast does less work.
         """
+        try:
+            return self._train(budget_s)
+        finally:
+            self._prepare_next_step()
+
+    def _train(self, budget_s: float) -> float | None:
         cfg = self.config
         self._flush_windows()
         if self._buf_n < cfg.batch:
             return None
-        torch = self._torch
         t_end = time.perf_counter() + budget_s
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tiny batches: one thread is far faster than contended ones
-        try:
+        with _one_torch_thread(self._torch):
             done = self._train_steps(t_end)
-        finally:
-            torch.set_num_threads(threads)
         self.train_steps_done += done
         self._publish()
         return self.last_loss

@@ -263,6 +263,34 @@ def test_lstm_tick_step_equals_torch_lstm_and_heads(all_tracked):
     np.testing.assert_allclose(fc.probability, want_p.numpy(), rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("all_tracked", [True, False])
+def test_lstm_prepared_step_changes_no_forecast(all_tracked):
+    """The recurrent term train() prepares after a forecast is used by the next tick only when
+    still valid (same rows, state and weights), and the forecasts equal those of a twin that
+    never prepares; a new id or a tracking change makes the tick compute it itself."""
+    a, b = LSTMForecaster(LSTMConfig(track_s=8.0)), LSTMForecaster(LSTMConfig(track_s=8.0))
+    ev = _traffic(4, 60, ids=12)
+    if all_tracked:  # the same few ids every second: every row stays tracked
+        ev = {t: {f"ad{k}": 1 + (t + k) % 3 for k in range(6)} for t in range(60)}
+    for t in range(60):
+        for f in (a, b):
+            f.observe_counts(ev[t], float(t))
+        fa, fb = a.tick(float(t)), b.tick(float(t))
+        assert fa.adapter_ids == fb.adapter_ids
+        np.testing.assert_allclose(fa.expected_count, fb.expected_count, rtol=1e-5)
+        np.testing.assert_allclose(fa.probability, fb.probability, rtol=1e-5, atol=1e-7)
+        a._prepare_next_step()  # what train() does after the forecast (weights unchanged)
+    assert b.prepared_steps == 0
+    if all_tracked:
+        assert a.prepared_steps == 59
+    else:  # ids start and stop being tracked: some ticks could use it, some could not
+        assert 0 < a.prepared_steps < 59
+    used = a.prepared_steps
+    a.observe("brand-new", 60.0)  # a new row: the prepared term no longer fits
+    a.tick(60.0)
+    assert a.prepared_steps == used
+
+
 @pytest.mark.slow
 def test_lstm_learns_a_period_counts_cannot_see():
     """One adapter requested exactly every 10 s: after online training the LSTM expects it
@@ -280,3 +308,13 @@ def test_lstm_learns_a_period_counts_cannot_see():
             (before if t % 10 >= 6 else after if t % 10 <= 3 else []).append(fc.get("p")[0])
     assert f.train_steps_done > 500
     assert np.mean(before) > 0.8 and np.mean(after) < 0.3
+
+
+@pytest.mark.parametrize("name", ["lstm", "ensemble"])
+def test_ticks_and_training_before_any_request(name):
+    f = make_forecaster(name)
+    for t in range(3):
+        assert len(f.tick(float(t))) == 0
+        assert f.train(0.01) is None
+    f.observe("a", 3.0)
+    assert f.tick(3.0).adapter_ids == ["a"]
