@@ -561,12 +561,13 @@ class SimWorker:
         running = self.running
         sim = self.sim
         done = sim.done
+        first = sim.first_token
         adapter = sim.req_adapter
         ranks = sim.req_rank
         net = sim.preset.network_s
         while running and running[0][0] <= self.steps:
             _, r = heapq.heappop(running)
-            done[r] = t + net
+            done[r] = max(t + net, first[r])  # = first[r] (one token) up to rounding
             sim.status[r] = _OK
             sim.n_done += 1
             self.n_run -= 1
@@ -950,9 +951,24 @@ class ClusterSimulation:
             self._views_next = (math.floor(t / hb) + 1) * hb
         return self._views
 
+    def gateway_views(self, t: float) -> list[WorkerView]:
+        """What the gateway routes on: the heartbeat views (:meth:`views`), but each worker's
+        queue at least the requests the gateway itself has in flight on it, as
+        ``services.gateway.server.GatewayServicer._choose`` counts them between heartbeats."""
+        stale = self.views(t)
+        out = stale
+        for i, w in enumerate(self.workers):
+            q = w.n_waiting + w.n_run
+            v = stale[i]
+            if q > v.queue_length:
+                if out is stale:
+                    out = list(stale)
+                out[i] = WorkerView(v.worker_id, v.pool_bytes, v.free_bytes, v.resident, q)
+        return out
+
     def _dispatch(self, r: int, t: float) -> None:
         a = self.req_adapter[r]
-        views = self.views(t)
+        views = self.gateway_views(t)
         rank_aware = self.policy.routing == "rank_aware"
         name = self.adapters.names[a]
         by_name = self.by_name

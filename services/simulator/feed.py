@@ -86,10 +86,11 @@ def _chunks(
     names: Sequence[str],
     settings: FeedSettings,
     chunk_ticks: int,
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, float]]:
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, float, float]]:
     """Run the production forecaster over the trace; yield ``(counts [c], adapters [m],
     expected [m], wall_s)`` per chunk of ``c`` ticks (``counts`` = scored adapters per tick,
-    ``adapters`` int32 adapter indices in forecast order, ``expected`` float64 > 0)."""
+    ``adapters`` int32 adapter indices in forecast order, ``expected`` float64 > 0); ``wall_s``
+    covers the chunk, and its process CPU seconds are added as a fifth item."""
     import torch
 
     threads = torch.get_num_threads()
@@ -104,7 +105,7 @@ def _chunks(
         counts: list[int] = []
         ads: list[np.ndarray] = []
         exps: list[np.ndarray] = []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for k, (t, hi) in enumerate(zip(ticks.tolist(), his.tolist(), strict=True)):
             if hi > lo:
                 c = np.bincount(req_adapter[lo:hi], minlength=k_total)
@@ -122,27 +123,36 @@ def _chunks(
             ads.append(a)
             exps.append(np.asarray(e[keep], dtype=np.float64))
             if len(counts) == chunk_ticks or k == len(ticks) - 1:
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 yield (
                     np.asarray(counts, dtype=np.int64),
                     np.concatenate(ads) if ads else np.zeros(0, np.int32),
                     np.concatenate(exps) if exps else np.zeros(0, np.float64),
                     wall,
+                    cpu,
                 )
                 counts, ads, exps = [], [], []
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
     finally:
         torch.set_num_threads(threads)
 
 
 def _child(conn, arrivals, req_adapter, names, settings, chunk_ticks) -> None:  # noqa: ANN001
-    """Child-process entry: stream the chunks to ``conn``, then ``None`` (or the error)."""
+    """Child-process entry: stream the chunks to ``conn`` (an error as ``("error", text)``).
+
+    The parent knows how many ticks to expect and closes its end once it has them all, or
+    early when it stops; either way the child then just ends.
+    """
     try:
         for chunk in _chunks(arrivals, req_adapter, names, settings, chunk_ticks):
             conn.send(chunk)
-        conn.send(None)
+    except (BrokenPipeError, EOFError):
+        pass
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except (BrokenPipeError, EOFError):
+            pass
     finally:
         conn.close()
 
@@ -163,6 +173,7 @@ class DemandFeed:
         child_process: The forecasts come from a child process.
         compute_s: Seconds the forecaster took (observe + tick + train), summed over the
             ticks produced so far (in the child when ``process``).
+        compute_cpu_s: CPU seconds of the process that ran the forecaster, over the same.
         wait_s: Seconds :meth:`get` spent waiting for (or computing) forecasts in this process.
     """
 
@@ -178,6 +189,7 @@ class DemandFeed:
         self.trace_key: tuple = ()  # set by the maker: what trace this is for
         self.ticks = tick_times(arrivals, settings.tick_s)
         self.compute_s = 0.0
+        self.compute_cpu_s = 0.0
         self.wait_s = 0.0
         # received chunks: first tick of each, and (offsets [c+1], adapters, expected)
         self._starts: list[int] = []
@@ -217,12 +229,16 @@ class DemandFeed:
             chunk = next(self._gen)
         else:
             assert self._conn is not None
-            chunk = self._conn.recv()
-            if chunk is None or isinstance(chunk[0], str):
+            try:
+                chunk = self._conn.recv()
+            except EOFError:
+                chunk = ("error", "the process ended early")
+            if isinstance(chunk[0], str):
                 self.close()
-                raise RuntimeError(f"forecast process failed: {chunk}")
-        counts, ads, exps, wall = chunk
+                raise RuntimeError(f"forecast process failed: {chunk[1]}")
+        counts, ads, exps, wall, cpu = chunk
         self.compute_s += wall
+        self.compute_cpu_s += cpu
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         self._starts.append(self._received)

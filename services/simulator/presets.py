@@ -39,6 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from services.common.types import PROJECTION_MODULES, SMOLLM2_135M, ModelSpec
+from services.worker.config import WorkerConfig
+from services.worker.engine import EngineConfig
+from services.worker.store import StoreConfig
 
 #: Presets understood by :func:`get_preset`.
 PRESET_NAMES: tuple[str, ...] = ("cpu", "h100-8b")
@@ -219,6 +222,9 @@ CPU_STEP_MEASUREMENTS: dict[str, float] = {
     "gateway_overhead_s": 0.013,
 }
 
+#: The live worker's defaults (sizes, queue, loader threads, timeouts): the cpu preset uses them.
+_WORKER, _ENGINE, _STORE = WorkerConfig(), EngineConfig(), StoreConfig()
+
 _cpu_base = CPU_STEP_MEASUREMENTS["decode_batch1_s"]
 _cpu_row = _cpu_base * (CPU_STEP_MEASUREMENTS["reference_batch8_over_batch1"] - 1.0) / 7.0
 _cpu_prefill = (CPU_STEP_MEASUREMENTS["prefill_57_tokens_s"] - _cpu_base) / 57.0
@@ -238,21 +244,21 @@ CPU_PRESET = Preset(
         lora_token_rank_s=3.0e-6,
         rank_mode="sum",
     ),
-    max_batch_size=32,  # WorkerConfig.max_batch_size
-    max_num_batched_tokens=512,  # EngineConfig.max_num_batched_tokens
-    max_queue=256,  # EngineConfig.max_queue
-    pool_bytes=512 * MiB,  # WorkerConfig.pool_bytes
-    page_bytes=1 * MiB,  # WorkerConfig.page_bytes
-    alignment_bytes=256,
-    host_cache_bytes=1024 * MiB,
+    max_batch_size=_WORKER.max_batch_size,
+    max_num_batched_tokens=_WORKER.max_num_batched_tokens,
+    max_queue=_ENGINE.max_queue,
+    pool_bytes=_WORKER.pool_bytes,
+    page_bytes=_WORKER.page_bytes,
+    alignment_bytes=_STORE.alignment_bytes,
+    host_cache_bytes=_WORKER.host_cache_bytes,
     h2d_bytes_per_s=4.0e9,  # CPU "device": one memcpy into the pool tensor
     device_copy_bytes_per_s=4.0e9,
     source="fixed",
     source_fixed_s=CPU_STEP_MEASUREMENTS["load_fixed_s"],
     source_bytes_per_s=CPU_STEP_MEASUREMENTS["load_bytes_per_s"],
-    loader_threads=2,  # StoreConfig.loader_threads
-    adapter_wait_timeout_s=60.0,  # EngineConfig.adapter_wait_timeout_s
-    load_wait_timeout_s=30.0,  # StoreConfig.load_wait_timeout_s
+    loader_threads=_STORE.loader_threads,
+    adapter_wait_timeout_s=_ENGINE.adapter_wait_timeout_s,
+    load_wait_timeout_s=_WORKER.load_wait_timeout_s,
     network_s=CPU_STEP_MEASUREMENTS["gateway_overhead_s"],
     shared_compute=1.0,  # both workers' torch threads compete for the same 2 cores
     notes="SmolLM2-135M float32, 2 workers on 2 shared CPU cores; see CPU_STEP_MEASUREMENTS",

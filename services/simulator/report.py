@@ -457,3 +457,102 @@ def _save(fig: Any, path: Path) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
+
+
+# ------------------------------------------------------------------------------ markdown
+def _md(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def paper_rows(papers: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(figure, paper, simulated)`` rows of a report's ``papers`` block (see
+    :func:`paper_comparison`), as text, for report.md and the README."""
+    rows: list[tuple[str, str, str]] = []
+    p = papers.get("predictive_lora_vs_slora")
+    if p:
+        rows += [
+            ("P-LoRA vs S-LoRA: throughput ratio", f"{p['throughput_ratio']['paper']}x",
+             f"{_md(p['throughput_ratio']['sim'])}x"),
+            ("P-LoRA vs S-LoRA: mean TTFT reduction", _pct(p["ttft_mean_reduction"]["paper"]),
+             _pct(p["ttft_mean_reduction"]["sim"])),
+            ("P-LoRA vs S-LoRA: cold-start latency reduction (per request / per cold start)",
+             _pct(p["cold_start_latency_reduction"]["paper"]),
+             f"{_pct(p['cold_start_latency_reduction']['sim'])} / "
+             f"{_pct(p['cold_start_latency_reduction']['sim_per_cold_start'])}"),
+            ("fragmentation, baseline -> plora",
+             f"{_pct(p['fragmentation']['paper']['baseline'])} -> "
+             f"< {_pct(p['fragmentation']['paper']['plora_below'])}",
+             f"{_pct(p['fragmentation']['sim']['baseline'])} -> "
+             f"{_pct(p['fragmentation']['sim']['plora'])}"),
+            ("plora pool utilization under pressure",
+             f"> {_pct(p['pool_utilization']['paper_above'])}",
+             _pct(p["pool_utilization"]["sim"])),
+        ]  # fmt: skip
+    q = papers.get("loraserve_vs_rank_oblivious")
+    if q:
+        w = q["workers_needed_reduction"]["workers"]
+        rows += [
+            ("LoRAServe vs rank-oblivious: throughput ratio", f"{q['throughput_ratio']['paper']}x",
+             f"{_md(q['throughput_ratio']['sim'])}x"),
+            ("LoRAServe vs rank-oblivious: p99 TTFT ratio", f"{q['ttft_p99_ratio']['paper']}x",
+             f"{_md(q['ttft_p99_ratio']['sim'])}x"),
+            ("LoRAServe vs rank-oblivious: fewer workers under SLO",
+             _pct(q["workers_needed_reduction"]["paper"]),
+             f"{_pct(q['workers_needed_reduction']['sim'])} ({w['plora']} vs "
+             f"{w['plora-round-robin']})"),
+        ]  # fmt: skip
+    return rows
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """report.md of ``plora simulate``: settings, the per-policy table, the papers' figures
+    beside the simulated ones, and the live-replay validation when present."""
+    s, tr = report["settings"], report["trace"]
+    names = list(report["policies"])
+    lines = [
+        "# Trace-driven cluster simulation",
+        "",
+        f"Trace `{tr['path']}` ({tr['format']}): {tr['requests']} requests, {tr['keys']} keys, "
+        f"{_md(tr['duration_s'], 5)} s (time scale {s['time_scale']}, start {s['start']}, "
+        f"duration {s['duration']}); {s['adapters']} adapters; preset `{s['preset']}`, "
+        f"{s['workers']} workers; seed {s['seed']}; TTFT SLO {s['slo_ttft_s']} s; forecaster "
+        f"{s['forecaster']}.",
+        "",
+        "| figure | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for key in (*POLICY_KEYS, "peak_concurrency", "sim_wall_s", "sim_cpu_s"):
+        lines.append(f"| {key} | " + " | ".join(_md(report[n].get(key)) for n in names) + " |")
+    fc = next((report[n].get("forecast") for n in names if report[n].get("forecast")), None)
+    if fc:
+        lines += ["", f"The production forecaster ran once for the trace ({fc['ticks']} ticks, "
+                  f"{_md(fc['compute_s'])} s, child process: {fc['child_process']}) and its "
+                  f"forecasts were shared by {', '.join(fc['shared_by'])}."]  # fmt: skip
+    rows = paper_rows(report.get("papers") or {})
+    if rows:
+        lines += ["", "| papers' figure | paper | simulated |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    val = report.get("validation")
+    if val:
+        head = "| policy | figure | simulated | live | rel. error |"
+        lines += [
+            "",
+            f"Validation against the live replay (tolerance {_pct(val['tolerance'])}):",
+            "",
+            head,
+            "|---|---|---|---|---|",
+        ]
+        for p, block in val["policies"].items():
+            for k, v in block.items():
+                lines.append(f"| {p} | {k} | {_md(v['sim'])} | {_md(v['replay'])} | "
+                             f"{_pct(v['rel_error'])} |")  # fmt: skip
+    lines += ["", "Definitions: `services/simulator/report.py` (module docstring).", ""]
+    return "\n".join(lines)

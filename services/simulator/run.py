@@ -1,6 +1,6 @@
 """``plora simulate``: run a trace through the simulated cluster under several policies.
 
-Writes ``DIR/report.json`` (settings, trace, one block per policy with
+Writes ``DIR/report.json``, ``DIR/report.md`` (settings, trace, one block per policy with
 :data:`services.simulator.report.POLICY_KEYS`, ``comparison``, ``papers``, optional
 ``validation`` against a replay report) and the plots, and prints a short table.
 
@@ -18,6 +18,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from services.simulator.feed import DemandFeed
 from services.simulator.presets import (
     ALIBABA_LOAD_LATENCY_CSV,
     PRESET_NAMES,
+    Preset,
     get_preset,
     load_source_latencies,
 )
@@ -48,6 +50,7 @@ from services.simulator.report import (
     compare_to_replay,
     load_replay_report,
     paper_comparison,
+    render_markdown,
     search_min_workers,
     slo_attainment,
     slo_vs_load,
@@ -220,6 +223,7 @@ def run_simulations(
         s["forecast"] = (
             {
                 "compute_s": main.compute_s,
+                "compute_cpu_s": main.compute_cpu_s,
                 "ticks": len(main),
                 "child_process": main.child_process,
                 "shared_by": [p for p in policies if get_policy(p).predictor],
@@ -243,13 +247,16 @@ def replay_matched_inputs(
     preset_name: str = "cpu",
     trace_path: str | None = None,
     source_latencies: str | None = None,
+    preset: Preset | None = None,
 ) -> tuple[Trace, AdapterSet, SimConfig]:
     """The trace slice, adapters and cluster size a ``plora bench replay`` report ran with.
 
     Uses the replay's settings: trace, format, start, duration, time scale, drop-top, seed,
     adapter count and ranks, pool bytes per worker, workers, ``max_new_tokens`` (every request's
     output length) and ``prompt_token_cap`` (prompts capped, plus
-    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template).
+    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one calibrated at
+    run time by :func:`services.simulator.calibrate.calibrated_cpu_preset`) replaces the named
+    one.
 
     Raises:
         KeyError: A setting the match needs is missing from the report.
@@ -275,7 +282,7 @@ def replay_matched_inputs(
         trace.fmt,
         trace.source,
     )
-    base = get_preset(preset_name)
+    base = preset if preset is not None else get_preset(preset_name)
     ranks = tuple(int(r) for r in s.get("adapter_ranks") or s.get("ranks") or base.ranks)
     pool = int(s["pool_bytes"])
     preset = base.with_overrides(
@@ -298,16 +305,29 @@ def validate_against_replay(
     preset_name: str = "cpu",
     tolerance: float = 0.25,
     trace_path: str | None = None,
+    preset: Preset | Mapping[str, Preset] | None = None,
 ) -> dict[str, Any]:
     """Simulate the replay's slice under its policies and compare (see
     :func:`services.simulator.report.compare_to_replay`); the simulated summaries are included
-    under ``"sim"``."""
-    trace, adapters, config = replay_matched_inputs(replay_report, preset_name, trace_path)
+    under ``"sim"``, the step and load figures used per policy under ``"presets"``.
+
+    ``preset`` replaces the named preset, for every policy or (a mapping) per policy: each
+    policy's replay ran on a fresh cluster at another time, on a host whose speed drifts (see
+    :mod:`services.simulator.calibrate`)."""
     names = [p for p in replay_report.get("policies", []) if p in POLICIES]
     sim: dict[str, Any] = {"policies": names}
-    feed = make_feed(trace, adapters, config) if any(POLICIES[n].predictor for n in names) else None
+    used: dict[str, Preset] = {}
+    feed = None
     for name in names:
-        f = feed if POLICIES[name].predictor else None
+        pr = preset.get(name) if isinstance(preset, Mapping) else preset
+        trace, adapters, config = replay_matched_inputs(
+            replay_report, preset_name, trace_path, preset=pr
+        )
+        used[name] = config.preset
+        f = None
+        if POLICIES[name].predictor:
+            feed = feed or make_feed(trace, adapters, config)
+            f = feed
         sim[name] = summarize(simulate(trace, adapters, name, config, f), 1.0)
     out = compare_to_replay(sim, replay_report, tolerance)
     out["sim"] = {n: {k: sim[n].get(k) for k in POLICY_KEYS} for n in names}
@@ -316,6 +336,12 @@ def validate_against_replay(
         for n in names
         if isinstance(replay_report.get(n), dict)
     }
+    out["presets"] = {
+        n: {"name": p.name, "step": p.step.__dict__, "source_fixed_s": p.source_fixed_s,
+            "source_bytes_per_s": p.source_bytes_per_s, "page_bytes": p.page_bytes,
+            "shared_compute": p.shared_compute, "network_s": p.network_s}
+        for n, p in used.items()
+    }  # fmt: skip
     return out
 
 
@@ -403,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         )
     report["plots"] = write_plots(out, results, summaries, args.slo_ttft, curves)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
+    (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
     _print_table(report, policies)
     print(f"wrote {out / 'report.json'}")
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from services.common.traces import Trace
+from services.simulator.calibrate import fit_replay, solo_mask
 from services.simulator.engine import (
     POLICIES,
     ClusterSimulation,
@@ -36,7 +36,7 @@ from services.simulator.report import (
     slo_vs_load,
     summarize,
 )
-from services.simulator.run import add_arguments, run, validate_against_replay
+from services.simulator.run import add_arguments, run
 
 DATA = Path("../shared/data/traces")
 ALIBABA = DATA / "alibaba_genai2026_lora_requests_nov.csv"
@@ -393,30 +393,60 @@ def test_simulate_cli_end_to_end(tmp_path: Path) -> None:
     assert report["papers"]["loraserve_vs_rank_oblivious"] is not None
     for f in report["plots"].values():
         assert (out / f).stat().st_size > 0
+    md = (out / "report.md").read_text()
+    assert "| P-LoRA vs S-LoRA: throughput ratio | 1.52x |" in md
+    assert "| LoRAServe vs rank-oblivious: p99 TTFT ratio | 9.0x |" in md
 
 
-# ------------------------------------------------------------------------------ validation
-def _replay_reports() -> list[Path]:
-    return sorted(Path(p) for p in glob.glob("bench-out/replay-*/report.json"))
+# ------------------------------------------------------------------------------ calibration
+def _rec(worker, sent, ttft, end, prompt=50, tokens=2, cold=False, wait=0.0, aid="a8"):
+    return {
+        "worker_id": worker, "sent_s": sent, "first_token_s": sent + ttft + 0.01,
+        "worker_ttft_s": ttft, "end_s": end, "status": "OK", "prompt_tokens": prompt,
+        "completion_tokens": tokens, "adapter_cold": cold, "adapter_wait_s": wait,
+        "adapter_id": aid,
+    }  # fmt: skip
 
 
-def test_simulator_matches_live_replay() -> None:
-    """The cpu preset against a real `plora bench replay` of the same slice (25 % tolerance)."""
-    paths = _replay_reports()
-    if not paths:
-        pytest.skip("no bench-out/replay-*/report.json: run `plora bench replay` first")
-    checked = 0
-    for path in paths:
-        rep = json.loads(path.read_text())
-        if not Path(rep.get("settings", {}).get("trace", "")).exists():
-            continue
-        if not any(
-            isinstance(rep.get(p), dict) and "ttft_mean_s" in rep[p]
-            for p in rep.get("policies", [])
-        ):
-            continue
-        out = validate_against_replay(rep, "cpu")
-        checked += 1
-        assert out["all_within"], json.dumps(out["policies"], indent=1)
-    if not checked:
-        pytest.skip("no replay report with a readable trace and completed policies")
+def test_solo_requests_are_alone_on_their_worker() -> None:
+    recs = [
+        _rec("w0", 0.0, 0.1, 1.0),  # overlaps the next one on w0
+        _rec("w0", 0.5, 0.1, 2.0),
+        _rec("w0", 3.0, 0.1, 4.0),  # alone
+        _rec("w1", 0.2, 0.1, 5.0),  # alone on w1 (w0's requests do not count)
+    ]
+    assert solo_mask(recs).tolist() == [False, False, True, True]
+
+
+def test_fit_replay_reads_the_machine_from_solo_requests() -> None:
+    """Solo requests made from a known step model give that model back (the live-replay
+    validation itself is tests/integration/test_sim_validation.py)."""
+    st = CPU_PRESET.step
+    share = st.per_row_s / (st.base_s + st.per_row_s)
+    base, row = 0.2 * (1 - share), 0.2 * share  # decode step at batch 1: 0.2 s
+    pre = 0.004
+    ltr, seg = st.lora_token_rank_s, st.lora_segment_s
+    recs, t = [], 0.0
+    for i in range(12):
+        p = 20 + 5 * i
+        ttft = base + seg + (pre + ltr * 8) * p
+        step = base + row + seg + ltr * 8
+        recs.append(_rec("w0", t, ttft, t + ttft + 0.01 + 2 * step, prompt=p, tokens=3))
+        t += 5.0
+        size = (i + 1) * 10_000_000
+        wait = 0.05 + size / 2e8
+        first = wait + ttft + 0.01
+        recs.append(_rec("w0", t, wait + ttft, t + first + 2 * step, prompt=p, tokens=3,
+                         cold=True, wait=wait, aid=f"c{i}"))  # fmt: skip
+        t += 5.0
+    sizes = {f"c{i}": (i + 1) * 10_000_000 for i in range(12)} | {"a8": 1}
+    ranks = {k: 8 for k in sizes}
+    preset, fig = fit_replay(recs, sizes, ranks)
+    assert fig["solo"] == 24 and fig["decode"]["samples"] == 24
+    assert preset.step.base_s + preset.step.per_row_s == pytest.approx(0.2)
+    assert preset.step.per_row_s == pytest.approx(row)
+    assert preset.step.per_prefill_token_s == pytest.approx(pre)
+    assert preset.source_fixed_s == pytest.approx(0.05)
+    assert preset.source_bytes_per_s == pytest.approx(2e8)
+    assert preset.network_s == pytest.approx(0.01)
+    assert preset.page_bytes == CPU_PRESET.page_bytes
