@@ -280,6 +280,8 @@ class SimResult:
         wall_s: Wall-clock seconds the simulation took.
         events: Events processed (arrivals included).
         cpu_s: CPU seconds of this process during the simulation.
+        failed_s: ``float64 [n]`` when a failed request failed (its arrival if rejected; NaN
+            for completed requests, and for requests still unfinished when the trace ended).
     """
 
     policy: str
@@ -296,6 +298,7 @@ class SimResult:
     wall_s: float
     events: int
     cpu_s: float = 0.0
+    failed_s: np.ndarray | None = None
 
     @property
     def ttft_s(self) -> np.ndarray:
@@ -597,6 +600,7 @@ class SimWorker:
         """A request waiting for its adapter fails (load failed or waited too long)."""
         sim = self.sim
         sim.status[r] = _FAILED
+        sim.done[r] = t  # the failure time (SimResult.failed_s)
         sim.fail_reason[reason] = sim.fail_reason.get(reason, 0) + 1
         sim.n_done += 1
         self.n_waiting -= 1
@@ -982,6 +986,7 @@ class ClusterSimulation:
                 return
             views = [v for v in views if v.worker_id != chosen]
         self.status[r] = _FAILED
+        self.done[r] = t  # rejected on arrival
         self.fail_reason["OverloadedError"] = self.fail_reason.get("OverloadedError", 0) + 1
         self.n_done += 1
 
@@ -1088,6 +1093,7 @@ class ClusterSimulation:
         failed = status != _OK
         first = np.asarray(self.first_token, dtype=np.float64)
         done = np.asarray(self.done, dtype=np.float64)
+        failed_s = np.where(failed, done, _NAN)
         first[failed] = _NAN
         done[failed] = _NAN
         counters: dict[str, Any] = {}
@@ -1117,6 +1123,7 @@ class ClusterSimulation:
             wall_s=wall_s,
             events=events,
             cpu_s=time.process_time() - self._cpu0,
+            failed_s=failed_s,
         )
 
 

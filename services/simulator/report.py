@@ -134,11 +134,13 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
 
 def peak_concurrency(result: SimResult) -> int:
     """Most requests in flight at once (gateway receipt -> last token; a failed request counts
-    until its arrival only)."""
+    until it failed, e.g. a wait for its adapter that timed out, or its arrival when that time
+    is unknown)."""
     t = result.arrival_s
     if len(t) == 0:
         return 0
-    end = np.where(result.failed, t, result.done_s)
+    fail = result.failed_s if result.failed_s is not None else t
+    end = np.where(result.failed, np.where(np.isnan(fail), t, fail), result.done_s)
     times = np.concatenate([t, end])
     delta = np.concatenate([np.ones(len(t), np.int64), -np.ones(len(t), np.int64)])
     order = np.lexsort((delta, times))  # at equal times, departures first

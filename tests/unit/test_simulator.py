@@ -268,6 +268,9 @@ def test_overload_rejects_and_fails_cleanly() -> None:
     assert res.failed.sum() == 4  # all six wait for the load: 2 queued, 4 rejected
     assert res.counters["failed_by_reason"] == {"OverloadedError": 4}
     assert res.counters["rejected"] == 4
+    np.testing.assert_array_equal(res.failed_s[res.failed], 0.0)  # rejected on arrival
+    assert np.all(np.isnan(res.failed_s[~res.failed]))
+    assert summarize(res, 1.0)["peak_concurrency"] == 2  # the rejected ones leave at once
 
 
 # ------------------------------------------------------------------------------ reports
