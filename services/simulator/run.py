@@ -26,6 +26,7 @@ import numpy as np
 
 from services.common.traces import TRACE_FORMATS, Trace, load_trace
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
+from services.simulator.calibrate import fit_replay, read_records
 from services.simulator.engine import (
     POLICIES,
     AdapterSet,
@@ -105,7 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replay-report",
         default=None,
         help="a `plora bench replay` report.json: its slice is also simulated with the cpu "
-        "preset and both are written side by side under 'validation'",
+        "preset, fitted per policy to the machine as it was during the replay (from the "
+        "replay's solo requests, DIR/<policy>/requests.jsonl beside the report), and both are "
+        "written side by side under 'validation'",
     )
     parser.add_argument(
         "--view-refresh",
@@ -300,6 +303,29 @@ def replay_matched_inputs(
     return trace, adapters, config
 
 
+def fit_presets_to_replay(
+    replay_report: dict[str, Any], replay_dir: str | Path, base: Preset | None = None
+) -> tuple[dict[str, Preset], dict[str, dict[str, Any]]]:
+    """Per policy of a replay, the cpu preset fitted to the machine as it was during that
+    policy's run (:func:`services.simulator.calibrate.fit_replay` on
+    ``replay_dir/<policy>/requests.jsonl``); adapter sizes and ranks are those the simulator
+    gives the replay's adapters (:func:`replay_matched_inputs`).
+
+    Returns:
+        ``(presets, fits)`` keyed by policy (only policies with records).
+    """
+    base = base or get_preset("cpu")
+    _, adapters, _ = replay_matched_inputs(replay_report, preset=base)
+    sizes = dict(zip(adapters.names, adapters.nbytes.tolist(), strict=True))
+    ranks = dict(zip(adapters.names, adapters.ranks.tolist(), strict=True))
+    presets: dict[str, Preset] = {}
+    fits: dict[str, dict[str, Any]] = {}
+    for p in replay_report.get("policies", []):
+        if p in POLICIES and (Path(replay_dir) / p / "requests.jsonl").is_file():
+            presets[p], fits[p] = fit_replay(read_records(replay_dir, [p]), sizes, ranks, base)
+    return presets, fits
+
+
 def validate_against_replay(
     replay_report: dict[str, Any],
     preset_name: str = "cpu",
@@ -424,9 +450,10 @@ def run(args: argparse.Namespace) -> int:
     )
     report["papers"] = paper_comparison(summaries)
     if args.replay_report:
-        report["validation"] = validate_against_replay(
-            load_replay_report(args.replay_report), "cpu"
-        )
+        replay = load_replay_report(args.replay_report)
+        presets, fits = fit_presets_to_replay(replay, Path(args.replay_report).parent)
+        report["validation"] = validate_against_replay(replay, "cpu", preset=presets)
+        report["validation"]["fits"] = fits
     report["plots"] = write_plots(out, results, summaries, args.slo_ttft, curves)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.replay import bench
-from services.simulator.calibrate import fit_replay, read_records
-from services.simulator.run import validate_against_replay
+from services.simulator.run import fit_presets_to_replay, validate_against_replay
 from tests.conftest import shared_data
 
 pytestmark = pytest.mark.slow
@@ -54,13 +53,8 @@ def test_simulator_matches_a_live_replay(tmp_path: Path, model_dir: Path) -> Non
     errors = {p: report[p]["error"] for p in POLICIES if "error" in report[p]}
     assert code == 0 and not errors, f"policies failed: {errors}"
 
-    made = json.loads((out / "adapters" / "replay_adapters.json").read_text())
-    ids = [Path(p).name for p in made["paths"]]
-    sizes = dict(zip(ids, made["sizes"], strict=True))
-    ranks = dict(zip(ids, made["ranks"], strict=True))
-    presets, fits = {}, {}
+    presets, fits = fit_presets_to_replay(report, out)
     for p in POLICIES:
-        presets[p], fits[p] = fit_replay(read_records(out, [p]), sizes, ranks)
         assert fits[p]["solo"] >= 20, fits[p]  # enough of the run to read the machine from
     result = validate_against_replay(report, preset=presets, tolerance=TOLERANCE)
     result["fits"] = fits
