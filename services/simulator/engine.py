@@ -3,7 +3,8 @@
 Nothing here re-implements a policy: the simulated workers drive the production allocators
 (:mod:`services.worker.pool`), eviction policies (:mod:`services.worker.eviction`) and host
 cache (:class:`services.worker.store.HostCache`) directly, the simulated predictor runs the
-production forecaster (:mod:`services.predictor.forecast`) and the LoRAServe placement,
+production forecaster (:mod:`services.predictor.forecast`; once per trace, shared by every
+simulation of it, see :mod:`services.simulator.feed`) and the LoRAServe placement,
 prefetch choice and routing (:mod:`services.predictor.placement`), and arrivals come from the
 production trace loaders (:mod:`services.common.traces`). The :class:`AdapterStore` itself runs
 loader threads on the wall clock, so the simulator replays its decisions (the same order of
