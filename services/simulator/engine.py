@@ -67,13 +67,16 @@ from services.simulator.feed import DemandFeed, FeedSettings
 from services.simulator.presets import Preset
 from services.worker.eviction import Candidate, EvictionPolicy, make_policy
 from services.worker.pool import (
+    Allocation,
     Allocator,
     FragmentationError,
     OutOfSpaceError,
     TooLargeError,
+    compact_or_split,
+    external_fragmentation,
     make_allocator,
 )
-from services.worker.store import HostCache, PackedAdapter
+from services.worker.store import HostCache, PackedAdapter, StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +171,8 @@ class SimConfig:
         train_budget_s: Wall-clock budget per ``train`` call (the LSTM runs one step anyway).
         prefetch_min_expected: Prefetch threshold.
         max_prefetch_per_worker: Prefetch items per worker per tick.
-
-    The predictor settings (tick, horizon, training budget, prefetch threshold and cap) default
-    to the predictor service's own defaults (:class:`services.predictor.config.PredictorConfig`).
+        compaction_max_ratio: The store's compaction budget (units moved per unit needed;
+            default the worker's, ``StoreConfig.compaction_max_ratio``).
         view_refresh_s: How often the gateway's and predictor's view of the workers (queue
             length, residency, free pool bytes) is refreshed, seconds: the workers publish it
             with their heartbeat (``WorkerConfig.heartbeat_interval_s`` = 1 s) and the gateway
@@ -178,6 +180,9 @@ class SimConfig:
             at every request.
         source_latencies_s: ``float64 [m]`` real load latencies to draw from (preset source
             ``"alibaba"``); required for that source.
+
+    The predictor settings (tick, horizon, training budget, prefetch threshold and cap) default
+    to the predictor service's own defaults (:class:`services.predictor.config.PredictorConfig`).
     """
 
     preset: Preset
@@ -190,6 +195,7 @@ class SimConfig:
     train_budget_s: float = _PREDICTOR.train_budget_s
     prefetch_min_expected: float = _PREDICTOR.prefetch_min_expected
     max_prefetch_per_worker: int = _PREDICTOR.max_prefetch_per_worker
+    compaction_max_ratio: float = StoreConfig.compaction_max_ratio
     view_refresh_s: float = 1.0
     source_latencies_s: np.ndarray | None = field(default=None, repr=False)
 
@@ -389,8 +395,9 @@ class SimWorker:
             "failed_loads": 0, "prefetch_issued": 0, "prefetch_used": 0, "prefetch_wasted": 0,
             "prefetch_ignored": 0, "prefetch_already": 0, "rejected": 0, "steps": 0,
             "pressure_samples": 0, "util_sum": 0.0, "frag_sum": 0.0, "raw_frag_sum": 0.0,
-            "waste_sum": 0.0,
+            "waste_sum": 0.0, "splits": 0,
         }  # fmt: skip
+        self.ref_pieces: list[int] = []  # coarsest tensor layout loaded (fragmentation)
 
     # ---------------------------------------------------------------- routing view
     def view(self) -> WorkerView:
@@ -648,7 +655,7 @@ class SimWorker:
         allocated = al.used_units * al.unit_bytes
         c["waste_sum"] += (allocated - al.live_bytes) / allocated if allocated else 0.0
         if al.free_units:
-            c["frag_sum"] += 1.0 - al.allocatable_units(self._pinned()) / al.free_units
+            c["frag_sum"] += external_fragmentation(al, self._pinned(), self.ref_pieces)
             c["raw_frag_sum"] += 1.0 - al.largest_free_run() / al.free_units
 
     def _victim(self, job: _Load) -> int | None:
@@ -682,24 +689,34 @@ class SimWorker:
         sim = self.sim
         al = self.allocator
         nbytes = int(sim.adapters.nbytes[job.a])
+        pieces = sim.pieces(job.a)
+        if max(pieces) > max(self.ref_pieces, default=0):
+            self.ref_pieces = pieces
         compacted = False
         while True:
             compact = 0
+            alloc: Allocation | None = None
             try:
-                alloc = al.alloc(nbytes)
+                alloc = al.alloc_pieces(pieces)
             except TooLargeError as err:
                 self._fail_load(job, t, PoolExhaustedError(str(err)))
                 return
             except FragmentationError as err:
-                if (
-                    al.supports_compaction
-                    and not compacted
-                    and al.allocatable_units(self._pinned()) >= err.needed_units
-                ):
-                    compact = err.needed_units
+                compact, alloc = compact_or_split(
+                    al,
+                    self._pinned(),
+                    pieces,
+                    err.needed_units,
+                    compaction_max_ratio=sim.config.compaction_max_ratio,
+                    can_evict=lambda: self._victim(job) is not None,
+                )
+                if compacted:
+                    compact = 0  # it did not help: evict before compacting again
             except OutOfSpaceError:
                 pass
-            else:
+            if alloc is not None:
+                if alloc.is_split:
+                    self.c["splits"] += 1
                 job.handle = alloc.handle
                 job.units = alloc.units
                 self.loading_handles.add(alloc.handle)
@@ -898,6 +915,7 @@ class ClusterSimulation:
         self._names_arr = np.asarray(adapters.names, dtype=object)
         self._ranks_l: list[int] = adapters.ranks.tolist()
         self._sizes_l: list[int] = adapters.nbytes.tolist()
+        self._pieces: dict[int, list[int]] = {}
         if policy.predictor:
             if feed is None:
                 feed = make_feed(trace, adapters, config)
@@ -924,6 +942,13 @@ class ClusterSimulation:
         """Schedule an event."""
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, wid, payload))
+
+    def pieces(self, a: int) -> list[int]:
+        """Byte sizes of adapter ``a``'s tensors in the store's packed order (split points)."""
+        p = self._pieces.get(a)
+        if p is None:
+            p = self._pieces[a] = self.preset.adapter_pieces(int(self.adapters.ranks[a]))
+        return p
 
     def packed(self, a: int) -> PackedAdapter:
         """Adapter ``a`` as the host cache holds it (a meta tensor: bytes, no storage)."""

@@ -171,6 +171,17 @@ class Preset:
         per_layer = sum(sum(self.model.module_shape(m)) for m in PROJECTION_MODULES)
         return int(rank) * per_layer * self.model.num_layers * self.dtype_bytes
 
+    def adapter_pieces(self, rank: int) -> list[int]:
+        """Byte sizes of one adapter's tensors in the store's packed order (for each layer and
+        projection, sorted: A ``[r, in]`` then B ``[out, r]``), the pieces a split allocation
+        is cut between (``services.worker.store.slot_pieces``)."""
+        r, e = int(rank), self.dtype_bytes
+        layer: list[int] = []
+        for m in sorted(PROJECTION_MODULES):
+            fan_in, fan_out = self.model.module_shape(m)
+            layer += [r * fan_in * e, fan_out * r * e]
+        return layer * self.model.num_layers
+
     def with_overrides(self, **kw: object) -> Preset:
         """A copy with some fields replaced (``dataclasses.replace``)."""
         return replace(self, **kw)  # type: ignore[arg-type]

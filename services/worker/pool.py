@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -929,6 +929,77 @@ class ContiguousAllocator(Allocator):
 
     def __init__(self, capacity_bytes: int, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> None:
         super().__init__(capacity_bytes // alignment_bytes, alignment_bytes)
+
+
+def external_fragmentation(
+    allocator: Allocator, pinned: Iterable[int] = (), ref_pieces: Sequence[int] = ()
+) -> float:
+    """``1 - largest allocatable extent / free units`` (ARCHITECTURE.md), in [0, 1].
+
+    The allocatable extent is what compaction around ``pinned`` can join
+    (:meth:`Allocator.allocatable_units`) and, for an allocator that splits, the better of that
+    and the units a split allocation of the layout ``ref_pieces`` would occupy
+    (:meth:`Allocator.placeable_units`; callers pass the coarsest layout seen). 0 when nothing
+    is free.
+    """
+    if allocator.free_units == 0:
+        return 0.0
+    run = allocator.allocatable_units(pinned)
+    if allocator.supports_split and ref_pieces:
+        run = max(run, allocator.placeable_units(ref_pieces))
+    return 1.0 - run / allocator.free_units
+
+
+def compact_or_split(
+    allocator: Allocator,
+    pinned: Iterable[int],
+    pieces: Sequence[int],
+    need_units: int,
+    *,
+    compaction_max_ratio: float,
+    can_evict: Callable[[], bool],
+    alloc_split: Callable[[Sequence[int]], Allocation] | None = None,
+) -> tuple[int, Allocation | None]:
+    """What to do when enough units are free but no single run fits (``FragmentationError``).
+
+    The one policy both the worker's store and the simulator run: compact when pinned
+    allocations do not block it and the cheapest plan moves at most ``compaction_max_ratio``
+    units per unit needed; else split ``pieces`` over the free runs (S-LoRA-style, cut only
+    between pieces; :meth:`Allocator.alloc_pieces`); else compact anyway when it can join the
+    space and nothing can be evicted; else nothing (the caller evicts or waits).
+
+    Args:
+        allocator: The pool's allocator (``contiguous`` never compacts nor splits).
+        pinned: Handles that must not move (leased or loading).
+        pieces: Byte sizes of the allocation's pieces, in layout order.
+        need_units: Units the allocation needs (``FragmentationError.needed_units``).
+        compaction_max_ratio: Budget of units moved per unit needed (``inf``: always compact).
+        can_evict: Whether an eviction victim exists (asked only when it matters).
+        alloc_split: Makes the split allocation (default: ``allocator.alloc_pieces`` with
+            ``split=True``; the store passes its pool's, which also checks element alignment).
+
+    Returns:
+        ``(units to compact for, None)`` to compact, ``(0, allocation)`` when split, or
+        ``(0, None)`` when neither applies.
+    """
+    if not allocator.supports_compaction:
+        return 0, None
+    pins = set(pinned)
+    joinable = allocator.allocatable_units(pins) >= need_units
+    if joinable:
+        limit = compaction_max_ratio * need_units
+        if limit == float("inf") or limit >= sum(
+            m.units for m in allocator.plan_compaction(pins, need_units)
+        ):
+            return need_units, None
+    split = alloc_split or (lambda p: allocator.alloc_pieces(p, split=True))
+    try:
+        return 0, split(pieces)
+    except FragmentationError:
+        pass
+    if joinable and not can_evict():
+        return need_units, None
+    return 0, None
 
 
 def make_allocator(

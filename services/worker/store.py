@@ -81,6 +81,8 @@ from services.worker.pool import (
     FragmentationError,
     OutOfSpaceError,
     TooLargeError,
+    compact_or_split,
+    external_fragmentation,
     make_allocator,
 )
 
@@ -1144,10 +1146,7 @@ class AdapterStore:
             return 0.0
         if not allocatable:
             return 1.0 - al.largest_free_run() / al.free_units
-        run = al.allocatable_units(self._pinned())
-        if al.supports_split and self._ref_pieces:
-            run = max(run, al.placeable_units(self._ref_pieces))
-        return 1.0 - run / al.free_units
+        return external_fragmentation(al, self._pinned(), self._ref_pieces)
 
     def _sample_pressure(self) -> None:
         al = self._pool.allocator
@@ -1391,26 +1390,17 @@ class AdapterStore:
     def _compact_or_split(
         self, e: _Entry, pieces: Sequence[int], need_units: int
     ) -> tuple[int, Allocation | None]:
-        """Enough units are free but no run fits: ``(units to compact for, None)`` when
-        compaction is cheap (or the only way left), else ``(0, split allocation or None)``."""
-        al = self._pool.allocator
-        if not al.supports_compaction:
-            return 0, None
-        pinned = self._pinned()
-        joinable = al.allocatable_units(pinned) >= need_units
-        if joinable:
-            limit = self.config.compaction_max_ratio * need_units
-            if limit == float("inf") or limit >= sum(
-                m.units for m in al.plan_compaction(pinned, need_units)
-            ):
-                return need_units, None
-        try:
-            return 0, self._pool.alloc_pieces(pieces, split=True)
-        except FragmentationError:
-            pass
-        if joinable and self._pick_victim(e) is None:
-            return need_units, None
-        return 0, None
+        """Enough units are free but no run fits: :func:`services.worker.pool.compact_or_split`
+        with this store's budget, pins and eviction policy."""
+        return compact_or_split(
+            self._pool.allocator,
+            self._pinned(),
+            pieces,
+            need_units,
+            compaction_max_ratio=self.config.compaction_max_ratio,
+            can_evict=lambda: self._pick_victim(e) is not None,
+            alloc_split=lambda p: self._pool.alloc_pieces(p, split=True),
+        )
 
     def _compact(self, need_units: int) -> None:
         """Compact the pool with the compute guard held exclusively (no step running)."""
