@@ -104,35 +104,64 @@ def plan_placement(
     if not workers:
         return {}, 0
     previous = previous or {}
-    active = {a: d for a, d in demand.items() if d.expected > 0}
-    total = sum(d.load for d in active.values())
-    share = total / len(workers) if total > 0 else 0.0
+    n_workers = len(workers)
+    costs: dict[int, float] = {}  # rank -> rank_cost (a handful of distinct ranks)
+    loads: dict[str, float] = {}
+    for a, d in demand.items():
+        if d.expected > 0:
+            c = costs.get(d.rank)
+            if c is None:
+                c = costs[d.rank] = rank_cost(d.rank)
+            loads[a] = d.expected * c
+    total = sum(loads.values())
+    share = total / n_workers if total > 0 else 0.0
+    cap = share * (1 + tolerance) + 1e-9
     load = {w.worker_id: 0.0 for w in workers}
     room = {w.worker_id: w.pool_bytes if w.pool_bytes > 0 else math.inf for w in workers}
-    order = sorted(active, key=lambda a: (-active[a].load, a))
+    resident_on: dict[str, list[str]] = {}
+    for w in workers:
+        for a in w.resident:
+            if a in loads:
+                resident_on.setdefault(a, []).append(w.worker_id)
     placement: dict[str, list[str]] = {}
-    for a in order:
-        d = active[a]
-        replicas = 1 if share <= 0 else max(1, min(len(workers), math.ceil(d.load / share - 1e-9)))
-        per_replica = d.load / replicas
+    for a in sorted(loads, key=lambda a: (-loads[a], a)):
+        size = demand[a].size_bytes
+        a_load = loads[a]
+        if share <= 0 or a_load <= share:
+            replicas = 1
+        else:
+            replicas = max(1, min(n_workers, math.ceil(a_load / share - 1e-9)))
+        per_replica = a_load / replicas
         chosen: list[str] = []
         # Keep what already serves the adapter: workers holding it resident first (moving it
         # would cost a load and waste the copy the router is using), then the last placement.
-        resident_on = [w.worker_id for w in workers if a in w.resident]
-        kept = list(dict.fromkeys([*resident_on, *(w for w in previous.get(a, ()) if w in load)]))
+        res = resident_on.get(a)
+        prev = previous.get(a)
+        if res and prev:
+            kept: Sequence[str] = list(dict.fromkeys([*res, *(w for w in prev if w in load)]))
+        elif res:
+            kept = res
+        elif prev:
+            kept = [w for w in prev if w in load]
+        else:
+            kept = ()
         for w in kept:
             if len(chosen) == replicas:
                 break
-            if load[w] + per_replica <= share * (1 + tolerance) + 1e-9 and room[w] >= d.size_bytes:
+            if load[w] + per_replica <= cap and room[w] >= size:
                 chosen.append(w)
         while len(chosen) < replicas:
-            candidates = [w for w in load if w not in chosen and room[w] >= d.size_bytes]
-            if not candidates:
+            best = None
+            for w, lw in load.items():
+                if room[w] >= size and w not in chosen:
+                    if best is None or (lw, w) < best:
+                        best = (lw, w)
+            if best is None:
                 break
-            chosen.append(min(candidates, key=lambda w: (load[w], w)))
+            chosen.append(best[1])
         for w in chosen:
             load[w] += per_replica
-            room[w] -= d.size_bytes
+            room[w] -= size
         if chosen:
             placement[a] = chosen
     moves = sum(len(set(ws) - set(previous[a])) for a, ws in placement.items() if a in previous)
