@@ -1,6 +1,9 @@
-"""Small shared test fixtures: a tiny Llama shape and a random transformers model of it."""
+"""Small shared test fixtures: a tiny Llama shape and a random transformers model of it, and
+the parsed flags of ``plora bench replay``."""
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -41,3 +44,12 @@ def tiny_llama(seed: int = 0):
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(cfg).eval()
+
+
+def replay_args(flags: list[str]) -> argparse.Namespace:
+    """``flags`` parsed exactly as ``plora bench replay`` parses them."""
+    from services.replay import bench
+
+    parser = argparse.ArgumentParser(prog="plora bench replay")
+    bench.add_arguments(parser)
+    return parser.parse_args(flags)

@@ -4,7 +4,6 @@ the report."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -13,16 +12,11 @@ import pytest
 from services.replay import bench
 from services.replay.report import COMPARISON_KEYS, POLICY_KEYS
 from tests.conftest import shared_data
+from tests.helpers import replay_args
 
 pytestmark = pytest.mark.slow
 
 POLICIES = ("plora", "baseline")
-
-
-def _args(flags: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="plora bench replay")
-    bench.add_arguments(parser)
-    return parser.parse_args(flags)
 
 
 def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> None:
@@ -32,7 +26,7 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
     # mapped onto 4 adapters (ranks 8 and 16); the per-worker pool (a quarter of the adapters'
     # bytes, at least the largest) holds about one of them. One worker per cluster keeps the
     # test short (start-up is mostly model loading); the benchmark itself runs two.
-    args = _args([
+    args = replay_args([
         "--trace", str(trace), "--format", "azure2021", "--time-scale", "20",
         "--start", "2", "--duration", "12", "--adapters", "4", "--ranks", "8,16",
         "--policies", ",".join(POLICIES), "--out", str(out), "--workers", "1",

@@ -10,7 +10,6 @@ queueing, batching, residency, eviction, prefetch and routing.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -19,18 +18,13 @@ import pytest
 from services.replay import bench
 from services.simulator.run import fit_presets_to_replay, validate_against_replay
 from tests.conftest import shared_data
+from tests.helpers import replay_args
 
 pytestmark = pytest.mark.slow
 
 POLICIES = ("plora", "baseline")
 RANKS = (8, 16, 32, 64)
 TOLERANCE = 0.25
-
-
-def _args(flags: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="plora bench replay")
-    bench.add_arguments(parser)
-    return parser.parse_args(flags)
 
 
 def test_simulator_matches_a_live_replay(tmp_path: Path, model_dir: Path) -> None:
@@ -40,7 +34,7 @@ def test_simulator_matches_a_live_replay(tmp_path: Path, model_dir: Path) -> Non
     # to 31 in 10 s), 38 keys onto 8 adapters of ranks 8-64, pool = 1/4 of their bytes per
     # worker, 2 workers, 2 new tokens: about 2 minutes of cluster time per policy, the workers
     # busy but not saturated (near saturation TTFT swings with every percent of machine speed).
-    args = _args([
+    args = replay_args([
         "--trace", str(trace), "--format", "alibaba", "--time-scale", "30",
         "--start", "12000", "--duration", "120", "--adapters", "8",
         "--ranks", ",".join(map(str, RANKS)), "--policies", ",".join(POLICIES),
