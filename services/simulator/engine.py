@@ -65,7 +65,12 @@ from services.predictor.placement import (
 )
 from services.simulator.feed import DemandFeed, FeedSettings
 from services.simulator.presets import Preset
-from services.worker.eviction import Candidate, EvictionPolicy, make_policy
+from services.worker.eviction import (
+    Candidate,
+    EvictionPolicy,
+    make_policy,
+    prefetch_may_displace,
+)
 from services.worker.pool import (
     Allocation,
     Allocator,
@@ -173,6 +178,8 @@ class SimConfig:
         max_prefetch_per_worker: Prefetch items per worker per tick.
         compaction_max_ratio: The store's compaction budget (units moved per unit needed;
             default the worker's, ``StoreConfig.compaction_max_ratio``).
+        prefetch_min_gain: The store's prefetch displacement margin (default the worker's,
+            ``StoreConfig.prefetch_min_gain``).
         view_refresh_s: How often the gateway's and predictor's view of the workers (queue
             length, residency, free pool bytes) is refreshed, seconds: the workers publish it
             with their heartbeat (``WorkerConfig.heartbeat_interval_s`` = 1 s) and the gateway
@@ -196,6 +203,7 @@ class SimConfig:
     prefetch_min_expected: float = _PREDICTOR.prefetch_min_expected
     max_prefetch_per_worker: int = _PREDICTOR.max_prefetch_per_worker
     compaction_max_ratio: float = StoreConfig.compaction_max_ratio
+    prefetch_min_gain: float = StoreConfig.prefetch_min_gain
     view_refresh_s: float = 1.0
     source_latencies_s: np.ndarray | None = field(default=None, repr=False)
 
@@ -662,11 +670,14 @@ class SimWorker:
         names = self.sim.adapters.names
         rc = self.refcount
         pol = self.evictor
+        gain = self.sim.config.prefetch_min_gain
         cands = []
         for a, _h in self.resident.items():
             if rc[a]:
                 continue
-            if not job.demanded and not pol.demand(names[a]) < job.expected:
+            if not job.demanded and not prefetch_may_displace(
+                pol.demand(names[a]), job.expected, gain
+            ):
                 continue
             cands.append(Candidate(names[a], self.res_bytes[a], self.last_used.get(a, 0.0)))
         if not cands:
@@ -819,10 +830,11 @@ class SimWorker:
         names = self.sim.adapters.names
         rc = self.refcount
         pol = self.evictor
+        gain = self.sim.config.prefetch_min_gain
         for a, b in self.res_bytes.items():
             if room >= need:
                 break
-            if rc[a] == 0 and pol.demand(names[a]) < expected:
+            if rc[a] == 0 and prefetch_may_displace(pol.demand(names[a]), expected, gain):
                 room += b
         return room >= need
 

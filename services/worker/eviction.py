@@ -16,6 +16,7 @@ table-tested.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,28 @@ def predictive_order(
         return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
 
     return sorted(candidates, key=key)
+
+
+def prefetch_may_displace(victim_demand: float, incoming_expected: float, min_gain: float) -> bool:
+    """Whether a prefetch may evict an unleased resident adapter to make room.
+
+    Both figures are expected request counts over the forecast horizon. Under Poisson arrivals
+    an adapter with expected count ``x`` is requested at least once in the horizon with
+    probability ``p(x) = 1 - exp(-x)``, so swapping the victim for the incoming adapter avoids
+    ``p(incoming) - p(victim)`` expected cold starts in the horizon (and causes the victim's).
+    The swap is made only when that gain is at least ``min_gain``: a load is not free (it takes
+    loader and copy time, and a wasted prefetch may evict the next request's adapter), and
+    forecasts a hair apart must not trade adapters back and forth (hysteresis). ``min_gain``
+    0 is the plain rule "never evict an adapter wanted at least as much" (Predictive-LoRA,
+    demand-aware prefetch).
+
+    Args:
+        victim_demand: Forecast expected count of the resident adapter (>= 0).
+        incoming_expected: Forecast expected count of the adapter to prefetch (>= 0).
+        min_gain: Least gain in probability of use within the horizon, in [0, 1).
+    """
+    gain = math.exp(-max(0.0, victim_demand)) - math.exp(-max(0.0, incoming_expected))
+    return victim_demand < incoming_expected and gain >= min_gain
 
 
 class EvictionPolicy(ABC):

@@ -71,7 +71,12 @@ from services.common.errors import (
 )
 from services.common.types import LoRAModuleWeights, LoRAWeights
 from services.worker.adapter_api import AdapterRef
-from services.worker.eviction import EVICTION_KINDS, Candidate, make_policy
+from services.worker.eviction import (
+    EVICTION_KINDS,
+    Candidate,
+    make_policy,
+    prefetch_may_displace,
+)
 from services.worker.pool import (
     ALLOCATOR_KINDS,
     DEFAULT_ALIGNMENT_BYTES,
@@ -127,6 +132,10 @@ class StoreConfig:
             full Alibaba replay (``plora bench pool``) it reached the same utilization and a
             lower external fragmentation than always compacting (``inf``, the paper's design)
             while moving 65x fewer bytes, because a split over free runs costs no copy.
+        prefetch_min_gain: A prefetch evicts an unleased adapter only when the swap raises the
+            probability of use within the horizon by at least this much
+            (:func:`services.worker.eviction.prefetch_may_displace`); free space is always
+            used.
 
     Raises:
         ConfigError: an unknown name or an inconsistent size (host cache < pool, ...).
@@ -144,6 +153,7 @@ class StoreConfig:
     loader_threads: int = 2
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
     compaction_max_ratio: float = 4.0
+    prefetch_min_gain: float = 0.2
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATOR_KINDS:
@@ -177,6 +187,8 @@ class StoreConfig:
             raise ConfigError(f"load_wait_timeout_s must be >= 0, got {self.load_wait_timeout_s}")
         if self.compaction_max_ratio < 0:
             raise ConfigError(f"compaction_max_ratio must be >= 0, got {self.compaction_max_ratio}")
+        if not 0.0 <= self.prefetch_min_gain < 1.0:
+            raise ConfigError(f"prefetch_min_gain must be in [0, 1), got {self.prefetch_min_gain}")
         if self.loader_threads < 1:
             raise ConfigError(f"loader_threads must be >= 1, got {self.loader_threads}")
 
@@ -1170,17 +1182,23 @@ class AdapterStore:
                 e.state is _State.RESIDENT
                 and e.refcount == 0
                 and e.alloc is not None
-                and self._policy.demand(e.ref.adapter_id) < expected
+                and self._displaceable(e.ref.adapter_id, expected)
             ):
                 room += e.alloc.byte_length
         return room >= need
+
+    def _displaceable(self, adapter_id: str, expected: float) -> bool:
+        """Whether a prefetch expecting ``expected`` requests may evict ``adapter_id``."""
+        return prefetch_may_displace(
+            self._policy.demand(adapter_id), expected, self.config.prefetch_min_gain
+        )
 
     def _pick_victim(self, e: _Entry) -> _Entry | None:
         cands = []
         for x in self._entries.values():
             if x is e or x.state is not _State.RESIDENT or x.refcount or x.alloc is None:
                 continue
-            if not e.demanded and not self._policy.demand(x.ref.adapter_id) < e.expected:
+            if not e.demanded and not self._displaceable(x.ref.adapter_id, e.expected):
                 continue
             cands.append(Candidate(x.ref.adapter_id, x.alloc.byte_length, x.last_used))
         if not cands:

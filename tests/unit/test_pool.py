@@ -15,6 +15,7 @@ from services.worker.eviction import (
     lru_order,
     make_policy,
     predictive_order,
+    prefetch_may_displace,
 )
 from services.worker.pool import (
     ContiguousAllocator,
@@ -453,6 +454,22 @@ def test_predictive_policy_falls_back_to_lru_without_forecast() -> None:
     p.set_forecast({"hot": 9.0})
     assert [c.adapter_id for c in p.order(cands)] == ["cold", "hot"]
     assert p.demand("hot") == 9.0 and p.demand("none") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("victim", "incoming", "min_gain", "expect"),
+    [
+        (0.0, 0.5, 0.2, True),  # 1 - e^-0.5 = 0.39 >= 0.2
+        (0.0, 0.2, 0.2, False),  # 0.18 < 0.2: a long shot does not evict anything
+        (1.0, 1.2, 0.2, False),  # e^-1 - e^-1.2 = 0.07: forecasts a hair apart never trade
+        (0.1, 3.0, 0.2, True),
+        (2.0, 2.0, 0.0, False),  # never evict an adapter wanted as much, even with no margin
+        (0.3, 0.31, 0.0, True),  # margin 0: the plain "wanted more" rule
+        (5.0, 1.0, 0.0, False),
+    ],
+)
+def test_prefetch_may_displace(victim: float, incoming: float, min_gain: float, expect: bool):
+    assert prefetch_may_displace(victim, incoming, min_gain) is expect
 
 
 def test_make_policy() -> None:

@@ -101,6 +101,8 @@ def ready(lease, timeout: float = 5.0):  # noqa: ANN001, ANN201
         {"page_bytes": 6},
         {"load_wait_timeout_s": -1},
         {"loader_threads": 0},
+        {"prefetch_min_gain": 1.0},
+        {"prefetch_min_gain": -0.1},
         {"pool_bytes": 10, "page_bytes": 256},
     ],
 )
@@ -316,6 +318,28 @@ def test_prefetch_never_evicts_more_wanted_or_in_use() -> None:
             time.sleep(0.01)
         assert {r.adapter_id for r in s.resident_adapters()} == {"hot", "p"}
         assert s.stats().evictions_by_reason == {"prefetch": 1}
+
+
+def test_prefetch_needs_a_real_gain_to_evict() -> None:
+    """prefetch_min_gain: a prefetch evicts only when it raises the chance of use within the
+    horizon by the margin (1 - e^-x under Poisson arrivals), so near-equal forecasts never
+    trade places; free space is used whatever the gain."""
+    s, _ = store(pages=8, prefetch_min_gain=0.2)
+    with s:
+        s.set_forecast({"a": 1.0, "b": 1.0})
+        ready(s.acquire(ref("a", 2))).release()
+        ready(s.acquire(ref("b", 2))).release()  # the pool is full
+        assert tuple(s.prefetch([(ref("p", 2), 1.3)])) == (0, 0, 1)  # gain 0.09
+        assert {r.adapter_id for r in s.resident_adapters()} == {"a", "b"}
+        assert tuple(s.prefetch([(ref("q", 2), 4.0)])) == (1, 0, 0)  # gain 0.35
+        deadline = time.monotonic() + 5
+        while "q" not in {r.adapter_id for r in s.resident_adapters()}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert s.stats().evictions_by_reason == {"prefetch": 1}
+    s, _ = store(pages=8, prefetch_min_gain=0.2)
+    with s:  # free space: even a long shot is loaded
+        assert tuple(s.prefetch([(ref("p", 2), 0.05)])) == (1, 0, 0)
 
 
 def test_demand_loads_run_before_queued_prefetches() -> None:
