@@ -90,7 +90,8 @@ class Trace:
     Attributes:
         times: ``float64 [n]`` arrival times in seconds from the trace start, non-decreasing.
         key_index: ``int32 [n]`` index of each arrival's key into ``keys``.
-        keys: Key vocabulary (every key has at least one arrival), in order of first row in the file.
+        keys: Key vocabulary (every key has at least one arrival), in order of first row in the
+            file.
         prompt_tokens: ``int32 [n]`` prompt lengths in tokens.
         output_tokens: ``int32 [n]`` output lengths in tokens.
         fmt: The format the trace was loaded from (one of :data:`TRACE_FORMATS`, or "synthetic").
@@ -181,7 +182,10 @@ class Trace:
             yield Arrival(t, keys[k], p, o)
 
     def arrivals(self) -> list[Arrival]:
-        """All arrivals as :class:`Arrival` objects (O(n) memory; prefer the arrays for big traces)."""
+        """All arrivals as :class:`Arrival` objects.
+
+        O(n) memory: prefer the arrays for big traces.
+        """
         return list(self)
 
     @property

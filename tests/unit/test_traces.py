@@ -26,12 +26,30 @@ def _real(name: str) -> Path:
 
 
 # ---------------------------------------------------------------- synthetic files, exact values
-ALIBABA_CSV = """gmt_create,predict_type,predict_status,exec_time_seconds,groupId,prompt_length,negative_prompt_length,num_images_per_prompt,num_inference_steps,checkpoint_model_version_id,num_lora
+ALIBABA_HEADER = ",".join(
+    [
+        "gmt_create",
+        "predict_type",
+        "predict_status",
+        "exec_time_seconds",
+        "groupId",
+        "prompt_length",
+        "negative_prompt_length",
+        "num_images_per_prompt",
+        "num_inference_steps",
+        "checkpoint_model_version_id",
+        "num_lora",
+    ]
+)
+ALIBABA_CSV = (
+    ALIBABA_HEADER
+    + """
 2024-11-15 16:57:50,TXT_2_IMG,SUCCEED,32.0,G1,63.0,26.0,1.0,30.0,M0,0
 2024-11-15 16:57:52,TXT_2_IMG,SUCCEED,32.0,G2,,26.0,1.0,30.0,M0,0
 2024-11-15 16:57:52,TXT_2_IMG,FAILED,32.0,G1,10.0,26.0,1.0,30.0,M0,0
 2024-11-15 16:58:50,TXT_2_IMG,SUCCEED,32.0,G3,5.0,26.0,1.0,30.0,M0,0
 """
+)
 
 AZ2019_CSV = """HashOwner,HashApp,HashFunction,Trigger,480,481,482
 o,a,f1,http,2,0,1
