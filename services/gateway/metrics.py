@@ -77,6 +77,13 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.worker_pending = Gauge(
+            "plora_gateway_worker_pending_requests",
+            "Requests this gateway sent to each worker that have not had their first token yet "
+            "(what rank-aware routing balances first)",
+            ["worker"],
+            registry=r,
+        )
         self.resident = Gauge(
             "plora_gateway_worker_resident_adapters",
             "Adapters resident on each worker",

@@ -92,6 +92,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._round_robin = RoundRobinRouter()
         self._placement_cache = _TTLCache(config.worker_cache_s)
         self._inflight: collections.Counter[str] = collections.Counter()
+        # requests in flight that have not had their first token yet, per worker
+        self._pending: collections.Counter[str] = collections.Counter()
         self._inflight_lock = threading.Lock()
         self.events = EventStreamer(
             config.predictor_address,
@@ -164,6 +166,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 # Heartbeats are up to a second old: between them, count what this gateway
                 # itself has in flight on each worker, so a burst is not sent to one worker.
                 queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
+                pending=self._pending[w.worker_id],
             )
             for w in workers
         ]
@@ -178,12 +181,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     adapter.adapter_id if adapter else "", views, placement
                 )
             self._inflight[chosen] += 1
+            self._pending[chosen] += 1
+            self.metrics.worker_pending.labels(chosen).set(self._pending[chosen])
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
 
-    def _done(self, worker_id: str) -> None:
+    def _first_token(self, worker_id: str) -> None:
+        with self._inflight_lock:
+            self._pending[worker_id] -= 1
+            self.metrics.worker_pending.labels(worker_id).set(self._pending[worker_id])
+
+    def _done(self, worker_id: str, pending: bool) -> None:
         with self._inflight_lock:
             self._inflight[worker_id] -= 1
+            if pending:
+                self._pending[worker_id] -= 1
+                self.metrics.worker_pending.labels(worker_id).set(self._pending[worker_id])
 
     def _placement(self) -> dict[str, list[str]]:
         cached = self._placement_cache.get("placement")
@@ -260,6 +273,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 for response in call:
                     if ttft is None and response.token_ids:
                         ttft = time.monotonic() - received
+                        self._first_token(worker.worker_id)
                     if response.token_ids:
                         self.metrics.tokens.inc(len(response.token_ids))
                     if response.finish_reason:
@@ -289,7 +303,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     return
                 context.abort(exc.code(), exc.details() or exc.code().name)
             finally:
-                self._done(worker.worker_id)
+                self._done(worker.worker_id, pending=ttft is None)
 
     # -- adapters -------------------------------------------------------------------------
 

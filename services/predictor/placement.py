@@ -50,6 +50,9 @@ class WorkerView:
         free_bytes: Pool bytes not holding live adapters.
         resident: Adapter ids resident in its pool.
         queue_length: Requests queued or running on it.
+        pending: Requests sent to it that have not had their first token yet (waiting for an
+            adapter, queued, or in prefill): the work a new request's first token waits behind.
+            The gateway counts its own; 0 where unknown (placement does not use it).
     """
 
     worker_id: str
@@ -57,6 +60,7 @@ class WorkerView:
     free_bytes: int = 0
     resident: frozenset[str] = field(default_factory=frozenset)
     queue_length: int = 0
+    pending: int = 0
 
 
 @dataclass(frozen=True)
@@ -168,24 +172,38 @@ def plan_placement(
     return placement, moves
 
 
+def _load_key(w: WorkerView) -> tuple[int, int, str]:
+    return (w.pending, w.queue_length, w.worker_id)
+
+
 def route_rank_aware(
     adapter_id: str,
     workers: Sequence[WorkerView],
     placement: Mapping[str, Sequence[str]],
     *,
+    pending_slack: int = 0,
     queue_slack: int = 4,
 ) -> tuple[str, str]:
     """Choose a worker for one request (LoRAServe-style routing).
 
-    Order: a worker with the adapter resident and the shortest queue, unless its queue exceeds
-    the cluster's shortest by more than ``queue_slack``; else a worker the placement assigns the
-    adapter to (shortest queue); else the least-loaded worker. Ties break on worker id.
+    Load order: fewest requests awaiting their first token (``pending``), then shortest queue
+    (queued + running), then worker id. A request's TTFT waits behind the prefills ahead of it
+    far more than behind sequences already decoding (continuous batching adds a decode row to
+    the step; a prefill is a whole prompt's worth of work), so pending requests come first.
+
+    Order: the least-loaded worker holding the adapter resident, unless it has more than
+    ``pending_slack`` more pending requests, or a queue more than ``queue_slack`` longer, than
+    the least-loaded worker; else, under the same limits, the least-loaded worker the placement
+    assigns the adapter to; else the least-loaded worker. Staying on a resident worker saves a
+    load (a cold start) at the price of queueing behind its pending prefills; with slack 0 a
+    request goes elsewhere as soon as another worker would start its prefill sooner.
 
     Args:
         adapter_id: Requested adapter ("" = base model).
         workers: Healthy candidate workers (non-empty).
         placement: ``adapter_id -> [worker_id, ...]``.
-        queue_slack: Queue difference tolerated to keep a request on a resident worker.
+        pending_slack: Pending-request difference tolerated to stay on a resident/placed worker.
+        queue_slack: Queue difference tolerated to stay on a resident/placed worker.
 
     Returns:
         ``(worker_id, reason)`` with reason ``"resident"``, ``"placed"``, ``"least_loaded"``.
@@ -195,18 +213,25 @@ def route_rank_aware(
     """
     if not workers:
         raise ValueError("no workers to route to")
-    least = min(workers, key=lambda w: (w.queue_length, w.worker_id))
+    least = min(workers, key=_load_key)
+
+    def close_enough(w: WorkerView) -> bool:
+        return (
+            w.pending <= least.pending + pending_slack
+            and w.queue_length <= least.queue_length + queue_slack
+        )
+
     if adapter_id:
         resident = [w for w in workers if adapter_id in w.resident]
         if resident:
-            best = min(resident, key=lambda w: (w.queue_length, w.worker_id))
-            if best.queue_length <= least.queue_length + queue_slack:
+            best = min(resident, key=_load_key)
+            if close_enough(best):
                 return best.worker_id, "resident"
         placed_ids = set(placement.get(adapter_id, ()))
         placed = [w for w in workers if w.worker_id in placed_ids]
         if placed:
-            best = min(placed, key=lambda w: (w.queue_length, w.worker_id))
-            if best.queue_length <= least.queue_length + queue_slack:
+            best = min(placed, key=_load_key)
+            if close_enough(best):
                 return best.worker_id, "placed"
     return least.worker_id, "least_loaded"
 

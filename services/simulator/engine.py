@@ -380,6 +380,7 @@ class SimWorker:
         self.waiters: dict[int, list[int]] = {}
         self.ready: list[int] = []  # heap of request indices (arrival order)
         self.n_waiting = 0
+        self.first_due: list[float] = []  # heap: first-token times (at the gateway) to come
         self.running: list[tuple[int, int]] = []  # heap of (finish step, request)
         self.n_run = 0
         self.steps = 0  # steps completed
@@ -427,6 +428,14 @@ class SimWorker:
             self._view_key = key
         assert self._view is not None
         return self._view
+
+    def pending(self, t: float) -> int:
+        """Requests routed here without their first token at the gateway by ``t`` (the
+        gateway's own count, ``WorkerView.pending``)."""
+        due = self.first_due
+        while due and due[0] <= t:
+            heapq.heappop(due)
+        return self.n_waiting + len(due)
 
     # ---------------------------------------------------------------- requests
     def accept(self, r: int, a: int, t: float) -> bool:
@@ -558,9 +567,11 @@ class SimWorker:
             s0 = self.steps
             net = p.network_s
             running = self.running
+            first_due = self.first_due
             for r in admitted:
                 first[r] = tend + net
                 heapq.heappush(running, (s0 + out[r], r))
+                heapq.heappush(first_due, tend + net)
             self.seg_t0 = tend - dt_d
         else:
             self.seg_t0 = t
@@ -995,17 +1006,21 @@ class ClusterSimulation:
 
     def gateway_views(self, t: float) -> list[WorkerView]:
         """What the gateway routes on: the heartbeat views (:meth:`views`), but each worker's
-        queue at least the requests the gateway itself has in flight on it, as
-        ``services.gateway.server.GatewayServicer._choose`` counts them between heartbeats."""
+        queue at least the requests the gateway itself has in flight on it, and its pending
+        requests (no first token yet) as the gateway counts them, as
+        ``services.gateway.server.GatewayServicer._choose`` does."""
         stale = self.views(t)
         out = stale
         for i, w in enumerate(self.workers):
             q = w.n_waiting + w.n_run
+            p = w.pending(t)
             v = stale[i]
-            if q > v.queue_length:
+            if q > v.queue_length or p != v.pending:
                 if out is stale:
                     out = list(stale)
-                out[i] = WorkerView(v.worker_id, v.pool_bytes, v.free_bytes, v.resident, q)
+                out[i] = WorkerView(
+                    v.worker_id, v.pool_bytes, v.free_bytes, v.resident, max(q, v.queue_length), p
+                )
         return out
 
     def _dispatch(self, r: int, t: float) -> None:

@@ -307,6 +307,32 @@ def test_a_burst_is_spread_over_the_workers(stub) -> None:
     assert {r.worker_id for r in results} == {"worker-0", "worker-1"}
 
 
+def test_pending_counts_return_to_zero(stub, cluster: dict) -> None:
+    """The gateway's per-worker count of requests awaiting their first token (what routing
+    balances first) goes back to 0 after served, cancelled and failed requests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda _: collect(stub, chat(max_new_tokens=4)), range(3)))
+    call = stub.Generate(chat("Tell me a long story.", max_new_tokens=200), timeout=120)
+    next(call)
+    call.cancel()
+    with pytest.raises(grpc.RpcError):
+        collect(stub, chat(adapter_id="no-such-adapter"))
+    deadline = time.monotonic() + 10
+    while True:
+        text = urllib.request.urlopen(cluster["metrics"]["gateway"], timeout=10).read().decode()
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("plora_gateway_worker_pending_requests{")
+        ]
+        if values and all(v == 0 for v in values):
+            break
+        assert time.monotonic() < deadline, f"pending counts stuck at {values}"
+        time.sleep(0.1)
+
+
 def test_generate_without_a_client_deadline(stub) -> None:
     """A client that sets no deadline (the README's Python example, grpcurl) is served."""
     chunks = list(stub.Generate(chat(max_new_tokens=12)))

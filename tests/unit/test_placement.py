@@ -131,10 +131,56 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {},
             ("w1", "least_loaded"),
         ),
+        # the resident worker is still prefilling another request while w1 is idle: a new
+        # request would wait behind that prefill -> least loaded (a cold start on w1)
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=1, pending=1, resident=frozenset({"a"})),
+                WorkerView("w1", queue_length=0),
+            ],
+            {"a": ["w0"]},
+            ("w1", "least_loaded"),
+        ),
+        # pending prefills weigh before decoding sequences: w1 decodes 3 but has no prefill
+        # queued, w0 one request awaiting its first token
+        (
+            "",
+            [WorkerView("w0", queue_length=1, pending=1), WorkerView("w1", queue_length=3)],
+            {},
+            ("w1", "least_loaded"),
+        ),
+        # equal pending: the resident worker even with more sequences decoding (within slack)
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=3, pending=1, resident=frozenset({"a"})),
+                WorkerView("w1", queue_length=1, pending=1),
+            ],
+            {},
+            ("w0", "resident"),
+        ),
+        # not resident anywhere, the placed worker has a pending prefill -> least loaded
+        (
+            "a",
+            [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1, pending=1)],
+            {"a": ["w1"]},
+            ("w0", "least_loaded"),
+        ),
     ],
 )
 def test_rank_aware_routing(adapter, workers, placement, expected) -> None:
     assert route_rank_aware(adapter, workers, placement) == expected
+
+
+def test_pending_slack_keeps_requests_on_the_resident_worker() -> None:
+    ws = [
+        WorkerView("w0", queue_length=2, pending=2, resident=frozenset({"a"})),
+        WorkerView("w1", queue_length=0),
+    ]
+    assert route_rank_aware("a", ws, {}) == ("w1", "least_loaded")
+    assert route_rank_aware("a", ws, {}, pending_slack=1) == ("w1", "least_loaded")
+    assert route_rank_aware("a", ws, {}, pending_slack=2) == ("w0", "resident")
 
 
 def test_round_robin_ignores_residency_and_cycles() -> None:
