@@ -318,3 +318,171 @@ def test_ticks_and_training_before_any_request(name):
         assert f.train(0.01) is None
     f.observe("a", 3.0)
     assert f.tick(3.0).adapter_ids == ["a"]
+
+
+# ---------------------------------------------------------------- ensemble weight learning
+def _hot_switching(ticks: int, period: int, ids: int = 20, seed: int = 0):
+    """Poisson(3) requests/s to one hot adapter that changes every ``period`` seconds."""
+    rng = np.random.default_rng(seed)
+    return {t: {f"h{(t // period) % ids}": int(rng.poisson(3)) + 1} for t in range(ticks)}
+
+
+def _stable_popularity(ticks: int, ids: int = 10, seed: int = 0):
+    """One request/s to an adapter drawn from a fixed Zipf-like law over ``ids`` adapters."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, ids + 1)
+    p /= p.sum()
+    return {t: {f"s{rng.choice(ids, p=p)}": 1} for t in range(ticks)}
+
+
+@pytest.mark.parametrize("pool", ["shares", "rates"])
+@pytest.mark.parametrize(
+    ("events", "right"),
+    [(_hot_switching(400, 30), 0), (_stable_popularity(600), 1)],
+    ids=["fast-member-right", "slow-member-right"],
+)
+def test_ensemble_weight_moves_to_the_member_that_is_right(pool, events, right):
+    """Members: a 1 s EWMA (right when the hot adapter keeps changing) and a 600 s window (right
+    when popularity is stable and each second holds one random draw). From equal weights the
+    learned weight goes to the right member in both streams, so it is not an order bias."""
+    f = EnsembleForecaster(("ewma:1", "frequency:600"), pool=pool, learning_rate=0.1)
+    _feed(f, events, range(len(events)))
+    assert f.updates > 100
+    assert f.weights.sum() == pytest.approx(1.0)
+    assert f.weights[right] > 0.7
+    assert f.weights.min() >= f.share * 0.5 - 1e-12  # fixed share keeps a floor
+
+
+def test_ensemble_one_exponentiated_gradient_step_by_hand():
+    """Horizon 1 s, members with windows 1 s and 2 s. t=0: a; t=1: b; t=2: a.
+    The t=0 forecast (both: all on a) meets b at t=1: no member scored b, no update.
+    The t=1 forecast (shares: m1 b=1; m2 a=.5, b=.5) meets a at t=2: q_a = .25,
+    r = (0, 2), w ~ (.5 e^{-2 eta}, .5), then fixed share."""
+    eta, alpha = 0.3, 0.05
+    f = EnsembleForecaster(
+        ("frequency:1", "frequency:2"), horizon_s=1.0, learning_rate=eta, share=alpha
+    )
+    _feed(f, {0: {"a": 1}, 1: {"b": 1}}, range(2))
+    assert f.updates == 0
+    np.testing.assert_array_equal(f.weights, [0.5, 0.5])
+    f.observe("a", 2.0)
+    fc = f.tick(2.0)
+    assert f.updates == 1
+    w = np.array([math.exp(-2 * eta), 1.0])
+    w = (1 - alpha) * w / w.sum() + alpha * 0.5
+    np.testing.assert_allclose(f.weights, w, rtol=1e-12)
+    # the t=2 forecast mixes shares (m1: a=1; m2: a=.5, b=.5; both totals 1)
+    assert fc.get("a")[1] == pytest.approx(w[0] + 0.5 * w[1])
+    assert fc.get("b")[1] == pytest.approx(0.5 * w[1])
+
+
+def test_ensemble_rates_pool_poisson_steps_by_hand():
+    """Same stream, ``pool="rates"``: a window without a scored request still teaches (all
+    predicted mass was wasted): t=1 gains -L = (-1, -.5); t=2: lambda_a = .25 w-mixed, gains
+    ((0 - 1) / 1, (.5 / .25 - 1) / 1) at equal-ish weights (recomputed from the state)."""
+    eta, alpha = 0.3, 0.0
+    f = EnsembleForecaster(
+        ("frequency:1", "frequency:2"), horizon_s=1.0, pool="rates", learning_rate=eta,
+        share=alpha,
+    )
+    _feed(f, {0: {"a": 1}, 1: {"b": 1}}, range(2))
+    w = np.array([0.5 * math.exp(-eta * 1.0), 0.5 * math.exp(-eta * 0.5)])
+    w /= w.sum()
+    np.testing.assert_allclose(f.weights, w, rtol=1e-12)
+    f.observe("a", 2.0)
+    fc = f.tick(2.0)
+    lam = w[1] * 0.5
+    gain = np.array([-1.0, 0.5 / lam - 1.0])
+    w = w * np.exp(eta * (gain - gain.max()))
+    w /= w.sum()
+    np.testing.assert_allclose(f.weights, w, rtol=1e-12)
+    assert fc.get("a")[1] == pytest.approx(w[0] + 0.5 * w[1])  # raw weighted mean
+    assert fc.get("b")[1] == pytest.approx(0.5 * w[1])
+
+
+def test_ensemble_without_learning_is_the_weighted_mean():
+    """learning_rate 0: the weights stay the prior; "rates" is the weighted mean of the
+    members' forecasts, "shares" has the mixed total and the mixed shares."""
+    ev = _traffic(4, 60)
+    r = EnsembleForecaster(("ewma:3", "frequency:20"), (1.0, 3.0), pool="rates", learning_rate=0)
+    s = EnsembleForecaster(("ewma:3", "frequency:20"), (1.0, 3.0), learning_rate=0)
+    m1, m2 = EWMAForecaster(tau_s=3), FrequencyForecaster(window_s=20)
+    for t in range(60):
+        fcs = []
+        for f in (r, s, m1, m2):
+            f.observe_counts(ev[t], float(t))
+            fcs.append(f.tick(float(t)))
+        fr, fs, f1, f2 = fcs
+        e1 = {a: e for a, (_p, e) in f1.as_dict().items()}
+        e2 = {a: e for a, (_p, e) in f2.as_dict().items()}
+        for a in set(e1) | set(e2):
+            x1, x2 = e1.get(a, 0.0), e2.get(a, 0.0)
+            assert fr.get(a)[1] == pytest.approx(0.25 * x1 + 0.75 * x2)
+            total = 0.25 * sum(e1.values()) + 0.75 * sum(e2.values())
+            share = 0.25 * x1 / sum(e1.values()) + 0.75 * x2 / sum(e2.values())
+            assert fs.get(a)[1] == pytest.approx(total * share)
+            assert fs.get(a)[0] == pytest.approx(fr.get(a)[0])
+    np.testing.assert_array_equal(r.weights, [0.25, 0.75])
+    np.testing.assert_array_equal(s.weights, [0.25, 0.75])
+
+
+def _step(f, counts: dict[str, int], t: int, train: bool = True) -> Forecast:
+    f.observe_counts(counts, float(t))
+    fc = f.tick(float(t))
+    if train:
+        f.train(0.01)
+    return fc
+
+
+def test_ensemble_learning_is_deterministic_and_round_trips_mid_window():
+    """Default members (LSTM included): two runs give bit-identical weights and forecasts; a
+    state saved while forecasts still wait for their window resumes with the same weights and
+    forecasts as the run that never stopped (ticks only after the restore, as in
+    test_state_dict_round_trip_resumes_identically)."""
+    ev = _traffic(5, 140)
+    a, b = make_forecaster("ensemble", seed=2), make_forecaster("ensemble", seed=2)
+    for t in range(90):
+        fa, fb = (_step(f, ev[t], t) for f in (a, b))
+        assert fa.adapter_ids == fb.adapter_ids
+        np.testing.assert_array_equal(fa.expected_count, fb.expected_count)
+        np.testing.assert_array_equal(a.weights, b.weights)
+    assert a.updates > 50 and not np.allclose(a.weights, a.prior)
+    assert len(a._due) == a.h  # forecasts still waiting for their window
+    c = make_forecaster("ensemble", seed=2)
+    c.load_state_dict(a.state_dict())
+    np.testing.assert_array_equal(c.weights, a.weights)
+    for t in range(90, 140):
+        # no training after the restore: the LSTM's replay buffer is not persisted
+        fa, fc = (_step(f, ev[t], t, train=False) for f in (a, c))
+        assert fa.adapter_ids == fc.adapter_ids
+        np.testing.assert_allclose(fa.expected_count, fc.expected_count, rtol=1e-6)
+        np.testing.assert_allclose(fa.probability, fc.probability, rtol=1e-6)
+        np.testing.assert_allclose(a.weights, c.weights, rtol=1e-9)
+    assert c.updates == a.updates
+
+
+def test_ensemble_drops_forecasts_cut_by_a_gap():
+    """A forecast whose window a gap between ticks cut short is not scored, and the buckets
+    skipped are empty (not the counts left from h buckets earlier)."""
+    f = EnsembleForecaster(("ewma:1", "frequency:10"), horizon_s=2.0, learning_rate=1.0)
+    _feed(f, {0: {"a": 1}, 1: {"b": 1}, 2: {"a": 1}, 3: {"a": 1}}, range(4))
+    done = f.updates
+    assert done >= 1
+    w = f.weights.copy()
+    f.tick(10.0)  # the forecasts of t=2, 3 are cut: dropped
+    assert f.updates == done
+    np.testing.assert_array_equal(f.weights, w)
+    f.tick(11.0)
+    f.tick(12.0)  # the t=10 forecast's window (11, 12] is complete and empty: no update
+    assert f.updates == done
+
+
+def test_ensemble_rejects_bad_settings():
+    with pytest.raises(ValueError, match="bad pool"):
+        EnsembleForecaster(pool="median")
+    with pytest.raises(ValueError, match="bad pool"):
+        EnsembleForecaster(learning_rate=-1.0)
+    with pytest.raises(ValueError, match="non-negative weight"):
+        EnsembleForecaster(weights=(1.0,))
+    with pytest.raises(ValueError, match="bad ensemble members"):
+        EnsembleForecaster(members=("ensemble", "ewma"))
