@@ -90,6 +90,9 @@ class WorkerRecord:
         running: Requests in the running batch.
         resident: Adapter ids resident in the device pool.
         pool: Pool statistics (keys of ``plora.v1.PoolStats``).
+        prefill_s: Recent mean prefill time per request, seconds
+            (``services.worker.engine.ServiceEstimates``; 0 = not measured yet).
+        cold_wait_s: Recent mean adapter wait of a cold request, seconds (0 = none yet).
         healthy: Filled in by :meth:`Registry.list_workers` from the liveness key.
     """
 
@@ -102,6 +105,8 @@ class WorkerRecord:
     running: int = 0
     resident: list[str] = field(default_factory=list)
     pool: dict[str, Any] = field(default_factory=dict)
+    prefill_s: float = 0.0
+    cold_wait_s: float = 0.0
     healthy: bool = False
 
     @property

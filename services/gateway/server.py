@@ -167,6 +167,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 # itself has in flight on each worker, so a burst is not sent to one worker.
                 queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
                 pending=self._pending[w.worker_id],
+                prefill_s=w.prefill_s,
+                cold_wait_s=w.cold_wait_s,
             )
             for w in workers
         ]

@@ -53,6 +53,9 @@ class WorkerView:
         pending: Requests sent to it that have not had their first token yet (waiting for an
             adapter, queued, or in prefill): the work a new request's first token waits behind.
             The gateway counts its own; 0 where unknown (placement does not use it).
+        prefill_s: The worker's recent mean prefill time per request, seconds (0 = unknown).
+        cold_wait_s: The worker's recent mean adapter wait of a cold request, seconds
+            (0 = unknown).
     """
 
     worker_id: str
@@ -61,6 +64,8 @@ class WorkerView:
     resident: frozenset[str] = field(default_factory=frozenset)
     queue_length: int = 0
     pending: int = 0
+    prefill_s: float = 0.0
+    cold_wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -172,37 +177,42 @@ def plan_placement(
     return placement, moves
 
 
-def _load_key(w: WorkerView) -> tuple[int, int, str]:
-    return (w.pending, w.queue_length, w.worker_id)
-
-
 def route_rank_aware(
     adapter_id: str,
     workers: Sequence[WorkerView],
     placement: Mapping[str, Sequence[str]],
     *,
-    pending_slack: int = 0,
+    pending_slack: int = 1,
     queue_slack: int = 4,
 ) -> tuple[str, str]:
-    """Choose a worker for one request (LoRAServe-style routing).
+    """Choose a worker for one request (LoRAServe-style routing, expected-delay rule).
 
     Load order: fewest requests awaiting their first token (``pending``), then shortest queue
     (queued + running), then worker id. A request's TTFT waits behind the prefills ahead of it
-    far more than behind sequences already decoding (continuous batching adds a decode row to
-    the step; a prefill is a whole prompt's worth of work), so pending requests come first.
+    far more than behind sequences already decoding (continuous batching adds one row to a
+    step for each of those; a prefill is a whole prompt's worth of work).
 
-    Order: the least-loaded worker holding the adapter resident, unless it has more than
-    ``pending_slack`` more pending requests, or a queue more than ``queue_slack`` longer, than
-    the least-loaded worker; else, under the same limits, the least-loaded worker the placement
-    assigns the adapter to; else the least-loaded worker. Staying on a resident worker saves a
-    load (a cold start) at the price of queueing behind its pending prefills; with slack 0 a
-    request goes elsewhere as soon as another worker would start its prefill sooner.
+    Order: the least-loaded worker holding the adapter resident; else the least-loaded worker
+    the placement assigns it to; else the least-loaded worker. A resident (or placed) worker
+    ``w`` is passed over for the least-loaded worker ``l`` when its queue is more than
+    ``queue_slack`` longer, or when the prefills it has pending beyond ``l``'s would delay the
+    first token longer than a cold start on ``l``:
+    ``(w.pending - l.pending) * w.prefill_s > l.cold_wait_s``. A placed, not resident, ``w``
+    is passed over only for its queue: the request is cold on either worker, and loading the
+    adapter where the placement put it keeps one copy that later requests find, instead of
+    copies on every worker that happened to be idle. Where a worker has
+    not measured those yet (0), ``pending_slack`` extra pending requests are tolerated. Staying
+    saves a load (a cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the
+    rule takes whichever is expected to be shorter, using each worker's own recent figures,
+    so the same code is right where loads are slow against prefill (remote adapter storage)
+    and where they are fast (host memory to GPU).
 
     Args:
         adapter_id: Requested adapter ("" = base model).
         workers: Healthy candidate workers (non-empty).
         placement: ``adapter_id -> [worker_id, ...]``.
-        pending_slack: Pending-request difference tolerated to stay on a resident/placed worker.
+        pending_slack: Extra pending requests tolerated on a resident worker while either
+            worker's figures are unknown.
         queue_slack: Queue difference tolerated to stay on a resident/placed worker.
 
     Returns:
@@ -214,26 +224,38 @@ def route_rank_aware(
     if not workers:
         raise ValueError("no workers to route to")
     least = min(workers, key=_load_key)
-
-    def close_enough(w: WorkerView) -> bool:
-        return (
-            w.pending <= least.pending + pending_slack
-            and w.queue_length <= least.queue_length + queue_slack
-        )
-
     if adapter_id:
         resident = [w for w in workers if adapter_id in w.resident]
         if resident:
             best = min(resident, key=_load_key)
-            if close_enough(best):
+            if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
                 return best.worker_id, "resident"
         placed_ids = set(placement.get(adapter_id, ()))
-        placed = [w for w in workers if w.worker_id in placed_ids]
+        placed = [w for w in workers if w.worker_id in placed_ids and w not in resident]
         if placed:
             best = min(placed, key=_load_key)
-            if close_enough(best):
+            if _worth_staying(best, least, pending_slack, queue_slack, saves_load=False):
                 return best.worker_id, "placed"
     return least.worker_id, "least_loaded"
+
+
+def _load_key(w: WorkerView) -> tuple[int, int, str]:
+    return (w.pending, w.queue_length, w.worker_id)
+
+
+def _worth_staying(
+    w: WorkerView, least: WorkerView, pending_slack: int, queue_slack: int, *, saves_load: bool
+) -> bool:
+    """Whether a request should go to ``w`` rather than the least-loaded worker (see
+    :func:`route_rank_aware`)."""
+    if w.queue_length > least.queue_length + queue_slack:
+        return False
+    extra = w.pending - least.pending
+    if extra <= 0 or not saves_load:
+        return True
+    if w.prefill_s > 0.0 and least.cold_wait_s > 0.0:
+        return extra * w.prefill_s <= least.cold_wait_s
+    return extra <= pending_slack
 
 
 class RoundRobinRouter:

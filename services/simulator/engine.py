@@ -45,7 +45,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,7 @@ from services.predictor.placement import (
 )
 from services.simulator.feed import DemandFeed, FeedSettings
 from services.simulator.presets import Preset
+from services.worker.engine import ServiceEstimates
 from services.worker.eviction import (
     Candidate,
     EvictionPolicy,
@@ -381,6 +382,7 @@ class SimWorker:
         self.ready: list[int] = []  # heap of request indices (arrival order)
         self.n_waiting = 0
         self.first_due: list[float] = []  # heap: first-token times (at the gateway) to come
+        self.estimates = ServiceEstimates()  # what the worker publishes with its heartbeat
         self.running: list[tuple[int, int]] = []  # heap of (finish step, request)
         self.n_run = 0
         self.steps = 0  # steps completed
@@ -412,7 +414,14 @@ class SimWorker:
     def view(self) -> WorkerView:
         """This worker as the gateway and predictor see it (cached while unchanged)."""
         al = self.allocator
-        key = (self.res_version, self.n_waiting + self.n_run, al.live_bytes)
+        est = self.estimates
+        key = (
+            self.res_version,
+            self.n_waiting + self.n_run,
+            al.live_bytes,
+            est.prefill_s,
+            est.cold_wait_s,
+        )
         if key != self._view_key:
             if self._res_names_version != self.res_version:
                 names = self.sim.adapters.names
@@ -424,6 +433,8 @@ class SimWorker:
                 free_bytes=al.capacity_bytes - al.live_bytes,
                 resident=self._res_names,
                 queue_length=key[1],
+                prefill_s=est.prefill_s,
+                cold_wait_s=est.cold_wait_s,
             )
             self._view_key = key
         assert self._view is not None
@@ -568,10 +579,13 @@ class SimWorker:
             net = p.network_s
             running = self.running
             first_due = self.first_due
+            per_token = dt / (prefill + rows)  # the engine's split of a step over its tokens
+            est = self.estimates
             for r in admitted:
                 first[r] = tend + net
                 heapq.heappush(running, (s0 + out[r], r))
                 heapq.heappush(first_due, tend + net)
+                est.observe_prefill(per_token * prompt[r])
             self.seg_t0 = tend - dt_d
         else:
             self.seg_t0 = t
@@ -829,6 +843,7 @@ class SimWorker:
                     self.fail_request(r, a, t, "DeadlineExceededError")
                 else:
                     cold_wait[r] = w
+                    self.estimates.observe_cold_wait(w)
                     heapq.heappush(self.ready, r)
             self.wake(t)
         self.start_jobs(t)
@@ -1018,9 +1033,7 @@ class ClusterSimulation:
             if q > v.queue_length or p != v.pending:
                 if out is stale:
                     out = list(stale)
-                out[i] = WorkerView(
-                    v.worker_id, v.pool_bytes, v.free_bytes, v.resident, max(q, v.queue_length), p
-                )
+                out[i] = replace(v, queue_length=max(q, v.queue_length), pending=p)
         return out
 
     def _dispatch(self, r: int, t: float) -> None:

@@ -237,8 +237,42 @@ class _Seq:
     ttft: float | None = None
     cold: bool = False
     wait_s: float = 0.0
+    prefill_work: float = 0.0  # seconds of steps attributed to its prompt so far
     adapter_key: tuple[str, int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class ServiceEstimates:
+    """Recent per-request service figures of one worker, published with its heartbeat for
+    expected-delay routing (:func:`services.predictor.placement.route_rank_aware`).
+
+    Exponentially weighted means over requests (weight ``alpha`` on the newest; the first
+    observation sets the mean), seconds, 0.0 until observed:
+
+    Attributes:
+        prefill_s: Step time attributed to one request's prompt (each step's wall time split
+            over its rows by tokens, summed until the request's first token): the delay one
+            more pending request adds before a new request's first token.
+        cold_wait_s: Time a cold request waited for its adapter to become resident.
+        alpha: Weight of the newest observation, in (0, 1].
+    """
+
+    prefill_s: float = 0.0
+    cold_wait_s: float = 0.0
+    alpha: float = 0.1
+
+    def observe_prefill(self, seconds: float) -> None:
+        """Fold in one request's prefill share (seconds)."""
+        self.prefill_s = _ewma(self.prefill_s, seconds, self.alpha)
+
+    def observe_cold_wait(self, seconds: float) -> None:
+        """Fold in one cold request's adapter wait (seconds)."""
+        self.cold_wait_s = _ewma(self.cold_wait_s, seconds, self.alpha)
+
+
+def _ewma(mean: float, x: float, alpha: float) -> float:
+    return x if mean <= 0.0 else mean + alpha * (x - mean)
 
 
 class Engine:
@@ -281,6 +315,7 @@ class Engine:
         self._stack_key: tuple[tuple[str, int], ...] = ()
         self._stack_streak = 0
         self._stacked: StackedLoRA | None = None
+        self.estimates = ServiceEstimates()
 
     # ------------------------------------------------------------------ public API
     def start(self) -> None:
@@ -481,6 +516,8 @@ class Engine:
                     failed.append((s, err))
                     continue
                 s.wait_s = float(s.lease.wait_seconds)
+                if s.cold:
+                    self.estimates.observe_cold_wait(s.wait_s)
             if room > 0:
                 admitted.append(s)
                 room -= 1
@@ -582,6 +619,7 @@ class Engine:
                 logits_rows.append(row + n - 1)
                 samplers.append(s)
 
+        started = time.perf_counter()
         guard = self.provider.compute_guard() if self.provider is not None else no_guard()
         with guard:
             weights = []
@@ -617,6 +655,11 @@ class Engine:
         next_ids = sample_batch(
             logits, [s.params for s in samplers], [s.generator for s in samplers]
         )
+        # Each prompt's share of the step (by tokens), summed until its first token.
+        per_token = (time.perf_counter() - started) / len(ids)
+        for s, n in work:
+            if s.ttft is None:
+                s.prefill_work += per_token * n
         now = time.monotonic()
         for s, tok in zip(samplers, next_ids, strict=True):
             self._emit(s, tok, now)
@@ -656,6 +699,7 @@ class Engine:
         s.completion += 1
         if s.ttft is None:
             s.ttft = now - s.arrival
+            self.estimates.observe_prefill(s.prefill_work)
         if tok in self._eos and not s.req.ignore_eos:
             text, _ = s.stopper.feed(s.detok.flush())
             self._finish(s, "eos", text=text + s.stopper.flush(), token_ids=[tok])

@@ -23,7 +23,13 @@ from services.common.errors import (
 )
 from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
-from services.worker.engine import Engine, EngineConfig, EngineRequest, TokenEvent
+from services.worker.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    ServiceEstimates,
+    TokenEvent,
+)
 from services.worker.model import LlamaModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
@@ -290,6 +296,23 @@ def test_request_waiting_for_adapter_does_not_block_others(
     assert fast_last.error is None and slow_last.finish_reason is not None
     assert slow_last.adapter_cold and slow_last.adapter_wait_seconds >= 0.2
     assert not fast_last.adapter_cold and fast_last.adapter_wait_seconds == 0.0
+    # what the worker publishes for expected-delay routing: the one cold wait, and a prefill
+    # share no longer than the request's TTFT
+    est = e.estimates
+    assert est.cold_wait_s == pytest.approx(slow_last.adapter_wait_seconds)
+    assert 0.0 < est.prefill_s <= max(fast_last.ttft_seconds or 0.0, slow_last.ttft_seconds or 0.0)
+
+
+def test_service_estimates_are_exponential_means() -> None:
+    est = ServiceEstimates(alpha=0.5)
+    assert (est.prefill_s, est.cold_wait_s) == (0.0, 0.0)  # unknown until observed
+    est.observe_prefill(0.4)
+    assert est.prefill_s == 0.4  # the first observation sets the mean
+    est.observe_prefill(0.2)
+    assert est.prefill_s == pytest.approx(0.3)
+    est.observe_cold_wait(2.0)
+    est.observe_cold_wait(1.0)
+    assert est.cold_wait_s == pytest.approx(1.5)
 
 
 def test_failed_adapter_ends_only_that_request(

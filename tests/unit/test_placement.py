@@ -131,15 +131,41 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {},
             ("w1", "least_loaded"),
         ),
-        # the resident worker is still prefilling another request while w1 is idle: a new
-        # request would wait behind that prefill -> least loaded (a cold start on w1)
+        # the resident worker is still prefilling another request (0.3 s) while w1 is idle and
+        # loads there take 0.05 s: a cold start on w1 is sooner -> least loaded
         (
             "a",
             [
-                WorkerView("w0", queue_length=1, pending=1, resident=frozenset({"a"})),
-                WorkerView("w1", queue_length=0),
+                WorkerView(
+                    "w0", queue_length=1, pending=1, prefill_s=0.3, resident=frozenset({"a"})
+                ),
+                WorkerView("w1", queue_length=0, cold_wait_s=0.05),
             ],
             {"a": ["w0"]},
+            ("w1", "least_loaded"),
+        ),
+        # the same with slow loads (2 s from remote storage): waiting is sooner -> resident
+        (
+            "a",
+            [
+                WorkerView(
+                    "w0", queue_length=1, pending=1, prefill_s=0.3, resident=frozenset({"a"})
+                ),
+                WorkerView("w1", queue_length=0, cold_wait_s=2.0),
+            ],
+            {},
+            ("w0", "resident"),
+        ),
+        # three pending prefills of 0.5 s outweigh a 1 s load
+        (
+            "a",
+            [
+                WorkerView(
+                    "w0", queue_length=3, pending=3, prefill_s=0.5, resident=frozenset({"a"})
+                ),
+                WorkerView("w1", queue_length=0, cold_wait_s=1.0),
+            ],
+            {},
             ("w1", "least_loaded"),
         ),
         # pending prefills weigh before decoding sequences: w1 decodes 3 but has no prefill
@@ -160,12 +186,13 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {},
             ("w0", "resident"),
         ),
-        # not resident anywhere, the placed worker has a pending prefill -> least loaded
+        # not resident anywhere: cold on either worker, so the placed one despite its pending
+        # prefill (one copy where the placement and the prefetcher expect it)
         (
             "a",
             [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1, pending=1)],
             {"a": ["w1"]},
-            ("w0", "least_loaded"),
+            ("w1", "placed"),
         ),
     ],
 )
@@ -173,14 +200,17 @@ def test_rank_aware_routing(adapter, workers, placement, expected) -> None:
     assert route_rank_aware(adapter, workers, placement) == expected
 
 
-def test_pending_slack_keeps_requests_on_the_resident_worker() -> None:
+def test_pending_slack_applies_until_the_workers_have_figures() -> None:
     ws = [
         WorkerView("w0", queue_length=2, pending=2, resident=frozenset({"a"})),
         WorkerView("w1", queue_length=0),
     ]
-    assert route_rank_aware("a", ws, {}) == ("w1", "least_loaded")
-    assert route_rank_aware("a", ws, {}, pending_slack=1) == ("w1", "least_loaded")
+    assert route_rank_aware("a", ws, {}) == ("w1", "least_loaded")  # default slack 1
+    assert route_rank_aware("a", ws, {}, pending_slack=0) == ("w1", "least_loaded")
     assert route_rank_aware("a", ws, {}, pending_slack=2) == ("w0", "resident")
+    one = [WorkerView("w0", queue_length=1, pending=1, resident=frozenset({"a"})), ws[1]]
+    assert route_rank_aware("a", one, {}) == ("w0", "resident")
+    assert route_rank_aware("a", one, {}, pending_slack=0) == ("w1", "least_loaded")
 
 
 def test_round_robin_ignores_residency_and_cycles() -> None:
