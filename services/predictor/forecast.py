@@ -1144,13 +1144,14 @@ class EnsembleForecaster(Forecaster):
         self.ids = self.members[0].ids
         self.index = self.members[0].index
         self._counts = np.zeros((0, self.h), dtype=np.float64)  # [cap, h] bucket b in b % h
+        self._window = np.zeros(0, dtype=np.float64)  # [cap] sum of the h buckets (exact ints)
         self._b = 0  # buckets closed so far
         # forecasts waiting for their window: (bucket, [(rows, expected) per member])
         self._due: list[tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = []
         self.updates = 0  # weight updates done
 
     def _row_arrays(self) -> list[str]:
-        return super()._row_arrays() + ["_counts"]
+        return super()._row_arrays() + ["_counts", "_window"]
 
     def _fit_rows(self) -> int:
         n = len(self.ids)
@@ -1180,9 +1181,11 @@ class EnsembleForecaster(Forecaster):
         n = self._fit_rows()
         h = self.h
         for b in range(max(self._b + 1, self._b + steps - h + 1), self._b + steps):
-            self._counts[:n, b % h] = 0.0  # buckets skipped by a gap are empty
+            self._drop_bucket(b % h, n)  # buckets skipped by a gap are empty
         self._b += steps
+        self._drop_bucket(self._b % h, n)
         self._counts[:n, self._b % h] = self._pending[:n]
+        self._window[:n] += self._pending[:n]
         self._pending[:n] = 0.0
         while self._due and self._due[0][0] + h <= self._b:
             b0, fcs = self._due.pop(0)
@@ -1192,6 +1195,12 @@ class EnsembleForecaster(Forecaster):
         self._due.append((self._b, [(f.rows, f.expected_count) for f in fcs]))
         self.ticks += 1
         return self._combine(now, fcs, n)
+
+    def _drop_bucket(self, slot: int, n: int) -> None:
+        """Take the bucket in ``slot`` of the ring out of the window sum and zero it."""
+        col = self._counts[:n, slot]
+        self._window[:n] -= col
+        col[:] = 0.0
 
     def _tick_members(self, now: float) -> list[Forecast]:
         return [m.tick(now) for m in self.members]
@@ -1220,9 +1229,8 @@ class EnsembleForecaster(Forecaster):
         scored on the requests of the ``h`` buckets since (see the class doc)."""
         if self.learning_rate == 0.0:
             return
-        y = self._counts[:n].sum(axis=1)
-        hit = np.flatnonzero(y > 0)
-        yv = y[hit]
+        hit = np.flatnonzero(self._window[:n] > 0.5)  # whole request counts
+        yv = self._window[hit]
         M = len(fcs)
         e = np.zeros((M, len(hit)))  # each member's expected count at the requested rows
         totals = np.zeros(M)
