@@ -1236,7 +1236,11 @@ class EnsembleForecaster(Forecaster):
         totals = np.zeros(M)
         for m, (rows, exp) in enumerate(fcs):
             totals[m] = exp.sum()
-            if len(rows) and len(hit):
+            if not len(rows) or not len(hit):
+                continue
+            if rows[-1] == len(rows) - 1 and hit[-1] < len(rows):  # rows 0..k-1: no search
+                e[m] = exp[hit]
+            else:
                 i = np.minimum(np.searchsorted(rows, hit), len(rows) - 1)
                 e[m] = np.where(rows[i] == hit, exp[i], 0.0)
         w = self.weights
