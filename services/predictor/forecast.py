@@ -1083,8 +1083,10 @@ class EnsembleForecaster(Forecaster):
     eta in {0.03, 0.1, 0.3, 1}, share in {0.0001, 0.001, 0.01, 0.05}; with share 0.01 the
     pull to the prior kept the LSTM's weight at 0.42 on Azure, where it is the best member.
 
-    Cost per tick: the members' ticks, one ``[n]`` bucket folded into an ``[n, h]`` ring, and
-    a search of the adapters requested in the window in each member's stored forecast: O(n).
+    Cost per tick: the members' ticks and one ``[n]`` bucket folded into an ``[n, h]`` ring,
+    O(n). The weight update (a search of the adapters requested in the window in each member's
+    stored forecast, O(n)) runs in :meth:`train`, after the forecast is served, as the LSTM's
+    training does; a forecast therefore uses the weights learned up to the previous tick.
     The members' forecasts of the last ``h`` ticks are kept until their windows close; they,
     the ring and the weights are part of :meth:`state_dict`. Forecasts whose window was cut by
     a gap of more than one bucket between ticks are dropped unscored.
@@ -1187,10 +1189,8 @@ class EnsembleForecaster(Forecaster):
         self._counts[:n, self._b % h] = self._pending[:n]
         self._window[:n] += self._pending[:n]
         self._pending[:n] = 0.0
-        while self._due and self._due[0][0] + h <= self._b:
-            b0, fcs = self._due.pop(0)
-            if b0 + h == self._b:
-                self._learn(fcs, n)
+        while self._due and self._due[0][0] + h < self._b:
+            self._due.pop(0)  # its window passed without a train() to learn from it
         fcs = self._tick_members(now)
         self._due.append((self._b, [(f.rows, f.expected_count) for f in fcs]))
         self.ticks += 1
@@ -1274,7 +1274,19 @@ class EnsembleForecaster(Forecaster):
         raise NotImplementedError("EnsembleForecaster ticks its members")
 
     def train(self, budget_s: float = 0.05) -> float | None:
-        """Train the members (the weights learn in :meth:`tick`); their mean loss, or None."""
+        """Learn the weights from the forecast whose window the last tick closed, then train
+        the members; returns the members' mean loss, or None.
+
+        Like the LSTM's training, the weight update runs here, after the tick's forecast was
+        served, never inside :meth:`tick`: a forecast uses the weights learned up to the
+        previous tick's window. A window closed by a tick not followed by ``train()`` is not
+        learned from.
+        """
+        n, h = len(self.ids), self.h
+        while self._due and self._due[0][0] + h <= self._b:
+            b0, fcs = self._due.pop(0)
+            if b0 + h == self._b:
+                self._learn(fcs, n)
         losses = [m.train(budget_s) for m in self.members]
         got = [x for x in losses if x is not None]
         return float(np.mean(got)) if got else None

@@ -30,11 +30,13 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _feed(f, events: dict[int, dict[str, int]], ticks: range):
+def _feed(f, events: dict[int, dict[str, int]], ticks: range, train: bool = False):
     out = {}
     for t in ticks:
         f.observe_counts(events.get(t, {}), float(t))
         out[t] = f.tick(float(t))
+        if train:
+            f.train(0.01)
     return out
 
 
@@ -346,7 +348,7 @@ def test_ensemble_weight_moves_to_the_member_that_is_right(pool, events, right):
     when popularity is stable and each second holds one random draw). From equal weights the
     learned weight goes to the right member in both streams, so it is not an order bias."""
     f = EnsembleForecaster(("ewma:1", "frequency:600"), pool=pool, learning_rate=0.1)
-    _feed(f, events, range(len(events)))
+    _feed(f, events, range(len(events)), train=True)
     assert f.updates > 100
     assert f.weights.sum() == pytest.approx(1.0)
     assert f.weights[right] > 0.7
@@ -362,18 +364,19 @@ def test_ensemble_one_exponentiated_gradient_step_by_hand():
     f = EnsembleForecaster(
         ("frequency:1", "frequency:2"), horizon_s=1.0, learning_rate=eta, share=alpha
     )
-    _feed(f, {0: {"a": 1}, 1: {"b": 1}}, range(2))
+    _feed(f, {0: {"a": 1}, 1: {"b": 1}}, range(2), train=True)
     assert f.updates == 0
     np.testing.assert_array_equal(f.weights, [0.5, 0.5])
     f.observe("a", 2.0)
     fc = f.tick(2.0)
+    assert f.updates == 0  # tick() never learns: the t=2 forecast used the weights so far
+    np.testing.assert_array_equal(f.weights, [0.5, 0.5])
+    assert fc.get("a")[1] == pytest.approx(0.75)  # m1: a=1; m2: a=.5, b=.5; equal weights
+    f.train(0.01)
     assert f.updates == 1
     w = np.array([math.exp(-2 * eta), 1.0])
     w = (1 - alpha) * w / w.sum() + alpha * 0.5
     np.testing.assert_allclose(f.weights, w, rtol=1e-12)
-    # the t=2 forecast mixes shares (m1: a=1; m2: a=.5, b=.5; both totals 1)
-    assert fc.get("a")[1] == pytest.approx(w[0] + 0.5 * w[1])
-    assert fc.get("b")[1] == pytest.approx(0.5 * w[1])
 
 
 def test_ensemble_rates_pool_poisson_steps_by_hand():
@@ -382,22 +385,26 @@ def test_ensemble_rates_pool_poisson_steps_by_hand():
     ((0 - 1) / 1, (.5 / .25 - 1) / 1) at equal-ish weights (recomputed from the state)."""
     eta, alpha = 0.3, 0.0
     f = EnsembleForecaster(
-        ("frequency:1", "frequency:2"), horizon_s=1.0, pool="rates", learning_rate=eta,
+        ("frequency:1", "frequency:2"),
+        horizon_s=1.0,
+        pool="rates",
+        learning_rate=eta,
         share=alpha,
     )
-    _feed(f, {0: {"a": 1}, 1: {"b": 1}}, range(2))
+    _feed(f, {0: {"a": 1}, 1: {"b": 1}}, range(2), train=True)
     w = np.array([0.5 * math.exp(-eta * 1.0), 0.5 * math.exp(-eta * 0.5)])
     w /= w.sum()
     np.testing.assert_allclose(f.weights, w, rtol=1e-12)
     f.observe("a", 2.0)
-    fc = f.tick(2.0)
+    fc = f.tick(2.0)  # m1 a=1; m2 a=.5, b=.5, mixed with the weights learned so far
+    assert fc.get("a")[1] == pytest.approx(w[0] + 0.5 * w[1])  # raw weighted mean
+    assert fc.get("b")[1] == pytest.approx(0.5 * w[1])
+    f.train(0.01)
     lam = w[1] * 0.5
     gain = np.array([-1.0, 0.5 / lam - 1.0])
     w = w * np.exp(eta * (gain - gain.max()))
     w /= w.sum()
     np.testing.assert_allclose(f.weights, w, rtol=1e-12)
-    assert fc.get("a")[1] == pytest.approx(w[0] + 0.5 * w[1])  # raw weighted mean
-    assert fc.get("b")[1] == pytest.approx(0.5 * w[1])
 
 
 def test_ensemble_without_learning_is_the_weighted_mean():
@@ -465,15 +472,17 @@ def test_ensemble_drops_forecasts_cut_by_a_gap():
     """A forecast whose window a gap between ticks cut short is not scored, and the buckets
     skipped are empty (not the counts left from h buckets earlier)."""
     f = EnsembleForecaster(("ewma:1", "frequency:10"), horizon_s=2.0, learning_rate=1.0)
-    _feed(f, {0: {"a": 1}, 1: {"b": 1}, 2: {"a": 1}, 3: {"a": 1}}, range(4))
+    _feed(f, {0: {"a": 1}, 1: {"b": 1}, 2: {"a": 1}, 3: {"a": 1}}, range(4), train=True)
     done = f.updates
     assert done >= 1
     w = f.weights.copy()
     f.tick(10.0)  # the forecasts of t=2, 3 are cut: dropped
+    f.train(0.01)
     assert f.updates == done
     np.testing.assert_array_equal(f.weights, w)
-    f.tick(11.0)
-    f.tick(12.0)  # the t=10 forecast's window (11, 12] is complete and empty: no update
+    for t in (11.0, 12.0):  # the t=10 forecast's window (11, 12] is complete and empty
+        f.tick(t)
+        f.train(0.01)
     assert f.updates == done
 
 
