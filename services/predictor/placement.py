@@ -40,9 +40,11 @@ def rank_cost(rank: int, beta: float = RANK_BETA, rank_ref: int = RANK_REF) -> f
     return 1.0 + beta * max(0, rank) / rank_ref
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WorkerView:
-    """What placement and routing know of a worker (from its heartbeat).
+    """What placement and routing know of a worker (from its heartbeat); read-only by
+    convention (not frozen: the gateway and the simulator build one per worker per request,
+    and a frozen dataclass costs 9x more to build).
 
     Attributes:
         worker_id: Registry id.
@@ -231,7 +233,7 @@ def route_rank_aware(
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
                 return best.worker_id, "resident"
         placed_ids = set(placement.get(adapter_id, ()))
-        placed = [w for w in workers if w.worker_id in placed_ids and w not in resident]
+        placed = [w for w in workers if w.worker_id in placed_ids and adapter_id not in w.resident]
         if placed:
             best = min(placed, key=_load_key)
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=False):

@@ -45,7 +45,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,7 @@ from services.worker.eviction import (
     Candidate,
     EvictionPolicy,
     make_policy,
-    prefetch_may_displace,
+    prefetch_victim_limit,
 )
 from services.worker.pool import (
     Allocation,
@@ -695,14 +695,12 @@ class SimWorker:
         names = self.sim.adapters.names
         rc = self.refcount
         pol = self.evictor
-        gain = self.sim.config.prefetch_min_gain
+        limit = prefetch_victim_limit(job.expected, self.sim.config.prefetch_min_gain)
         cands = []
         for a, _h in self.resident.items():
             if rc[a]:
                 continue
-            if not job.demanded and not prefetch_may_displace(
-                pol.demand(names[a]), job.expected, gain
-            ):
+            if not job.demanded and not pol.demand(names[a]) < limit:
                 continue
             cands.append(Candidate(names[a], self.res_bytes[a], self.last_used.get(a, 0.0)))
         if not cands:
@@ -856,11 +854,11 @@ class SimWorker:
         names = self.sim.adapters.names
         rc = self.refcount
         pol = self.evictor
-        gain = self.sim.config.prefetch_min_gain
+        limit = prefetch_victim_limit(expected, self.sim.config.prefetch_min_gain)
         for a, b in self.res_bytes.items():
             if room >= need:
                 break
-            if rc[a] == 0 and prefetch_may_displace(pol.demand(names[a]), expected, gain):
+            if rc[a] == 0 and pol.demand(names[a]) < limit:
                 room += b
         return room >= need
 
@@ -968,6 +966,8 @@ class ClusterSimulation:
         self._feed_wait0 = feed.wait_s if feed is not None else 0.0
         self.busy_workers = 0
         self._views: list[WorkerView] = []
+        self._gv_src: list[WorkerView] | None = None  # the heartbeat views _gv was made from
+        self._gv: list[WorkerView] = []
         self._views_next = -_INF
 
     # ---------------------------------------------------------------- helpers
@@ -1023,23 +1023,41 @@ class ClusterSimulation:
         """What the gateway routes on: the heartbeat views (:meth:`views`), but each worker's
         queue at least the requests the gateway itself has in flight on it, and its pending
         requests (no first token yet) as the gateway counts them, as
-        ``services.gateway.server.GatewayServicer._choose`` does."""
+        ``services.gateway.server.GatewayServicer._choose`` does.
+
+        The returned views are this cluster's own, updated in place on the next call: valid
+        for one routing decision (hot path: one call per request).
+        """
         stale = self.views(t)
-        out = stale
+        if stale is not self._gv_src:
+            self._gv_src = stale
+            self._gv = [
+                WorkerView(
+                    v.worker_id,
+                    v.pool_bytes,
+                    v.free_bytes,
+                    v.resident,
+                    v.queue_length,
+                    0,
+                    v.prefill_s,
+                    v.cold_wait_s,
+                )
+                for v in stale
+            ]
+        gv = self._gv
         for i, w in enumerate(self.workers):
+            g = gv[i]
             q = w.n_waiting + w.n_run
-            p = w.pending(t)
-            v = stale[i]
-            if q > v.queue_length or p != v.pending:
-                if out is stale:
-                    out = list(stale)
-                out[i] = replace(v, queue_length=max(q, v.queue_length), pending=p)
-        return out
+            sq = stale[i].queue_length
+            g.queue_length = q if q > sq else sq
+            g.pending = w.pending(t)
+        return gv
 
     def _dispatch(self, r: int, t: float) -> None:
         a = self.req_adapter[r]
-        views = self.gateway_views(t)
         rank_aware = self.policy.routing == "rank_aware"
+        # round robin reads only the worker ids: the heartbeat views do
+        views = self.gateway_views(t) if rank_aware else self.views(t)
         name = self.adapters.names[a]
         by_name = self.by_name
         while views:

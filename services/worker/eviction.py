@@ -62,26 +62,34 @@ def predictive_order(
     return sorted(candidates, key=key)
 
 
-def prefetch_may_displace(victim_demand: float, incoming_expected: float, min_gain: float) -> bool:
-    """Whether a prefetch may evict an unleased resident adapter to make room.
+def prefetch_victim_limit(incoming_expected: float, min_gain: float) -> float:
+    """The forecast demand below which a resident, unleased adapter may be evicted to make
+    room for a prefetch expecting ``incoming_expected`` requests (both expected counts over the
+    forecast horizon): evict a victim with demand ``v`` only if ``v < limit``.
 
-    Both figures are expected request counts over the forecast horizon. Under Poisson arrivals
-    an adapter with expected count ``x`` is requested at least once in the horizon with
-    probability ``p(x) = 1 - exp(-x)``, so swapping the victim for the incoming adapter avoids
-    ``p(incoming) - p(victim)`` expected cold starts in the horizon (and causes the victim's).
-    The swap is made only when that gain is at least ``min_gain``: a load is not free (it takes
-    loader and copy time, and a wasted prefetch may evict the next request's adapter), and
+    Under Poisson arrivals an adapter with expected count ``x`` is requested at least once in
+    the horizon with probability ``p(x) = 1 - exp(-x)``, so swapping the victim for the
+    incoming adapter avoids ``p(incoming) - p(v)`` expected cold starts in the horizon (and
+    causes the victim's). The swap is made only when that gain is more than ``min_gain``
+    (``v < -ln(min_gain + exp(-incoming))``, and always ``v < incoming``): a load is not free
+    (loader and copy time, and a wasted prefetch may evict the next request's adapter), and
     forecasts a hair apart must not trade adapters back and forth (hysteresis). ``min_gain``
     0 is the plain rule "never evict an adapter wanted at least as much" (Predictive-LoRA,
-    demand-aware prefetch).
+    demand-aware prefetch). Computed once per prefetch item; the per-victim test is one
+    comparison.
 
     Args:
-        victim_demand: Forecast expected count of the resident adapter (>= 0).
         incoming_expected: Forecast expected count of the adapter to prefetch (>= 0).
         min_gain: Least gain in probability of use within the horizon, in [0, 1).
+
+    Returns:
+        The limit (0.0 when no victim qualifies).
     """
-    gain = math.exp(-max(0.0, victim_demand)) - math.exp(-max(0.0, incoming_expected))
-    return victim_demand < incoming_expected and gain >= min_gain
+    x = max(0.0, incoming_expected)
+    floor = min_gain + math.exp(-x)
+    if floor >= 1.0:
+        return 0.0
+    return min(x, -math.log(floor))
 
 
 class EvictionPolicy(ABC):

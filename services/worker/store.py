@@ -75,7 +75,7 @@ from services.worker.eviction import (
     EVICTION_KINDS,
     Candidate,
     make_policy,
-    prefetch_may_displace,
+    prefetch_victim_limit,
 )
 from services.worker.pool import (
     ALLOCATOR_KINDS,
@@ -134,7 +134,7 @@ class StoreConfig:
             while moving 65x fewer bytes, because a split over free runs costs no copy.
         prefetch_min_gain: A prefetch evicts an unleased adapter only when the swap raises the
             probability of use within the horizon by at least this much
-            (:func:`services.worker.eviction.prefetch_may_displace`); free space is always
+            (:func:`services.worker.eviction.prefetch_victim_limit`); free space is always
             used.
 
     Raises:
@@ -1175,6 +1175,7 @@ class AdapterStore:
         al = self._pool.allocator
         need = al.units_for(nbytes) * al.unit_bytes
         room = al.free_units * al.unit_bytes
+        limit = prefetch_victim_limit(expected, self.config.prefetch_min_gain)
         for e in self._entries.values():
             if room >= need:
                 break
@@ -1182,23 +1183,18 @@ class AdapterStore:
                 e.state is _State.RESIDENT
                 and e.refcount == 0
                 and e.alloc is not None
-                and self._displaceable(e.ref.adapter_id, expected)
+                and self._policy.demand(e.ref.adapter_id) < limit
             ):
                 room += e.alloc.byte_length
         return room >= need
 
-    def _displaceable(self, adapter_id: str, expected: float) -> bool:
-        """Whether a prefetch expecting ``expected`` requests may evict ``adapter_id``."""
-        return prefetch_may_displace(
-            self._policy.demand(adapter_id), expected, self.config.prefetch_min_gain
-        )
-
     def _pick_victim(self, e: _Entry) -> _Entry | None:
         cands = []
+        limit = prefetch_victim_limit(e.expected, self.config.prefetch_min_gain)
         for x in self._entries.values():
             if x is e or x.state is not _State.RESIDENT or x.refcount or x.alloc is None:
                 continue
-            if not e.demanded and not self._displaceable(x.ref.adapter_id, e.expected):
+            if not e.demanded and not self._policy.demand(x.ref.adapter_id) < limit:
                 continue
             cands.append(Candidate(x.ref.adapter_id, x.alloc.byte_length, x.last_used))
         if not cands:

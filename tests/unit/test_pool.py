@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from services.worker.eviction import (
     lru_order,
     make_policy,
     predictive_order,
-    prefetch_may_displace,
+    prefetch_victim_limit,
 )
 from services.worker.pool import (
     ContiguousAllocator,
@@ -468,8 +469,11 @@ def test_predictive_policy_falls_back_to_lru_without_forecast() -> None:
         (5.0, 1.0, 0.0, False),
     ],
 )
-def test_prefetch_may_displace(victim: float, incoming: float, min_gain: float, expect: bool):
-    assert prefetch_may_displace(victim, incoming, min_gain) is expect
+def test_prefetch_victim_limit(victim: float, incoming: float, min_gain: float, expect: bool):
+    limit = prefetch_victim_limit(incoming, min_gain)
+    assert (victim < limit) is expect
+    if expect:  # the rule it implements: the swap gains more than min_gain
+        assert math.exp(-victim) - math.exp(-incoming) > min_gain or min_gain == 0.0
 
 
 def test_make_policy() -> None:
