@@ -236,16 +236,21 @@ class Forecaster(ABC):
         If more than one bucket width passed since the previous tick, the buckets in between are
         closed empty first (the pending requests go to the newest bucket).
         """
-        steps = 1
-        if self._last_tick is not None:
-            steps = max(1, int(round((now - self._last_tick) / self.bucket_s)))
-        self._last_tick = now
+        steps = self._steps_to(now)
         n = len(self.ids)
         bucket = self._pending[:n].copy()
         self._pending[:n] = 0.0
         self._advance(bucket, steps, now)
         self.ticks += 1
         return self._forecast(now)
+
+    def _steps_to(self, now: float) -> int:
+        """Buckets closed by a tick at ``now`` (1, or more after a gap); records the tick."""
+        steps = 1
+        if self._last_tick is not None:
+            steps = max(1, int(round((now - self._last_tick) / self.bucket_s)))
+        self._last_tick = now
+        return steps
 
     @abstractmethod
     def _advance(self, bucket: np.ndarray, steps: int, now: float) -> None:
@@ -285,12 +290,27 @@ class Forecaster(ABC):
     def _load_extra(self, arrays: Mapping[str, np.ndarray], scalars: dict) -> None:
         return None
 
+    def _row_state(self) -> dict[str, np.ndarray]:
+        """The per-row arrays of the ``len(ids)`` rows in use, keyed as :meth:`state_dict`
+        stores them."""
+        n = len(self.ids)
+        return {name.lstrip("_"): getattr(self, name)[:n] for name in self._row_arrays()}
+
+    def _restore_rows(self, z: Mapping[str, np.ndarray]) -> None:
+        """Re-make the per-row arrays for ``len(ids)`` rows and fill them from ``z`` (what
+        :meth:`_row_state` stored)."""
+        n = len(self.ids)
+        self._cap = 0
+        for name in self._row_arrays():
+            old = getattr(self, name)
+            setattr(self, name, np.zeros((0,) + old.shape[1:], dtype=old.dtype))
+        self._resize(max(64, n))
+        for name in self._row_arrays():
+            getattr(self, name)[:n] = z[name.lstrip("_")]
+
     def state_dict(self) -> bytes:
         """Serialize the whole state (ids, counters, weights) to bytes (npz, no pickle)."""
-        n = len(self.ids)
-        arrays: dict[str, np.ndarray] = {
-            name.lstrip("_"): getattr(self, name)[:n] for name in self._row_arrays()
-        }
+        arrays = self._row_state()
         arrays.update({f"x_{k}": v for k, v in self._extra_arrays().items()})
         meta = {
             "name": self.name,
@@ -320,17 +340,7 @@ class Forecaster(ABC):
                 )
             self.ids = list(meta["ids"])
             self.index = {a: i for i, a in enumerate(self.ids)}
-            n = len(self.ids)
-            self._cap = 0
-            for name in self._row_arrays():
-                setattr(
-                    self,
-                    name,
-                    np.zeros((0,) + getattr(self, name).shape[1:], dtype=getattr(self, name).dtype),
-                )
-            self._resize(max(64, n))
-            for name in self._row_arrays():
-                getattr(self, name)[:n] = z[name.lstrip("_")]
+            self._restore_rows(z)
             s = meta["scalars"]
             self._last_tick = s["last_tick"]
             self.ticks = int(s["ticks"])
@@ -1176,10 +1186,7 @@ class EnsembleForecaster(Forecaster):
                 self._pending[self.index[a]] += c
 
     def tick(self, now: float) -> Forecast:
-        steps = 1
-        if self._last_tick is not None:
-            steps = max(1, int(round((now - self._last_tick) / self.bucket_s)))
-        self._last_tick = now
+        steps = self._steps_to(now)
         n = self._fit_rows()
         h = self.h
         for b in range(max(self._b + 1, self._b + steps - h + 1), self._b + steps):
@@ -1310,12 +1317,11 @@ class EnsembleForecaster(Forecaster):
     def state_dict(self) -> bytes:
         """Members' states, learned weights, the count ring and the forecasts still waiting
         for their window (npz, no pickle)."""
-        n = len(self.ids)
         arrays = {
             f"m{i}": np.frombuffer(m.state_dict(), dtype=np.uint8)
             for i, m in enumerate(self.members)
         }
-        arrays |= {name.lstrip("_"): getattr(self, name)[:n] for name in self._row_arrays()}
+        arrays |= self._row_state()
         arrays["weights"] = self.weights
         for j, (_b, fcs) in enumerate(self._due):
             for i, (rows, exp) in enumerate(fcs):
@@ -1343,14 +1349,7 @@ class EnsembleForecaster(Forecaster):
                 m.load_state_dict(bytes(z[f"m{i}"]))
             self.ids = self.members[0].ids
             self.index = self.members[0].index
-            n = len(self.ids)
-            self._cap = 0
-            for name in self._row_arrays():
-                old = getattr(self, name)
-                setattr(self, name, np.zeros((0,) + old.shape[1:], dtype=old.dtype))
-            self._resize(max(64, n))
-            for name in self._row_arrays():
-                getattr(self, name)[:n] = z[name.lstrip("_")]
+            self._restore_rows(z)
             self.weights = np.array(z["weights"], dtype=np.float64)
             s = meta["scalars"]
             self._due = [
