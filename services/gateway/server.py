@@ -183,22 +183,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     adapter.adapter_id if adapter else "", views, placement
                 )
             self._inflight[chosen] += 1
-            self._pending[chosen] += 1
-            self.metrics.worker_pending.labels(chosen).set(self._pending[chosen])
+            self._add_pending(chosen, 1)
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
 
+    def _add_pending(self, worker_id: str, delta: int) -> None:
+        """Count requests awaiting their first token on ``worker_id`` (lock held)."""
+        self._pending[worker_id] += delta
+        self.metrics.worker_pending.labels(worker_id).set(self._pending[worker_id])
+
     def _first_token(self, worker_id: str) -> None:
         with self._inflight_lock:
-            self._pending[worker_id] -= 1
-            self.metrics.worker_pending.labels(worker_id).set(self._pending[worker_id])
+            self._add_pending(worker_id, -1)
 
     def _done(self, worker_id: str, pending: bool) -> None:
         with self._inflight_lock:
             self._inflight[worker_id] -= 1
             if pending:
-                self._pending[worker_id] -= 1
-                self.metrics.worker_pending.labels(worker_id).set(self._pending[worker_id])
+                self._add_pending(worker_id, -1)
 
     def _placement(self) -> dict[str, list[str]]:
         cached = self._placement_cache.get("placement")
