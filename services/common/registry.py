@@ -89,6 +89,7 @@ class WorkerRecord:
         queue_length: Requests waiting to join the batch.
         running: Requests in the running batch.
         resident: Adapter ids resident in the device pool.
+        loading: Adapter ids with a load into the pool in flight (demand or prefetch).
         pool: Pool statistics (keys of ``plora.v1.PoolStats``).
         prefill_s: Recent mean prefill time per request, seconds
             (``services.worker.engine.ServiceEstimates``; 0 = not measured yet).
@@ -104,6 +105,7 @@ class WorkerRecord:
     queue_length: int = 0
     running: int = 0
     resident: list[str] = field(default_factory=list)
+    loading: list[str] = field(default_factory=list)
     pool: dict[str, Any] = field(default_factory=dict)
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0

@@ -46,7 +46,12 @@ from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.validation import validate_generate
-from services.predictor.placement import RoundRobinRouter, WorkerView, route_rank_aware
+from services.predictor.placement import (
+    ROUTED_GRACE_S,
+    RoundRobinRouter,
+    route_rank_aware,
+    worker_view,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +99,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._inflight: collections.Counter[str] = collections.Counter()
         # requests in flight that have not had their first token yet, per worker
         self._pending: collections.Counter[str] = collections.Counter()
+        # worker id -> adapter id -> wall time this gateway last routed a request for it there
+        self._routed: dict[str, dict[str, float]] = {}
         self._inflight_lock = threading.Lock()
         self.events = EventStreamer(
             config.predictor_address,
@@ -155,26 +162,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise NoHealthyWorkerError(
                 "no healthy worker is available; check `plora status` and the workers' logs"
             )
-        views = [
-            WorkerView(
-                worker_id=w.worker_id,
-                pool_bytes=int(w.pool.get("pool_bytes", 0)),
-                free_bytes=max(
-                    0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))
-                ),
-                resident=frozenset(w.resident),
-                # Heartbeats are up to a second old: between them, count what this gateway
-                # itself has in flight on each worker, so a burst is not sent to one worker.
-                queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
-                pending=self._pending[w.worker_id],
-                prefill_s=w.prefill_s,
-                cold_wait_s=w.cold_wait_s,
-            )
-            for w in workers
-        ]
         by_id = {w.worker_id: w for w in workers}
         placement = self._placement() if adapter and self.config.routing != "round_robin" else {}
         with self._inflight_lock:
+            views = [
+                worker_view(
+                    w,
+                    # Heartbeats are up to a second old: between them, count what this gateway
+                    # itself has in flight on each worker, so a burst is not sent to one worker.
+                    queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
+                    pending=self._pending[w.worker_id],
+                    loading=self._loading(w),
+                )
+                for w in workers
+            ]
             if self.config.routing == "round_robin":
                 chosen = self._round_robin.route(views)
                 reason = "round_robin"
@@ -184,8 +185,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 )
             self._inflight[chosen] += 1
             self._add_pending(chosen, 1)
+            if adapter:
+                self._routed.setdefault(chosen, {})[adapter.adapter_id] = time.time()
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
+
+    def _loading(self, w: WorkerRecord) -> set[str]:
+        """Adapters on their way into ``w``'s pool: loading at its last heartbeat, or routed
+        there by this gateway since (lock held). A request routed less than
+        ``ROUTED_GRACE_S`` before the heartbeat may not have reached the worker's store when
+        it was taken; older ones are the heartbeat's to report and are forgotten here."""
+        loading = set(w.loading)
+        routed = self._routed.get(w.worker_id)
+        if routed:
+            cutoff = w.heartbeat_unix - ROUTED_GRACE_S
+            for a, t in list(routed.items()):
+                if t < cutoff:
+                    del routed[a]
+                else:
+                    loading.add(a)
+        return loading
 
     def _add_pending(self, worker_id: str, delta: int) -> None:
         """Count requests awaiting their first token on ``worker_id`` (lock held)."""

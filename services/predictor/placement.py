@@ -10,7 +10,8 @@ policy change shows up in all three.
   respected; a previous assignment is kept while it stays within the balance tolerance, so the
   placement does not churn (the number of changed assignments is reported as *moves*).
 * **Routing**: ``rank_aware`` sends a request to a worker that holds the adapter resident with the
-  shortest queue, else to a worker the placement assigns it to, else to the least-loaded worker;
+  shortest queue, else to one already loading it, else to a worker the placement assigns it to,
+  else to the least-loaded worker;
   ``round_robin`` is the residency- and rank-oblivious baseline.
 * **Prefetch choice** (Predictive-LoRA, arXiv 2512.20210, section 3): adapters whose forecast
   demand crosses a threshold are prefetched onto their placed workers, with hysteresis (an adapter
@@ -21,9 +22,18 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from services.common.registry import WorkerRecord
+
+#: Seconds a worker's heartbeat must postdate a request routed to it before the heartbeat's
+#: ``loading`` list is trusted to show that request's adapter; until then the router counts
+#: the adapter as loading there on its own record (the worker's engine asks its store for the
+#: adapter at its next step, well within this). Used by the gateway and the simulator.
+ROUTED_GRACE_S = 1.0
 #: Reference rank of :func:`rank_cost` (cost 1 + beta at this rank).
 RANK_REF = 64
 #: Extra cost of a rank-``RANK_REF`` adapter relative to a base-model request.
@@ -51,6 +61,9 @@ class WorkerView:
         pool_bytes: Device adapter pool size.
         free_bytes: Pool bytes not holding live adapters.
         resident: Adapter ids resident in its pool.
+        loading: Adapter ids on their way into its pool: a load in flight at its last
+            heartbeat, or a request for them routed there since (the gateway's own record).
+            Any container (the gateway and the simulator add to a set in place).
         queue_length: Requests queued or running on it.
         pending: Requests sent to it that have not had their first token yet (waiting for an
             adapter, queued, or in prefill): the work a new request's first token waits behind.
@@ -68,6 +81,37 @@ class WorkerView:
     pending: int = 0
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
+    loading: Container[str] = field(default_factory=frozenset)
+
+
+def worker_view(
+    record: WorkerRecord,
+    *,
+    queue_length: int | None = None,
+    pending: int = 0,
+    loading: Container[str] | None = None,
+) -> WorkerView:
+    """The view of a worker's last heartbeat (``services.common.registry.WorkerRecord``).
+
+    Args:
+        record: The heartbeat.
+        queue_length: Override of its queued + running requests (the gateway counts its own
+            in flight between heartbeats).
+        pending: Requests awaiting their first token (the gateway's count).
+        loading: Override of the heartbeat's ``loading`` list.
+    """
+    pool_bytes = int(record.pool.get("pool_bytes", 0))
+    return WorkerView(
+        worker_id=record.worker_id,
+        pool_bytes=pool_bytes,
+        free_bytes=max(0, pool_bytes - int(record.pool.get("live_bytes", 0))),
+        resident=frozenset(record.resident),
+        queue_length=record.queue_length + record.running if queue_length is None else queue_length,
+        pending=pending,
+        prefill_s=record.prefill_s,
+        cold_wait_s=record.cold_wait_s,
+        loading=frozenset(record.loading) if loading is None else loading,
+    )
 
 
 @dataclass(frozen=True)
@@ -195,15 +239,17 @@ def route_rank_aware(
     step for each of those; a prefill is a whole prompt's worth of work).
 
     Order: the least-loaded worker holding the adapter resident; else the least-loaded worker
-    the placement assigns it to; else the least-loaded worker. A resident (or placed) worker
-    ``w`` is passed over for the least-loaded worker ``l`` when its queue is more than
-    ``queue_slack`` longer, or when the prefills it has pending beyond ``l``'s would delay the
-    first token longer than a cold start on ``l``:
+    loading it (``WorkerView.loading``: the request waits only for the rest of that load, where
+    another worker would start a whole second one and hold a second copy); else the
+    least-loaded worker the placement assigns it to; else the least-loaded worker. A resident
+    or loading (or placed) worker ``w`` is passed over for the least-loaded worker ``l`` when
+    its queue is more than ``queue_slack`` longer, or when the prefills it has pending beyond
+    ``l``'s would delay the first token longer than a cold start on ``l``:
     ``(w.pending - l.pending) * w.prefill_s > l.cold_wait_s``. A placed, not resident, ``w``
     is passed over only for its queue: the request is cold on either worker, and loading the
     adapter where the placement put it keeps one copy that later requests find, instead of
-    copies on every worker that happened to be idle. Where a worker has
-    not measured those yet (0), ``pending_slack`` extra pending requests are tolerated. Staying
+    copies on every worker that happened to be idle. Where a worker has not measured those
+    yet (0), ``pending_slack`` extra pending requests are tolerated. Staying
     saves a load (a cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the
     rule takes whichever is expected to be shorter, using each worker's own recent figures,
     so the same code is right where loads are slow against prefill (remote adapter storage)
@@ -218,7 +264,8 @@ def route_rank_aware(
         queue_slack: Queue difference tolerated to stay on a resident/placed worker.
 
     Returns:
-        ``(worker_id, reason)`` with reason ``"resident"``, ``"placed"``, ``"least_loaded"``.
+        ``(worker_id, reason)`` with reason ``"resident"``, ``"loading"``, ``"placed"``,
+        ``"least_loaded"``.
 
     Raises:
         ValueError: ``workers`` is empty.
@@ -232,6 +279,11 @@ def route_rank_aware(
             best = min(resident, key=_load_key)
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
                 return best.worker_id, "resident"
+        loading = [w for w in workers if adapter_id in w.loading and adapter_id not in w.resident]
+        if loading:
+            best = min(loading, key=_load_key)
+            if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
+                return best.worker_id, "loading"
         placed_ids = set(placement.get(adapter_id, ()))
         placed = [w for w in workers if w.worker_id in placed_ids and adapter_id not in w.resident]
         if placed:

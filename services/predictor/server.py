@@ -33,8 +33,8 @@ from services.predictor.metrics import PredictorMetrics
 from services.predictor.placement import (
     AdapterDemand,
     PrefetchSelector,
-    WorkerView,
     plan_placement,
+    worker_view,
 )
 
 logger = logging.getLogger(__name__)
@@ -215,18 +215,7 @@ class PredictorCore:
             for a, e in expected.items()
             if a in records
         }
-        views = [
-            WorkerView(
-                worker_id=w.worker_id,
-                pool_bytes=int(w.pool.get("pool_bytes", 0)),
-                free_bytes=max(
-                    0, int(w.pool.get("pool_bytes", 0)) - int(w.pool.get("live_bytes", 0))
-                ),
-                resident=frozenset(w.resident),
-                queue_length=w.queue_length + w.running,
-            )
-            for w in workers
-        ]
+        views = [worker_view(w) for w in workers]
         placement, moves = plan_placement(demand, views, self.placement)
         if moves:
             self.metrics.placement_moves.inc(moves)

@@ -56,6 +56,7 @@ from services.common.traces import Trace, map_keys_to_adapters
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER
 from services.predictor.placement import (
+    ROUTED_GRACE_S,
     AdapterDemand,
     PrefetchSelector,
     RoundRobinRouter,
@@ -374,6 +375,9 @@ class SimWorker:
         self.last_used: dict[int, float] = {}
         self.prefetched_unused: set[int] = set()
         self.jobs: dict[int, _Load] = {}  # adapter -> load in flight
+        self.jobs_version = 0  # bumped whenever ``jobs`` changes (view cache key)
+        # adapter -> time the gateway last routed a request for it here (WorkerView.loading)
+        self.routed_at: dict[int, float] = {}
         self.job_heap: list[tuple[int, float, int, _Load]] = []
         self.loading_handles: set[int] = set()
         self.active = 0
@@ -396,7 +400,7 @@ class SimWorker:
         self.ad_count: dict[int, int] = {}
         self.res_version = 0
         self._view: WorkerView | None = None
-        self._view_key: tuple[int, int, int] = (-1, -1, -1)
+        self._view_key: tuple[int | float, ...] = (-1,)
         self._res_names: frozenset[str] = frozenset()
         self._res_names_version = -1
         # counters
@@ -421,10 +425,11 @@ class SimWorker:
             al.live_bytes,
             est.prefill_s,
             est.cold_wait_s,
+            self.jobs_version,
         )
         if key != self._view_key:
+            names = self.sim.adapters.names
             if self._res_names_version != self.res_version:
-                names = self.sim.adapters.names
                 self._res_names = frozenset(names[a] for a in self.resident)
                 self._res_names_version = self.res_version
             self._view = WorkerView(
@@ -435,6 +440,7 @@ class SimWorker:
                 queue_length=key[1],
                 prefill_s=est.prefill_s,
                 cold_wait_s=est.cold_wait_s,
+                loading=frozenset(names[a] for a in self.jobs),
             )
             self._view_key = key
         assert self._view is not None
@@ -473,6 +479,7 @@ class SimWorker:
         if job is None:
             job = _Load(a, True, 0.0)
             self.jobs[a] = job
+            self.jobs_version += 1
             heapq.heappush(self.job_heap, (0, 0.0, sim.next_seq(), job))
         elif not job.demanded:
             job.demanded = True
@@ -776,6 +783,7 @@ class SimWorker:
                 continue
             if not job.demanded:  # a prefetch never waits: dropped
                 del self.jobs[job.a]
+                self.jobs_version += 1
                 self.c["prefetch_ignored"] += 1
                 self.active -= 1
                 self.start_jobs(t)
@@ -811,6 +819,7 @@ class SimWorker:
 
     def _fail_load(self, job: _Load, t: float, err: Exception) -> None:
         del self.jobs[job.a]
+        self.jobs_version += 1
         self.c["failed_loads"] += 1
         self.active -= 1
         for r in self.waiters.pop(job.a, []):
@@ -823,6 +832,7 @@ class SimWorker:
         a = job.a
         self.loading_handles.discard(job.handle)
         del self.jobs[a]
+        self.jobs_version += 1
         self.resident[a] = job.handle
         self.res_bytes[a] = job.units * self.allocator.unit_bytes
         self.res_version += 1
@@ -879,6 +889,7 @@ class SimWorker:
                 continue
             job = _Load(a, False, expected)
             self.jobs[a] = job
+            self.jobs_version += 1
             heapq.heappush(self.job_heap, (1, -expected, sim.next_seq(), job))
             self.c["prefetch_issued"] += 1
         self.start_jobs(t)
@@ -969,6 +980,7 @@ class ClusterSimulation:
         self._gv_src: list[WorkerView] | None = None  # the heartbeat views _gv was made from
         self._gv: list[WorkerView] = []
         self._views_next = -_INF
+        self._views_t = -_INF  # time of the heartbeat the views are from
 
     # ---------------------------------------------------------------- helpers
     def next_seq(self) -> int:
@@ -1013,16 +1025,20 @@ class ClusterSimulation:
         ``SimConfig.view_refresh_s``)."""
         hb = self.config.view_refresh_s
         if hb <= 0:
+            self._views_t = t
             return [w.view() for w in self.workers]
         if t >= self._views_next:
             self._views = [w.view() for w in self.workers]
-            self._views_next = (math.floor(t / hb) + 1) * hb
+            self._views_t = math.floor(t / hb) * hb
+            self._views_next = self._views_t + hb
         return self._views
 
     def gateway_views(self, t: float) -> list[WorkerView]:
         """What the gateway routes on: the heartbeat views (:meth:`views`), but each worker's
-        queue at least the requests the gateway itself has in flight on it, and its pending
-        requests (no first token yet) as the gateway counts them, as
+        queue at least the requests the gateway itself has in flight on it, its pending
+        requests (no first token yet) as the gateway counts them, and its loading adapters
+        with those the gateway routed there since ``ROUTED_GRACE_S`` before the heartbeat
+        (added in place by :meth:`_dispatch`), as
         ``services.gateway.server.GatewayServicer._choose`` does.
 
         The returned views are this cluster's own, updated in place on the next call: valid
@@ -1031,19 +1047,28 @@ class ClusterSimulation:
         stale = self.views(t)
         if stale is not self._gv_src:
             self._gv_src = stale
-            self._gv = [
-                WorkerView(
-                    v.worker_id,
-                    v.pool_bytes,
-                    v.free_bytes,
-                    v.resident,
-                    v.queue_length,
-                    0,
-                    v.prefill_s,
-                    v.cold_wait_s,
+            cutoff = self._views_t - ROUTED_GRACE_S
+            names = self.adapters.names
+            self._gv = []
+            for w, v in zip(self.workers, stale, strict=True):
+                loading = set(v.loading)
+                routed = w.routed_at
+                for a in [a for a, ta in routed.items() if ta < cutoff]:
+                    del routed[a]
+                loading.update(names[a] for a in routed)
+                self._gv.append(
+                    WorkerView(
+                        v.worker_id,
+                        v.pool_bytes,
+                        v.free_bytes,
+                        v.resident,
+                        v.queue_length,
+                        0,
+                        v.prefill_s,
+                        v.cold_wait_s,
+                        loading,
+                    )
                 )
-                for v in stale
-            ]
         gv = self._gv
         for i, w in enumerate(self.workers):
             g = gv[i]
@@ -1066,7 +1091,11 @@ class ClusterSimulation:
             else:
                 chosen, reason = self.router.route(views), "round_robin"
             self.routed[reason] = self.routed.get(reason, 0) + 1
-            if by_name[chosen].accept(r, a, t):
+            worker = by_name[chosen]
+            if worker.accept(r, a, t):
+                if rank_aware:
+                    worker.routed_at[a] = t
+                    self._gv[worker.wid].loading.add(name)  # type: ignore[attr-defined]
                 return
             views = [v for v in views if v.worker_id != chosen]
         self.status[r] = _FAILED

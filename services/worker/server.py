@@ -364,6 +364,7 @@ class WorkerService:
             queue_length=self.engine.queue_length,
             running=self.engine.running,
             resident=resident,
+            loading=self.store.loading_adapters(),
             pool=pool_stats_dict(snapshot, self.config),
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,

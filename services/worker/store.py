@@ -946,6 +946,18 @@ class AdapterStore:
                     )
             return sorted(out, key=lambda r: r.first_page)
 
+    def loading_adapters(self) -> list[str]:
+        """Sorted ids of the adapters with a load in flight (queued or running; demand or
+        prefetch). A request for one of them waits only for the rest of that load."""
+        with self._lock:
+            return sorted(
+                {
+                    e.ref.adapter_id
+                    for e in self._entries.values()
+                    if e.state is _State.LOADING and not e.detached
+                }
+            )
+
     def stats(self) -> StoreStats:
         """A consistent snapshot of the store's figures."""
         with self._lock:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
 from services.gateway.config import GatewayConfig
-from services.gateway.server import GatewayService
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.server import GatewayService, GatewayServicer
+from services.predictor.placement import ROUTED_GRACE_S
 from tests.conftest import REPO
 
 
@@ -91,3 +95,42 @@ def test_plora_up_with_unreachable_redis_fails_cleanly(tmp_path) -> None:
     assert "cannot reach Redis" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
     assert not (tmp_path / "c.json").exists()
+
+
+def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url: str) -> None:
+    """A second request for an adapter resident nowhere follows the first to the worker now
+    loading it (no second load elsewhere), even before that worker's next heartbeat; once a
+    heartbeat taken well after the routing no longer lists it, the gateway forgets it."""
+    registry = Registry(connect(redis_url))
+    for wid in ("w0", "w1"):
+        registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
+    config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    gw = GatewayServicer(config, registry, GatewayMetrics())
+    routed = gw.metrics.routed
+
+    def count(reason: str) -> float:
+        return routed.labels("rank_aware", reason)._value.get()
+
+    try:
+        adapter = AdapterRecord("a", "/src", version=1, rank=8)
+        assert gw._choose(adapter, set()).worker_id == "w0"  # least loaded, ties on id
+        # w1 has less pending, but w0 is loading the adapter: join that load
+        assert gw._choose(adapter, set()).worker_id == "w0"
+        assert count("loading") == 1
+        for _ in range(2):
+            gw._first_token("w0")
+        # a heartbeat taken well after the routing shows the load still in flight: joined
+        time.sleep(ROUTED_GRACE_S + 0.1)
+        registry.heartbeat(WorkerRecord("w0", "127.0.0.1:1", loading=["a"]), ttl_seconds=30)
+        assert gw._choose(adapter, set()).worker_id == "w0"
+        assert count("loading") == 2
+        gw._first_token("w0")
+        # the worker has dropped it (evicted, or the load failed): the gateway's own record
+        # is older than the heartbeat and is forgotten
+        time.sleep(ROUTED_GRACE_S + 0.1)
+        registry.heartbeat(WorkerRecord("w0", "127.0.0.1:1"), ttl_seconds=30)
+        # (had it been kept, w0 would win: no pending, its 3 in flight within the slack)
+        assert gw._choose(adapter, set()).worker_id == "w1"
+        assert count("loading") == 2 and count("least_loaded") == 2
+    finally:
+        gw.close()

@@ -194,6 +194,47 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {"a": ["w1"]},
             ("w1", "placed"),
         ),
+        # not resident anywhere but loading on w0 (a request just sent there): join that load
+        # rather than start a second one on the idle w1
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=1, pending=1, loading={"a"}),
+                WorkerView("w1", queue_length=0),
+            ],
+            {},
+            ("w0", "loading"),
+        ),
+        # ... unless its pending prefills outweigh a cold start on w1
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=3, pending=3, prefill_s=0.5, loading={"a"}),
+                WorkerView("w1", queue_length=0, cold_wait_s=1.0),
+            ],
+            {},
+            ("w1", "least_loaded"),
+        ),
+        # resident on w1 beats loading on w0
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, loading={"a"}),
+                WorkerView("w1", queue_length=0, resident=frozenset({"a"})),
+            ],
+            {},
+            ("w1", "resident"),
+        ),
+        # loading beats the placement (the placed worker would start a second load)
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, loading=frozenset({"a"})),
+                WorkerView("w1", queue_length=0),
+            ],
+            {"a": ["w1"]},
+            ("w0", "loading"),
+        ),
     ],
 )
 def test_rank_aware_routing(adapter, workers, placement, expected) -> None:

@@ -272,6 +272,23 @@ def test_load_waits_for_a_release_then_succeeds() -> None:
         assert s.stats().evictions_by_reason == {"demand": 1}
 
 
+def test_loading_adapters_lists_loads_in_flight_until_resident() -> None:
+    s, src = store(pages=16)
+    src.gate = threading.Event()  # hold the source reads
+    with s:
+        b = s.acquire(ref("b", 2))  # demand
+        assert s.prefetch([(ref("c", 1), 3.0)]).accepted == 1
+        assert s.loading_adapters() == ["b", "c"]
+        assert s.resident_adapters() == []
+        src.gate.set()
+        ready(b).release()
+        deadline = time.monotonic() + 5
+        while s.loading_adapters() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.loading_adapters() == []
+        assert sorted(r.adapter_id for r in s.resident_adapters()) == ["b", "c"]
+
+
 def test_load_fails_cleanly_when_everything_stays_in_use() -> None:
     s, _ = store(pages=8, load_wait_timeout_s=0.1)
     with s:
