@@ -76,45 +76,103 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora bench replay``."""
     parser.add_argument("--trace", required=True, help="trace CSV file")
     parser.add_argument("--format", required=True, choices=TRACE_FORMATS, help="trace format")
-    parser.add_argument("--time-scale", type=float, default=60.0,
-                        help="compress the trace clock by this factor (default 60)")
-    parser.add_argument("--start", type=float, default=0.0,
-                        help="slice start, seconds of the compressed clock (default 0)")
-    parser.add_argument("--duration", type=float, default=300.0,
-                        help="slice length, seconds of the compressed clock (default 300)")
-    parser.add_argument("--drop-top", type=int, default=0,
-                        help="drop the N busiest trace keys before slicing (default 0)")
-    parser.add_argument("--adapters", type=int, default=32,
-                        help="number K of adapters (default 32)")
-    parser.add_argument("--ranks", type=_ranks, default=[8, 16, 32, 64],
-                        help="adapter ranks, cycled over the K adapters (default 8,16,32,64)")
-    parser.add_argument("--policies", type=_csv, default=["plora", "baseline"],
-                        help="comma-separated cluster policies (default plora,baseline)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=60.0,
+        help="compress the trace clock by this factor (default 60)",
+    )
+    parser.add_argument(
+        "--start",
+        type=float,
+        default=0.0,
+        help="slice start, seconds of the compressed clock (default 0)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=300.0,
+        help="slice length, seconds of the compressed clock (default 300)",
+    )
+    parser.add_argument(
+        "--drop-top",
+        type=int,
+        default=0,
+        help="drop the N busiest trace keys before slicing (default 0)",
+    )
+    parser.add_argument(
+        "--adapters", type=int, default=32, help="number K of adapters (default 32)"
+    )
+    parser.add_argument(
+        "--ranks",
+        type=_ranks,
+        default=[8, 16, 32, 64],
+        help="adapter ranks, cycled over the K adapters (default 8,16,32,64)",
+    )
+    parser.add_argument(
+        "--policies",
+        type=_csv,
+        default=["plora", "baseline"],
+        help="comma-separated cluster policies (default plora,baseline)",
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
-    parser.add_argument("--pool-bytes", default="auto",
-                        help="device pool per worker (e.g. 256MiB); auto = --pool-fraction of "
-                             "all adapters' bytes")
-    parser.add_argument("--pool-fraction", type=float, default=0.25,
-                        help="pool per worker as a share of all adapters' bytes (default 0.25)")
+    parser.add_argument(
+        "--pool-bytes",
+        default="auto",
+        help="device pool per worker (e.g. 256MiB); auto = --pool-fraction of all adapters' bytes",
+    )
+    parser.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.25,
+        help="pool per worker as a share of all adapters' bytes (default 0.25)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens per request (8)")
-    parser.add_argument("--prompt-token-cap", type=int, default=64,
-                        help="prompts are min(trace prompt tokens, this) words (default 64)")
-    parser.add_argument("--concurrency", type=int, default=64,
-                        help="most requests in flight; later arrivals are dropped (default 64)")
+    parser.add_argument(
+        "--prompt-token-cap",
+        type=int,
+        default=64,
+        help="prompts are min(trace prompt tokens, this) words (default 64)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=64,
+        help="most requests in flight; later arrivals are dropped (default 64)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="adapters, mapping and sampling seed")
     parser.add_argument("--model", default=None, help="base model (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--adapters-dir", default=None,
-                        help="where the adapters are written (default DIR/adapters; reused when "
-                             "its manifest matches)")
-    parser.add_argument("--warmup", type=int, default=4,
-                        help="base-model requests sent before the replay (default 4)")
-    parser.add_argument("--request-timeout", type=float, default=180.0,
-                        help="deadline of each request, seconds (default 180)")
-    parser.add_argument("--progress-interval", type=float, default=5.0,
-                        help="seconds between progress lines (default 5)")
-    parser.add_argument("--worker-arg", action="append", default=[],
-                        help="extra flag passed to every worker (repeatable)")
+    parser.add_argument(
+        "--adapters-dir",
+        default=None,
+        help="where the adapters are written (default DIR/adapters; reused when "
+        "its manifest matches)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="base-model requests sent before the replay (default 4)",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=180.0,
+        help="deadline of each request, seconds (default 180)",
+    )
+    parser.add_argument(
+        "--progress-interval",
+        type=float,
+        default=5.0,
+        help="seconds between progress lines (default 5)",
+    )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every worker (repeatable)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
@@ -145,8 +203,12 @@ def prepare_adapters(
     paths = [p.resolve() for p in paths]
     adapter_ranks = [int(m.rank) for m in metas]
     sizes = [int(m.size_bytes) for m in metas]
-    manifest.write_text(json.dumps({"key": key, "paths": [str(p) for p in paths],
-                                    "ranks": adapter_ranks, "sizes": sizes}, indent=2))
+    manifest.write_text(
+        json.dumps(
+            {"key": key, "paths": [str(p) for p in paths], "ranks": adapter_ranks, "sizes": sizes},
+            indent=2,
+        )
+    )
     return paths, adapter_ranks, sizes
 
 
@@ -178,14 +240,29 @@ def trace_info(trace: Trace, adapter_of: dict[str, str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ one policy
-def _cluster_args(args: argparse.Namespace, policy: str, run_dir: Path, pool_bytes: int,
-                  adapters_dir: Path) -> argparse.Namespace:
+def _cluster_args(
+    args: argparse.Namespace, policy: str, run_dir: Path, pool_bytes: int, adapters_dir: Path
+) -> argparse.Namespace:
     from services import launcher  # noqa: PLC0415
 
-    flags = ["--state-file", str(run_dir / "cluster.json"), "--gateway-port", "0",
-             "--policy", policy, "--workers", str(args.workers), "--demo-adapters", "0",
-             "--adapters-dir", str(adapters_dir), "--pool-bytes", str(pool_bytes),
-             "--startup-timeout", str(args.startup_timeout)]
+    flags = [
+        "--state-file",
+        str(run_dir / "cluster.json"),
+        "--gateway-port",
+        "0",
+        "--policy",
+        policy,
+        "--workers",
+        str(args.workers),
+        "--demo-adapters",
+        "0",
+        "--adapters-dir",
+        str(adapters_dir),
+        "--pool-bytes",
+        str(pool_bytes),
+        "--startup-timeout",
+        str(args.startup_timeout),
+    ]
     if args.model:
         flags += ["--model", args.model]
     for extra in args.worker_arg:
@@ -236,18 +313,30 @@ def run_policy(
                 )
             print(f"[{policy}] registered {len(adapter_paths)} adapters; warming up", flush=True)
             for i in range(args.warmup):
-                list(stub.Generate(gateway_pb2.GenerateRequest(
-                    request_id=f"warmup-{i}", prompt="Hello, how are you today?",
-                    max_new_tokens=args.max_new_tokens), timeout=120))
+                list(
+                    stub.Generate(
+                        gateway_pb2.GenerateRequest(
+                            request_id=f"warmup-{i}",
+                            prompt="Hello, how are you today?",
+                            max_new_tokens=args.max_new_tokens,
+                        ),
+                        timeout=120,
+                    )
+                )
 
         def progress(p: Any) -> None:
-            print(f"[{policy}] t={p.elapsed_s:6.1f}s sent {p.sent}/{p.total} "
-                  f"completed {p.completed} failed {p.failed} in-flight {p.in_flight}",
-                  flush=True)
+            print(
+                f"[{policy}] t={p.elapsed_s:6.1f}s sent {p.sent}/{p.total} "
+                f"completed {p.completed} failed {p.failed} in-flight {p.in_flight}",
+                flush=True,
+            )
 
-        config = ClientConfig(concurrency=args.concurrency,
-                              request_timeout_s=args.request_timeout,
-                              progress_interval_s=args.progress_interval, seed=args.seed)
+        config = ClientConfig(
+            concurrency=args.concurrency,
+            request_timeout_s=args.request_timeout,
+            progress_interval_s=args.progress_interval,
+            seed=args.seed,
+        )
         timings["register_warmup_s"] = time.monotonic() - mark
         t0 = time.monotonic()
         with ReplayClient(gateway, config) as client, StatusSampler(gateway, t0) as sampler:
@@ -260,8 +349,9 @@ def run_policy(
         mark = time.monotonic()
         cluster.stop()
         timings["stop_s"] = time.monotonic() - mark
-    print(f"[{policy}] phases: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()),
-          flush=True)
+    print(
+        f"[{policy}] phases: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True
+    )
     with open(run_dir / "requests.jsonl", "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
@@ -292,24 +382,38 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
-        print(f"plora bench replay: unknown policies {unknown}; choose from {sorted(POLICIES)}",
-              file=sys.stderr)
+        print(
+            f"plora bench replay: unknown policies {unknown}; choose from {sorted(POLICIES)}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    trace = load_trace(args.trace, args.format, time_scale=args.time_scale, seed=args.seed,
-                       drop_top=args.drop_top, start=args.start, duration=args.duration)
+    trace = load_trace(
+        args.trace,
+        args.format,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        drop_top=args.drop_top,
+        start=args.start,
+        duration=args.duration,
+    )
     if len(trace) == 0:
-        print("plora bench replay: the slice holds no requests; choose another --start/--duration",
-              file=sys.stderr)
+        print(
+            "plora bench replay: the slice holds no requests; choose another --start/--duration",
+            file=sys.stderr,
+        )
         return 2
 
     adapters_dir = Path(args.adapters_dir) if args.adapters_dir else out / "adapters"
-    print(f"writing/reusing {args.adapters} adapters (ranks {args.ranks}) in {adapters_dir}",
-          flush=True)
-    paths, ranks, sizes = prepare_adapters(adapters_dir, args.model, args.adapters, args.ranks,
-                                           args.seed)
+    print(
+        f"writing/reusing {args.adapters} adapters (ranks {args.ranks}) in {adapters_dir}",
+        flush=True,
+    )
+    paths, ranks, sizes = prepare_adapters(
+        adapters_dir, args.model, args.adapters, args.ranks, args.seed
+    )
     if args.pool_bytes == "auto":
         pool_bytes = auto_pool_bytes(sizes, args.pool_fraction)
     else:
@@ -321,15 +425,22 @@ def run(args: argparse.Namespace) -> int:
     adapter_of = map_keys_to_adapters(trace.keys_by_popularity(), ids, seed=args.seed)
     keys = [str(k) for k in trace.adapter_keys]
     requests = build_requests(
-        trace.times.tolist(), [adapter_of[k] for k in keys], keys, trace.prompt_tokens.tolist(),
-        max_new_tokens=args.max_new_tokens, prompt_token_cap=args.prompt_token_cap,
+        trace.times.tolist(),
+        [adapter_of[k] for k in keys],
+        keys,
+        trace.prompt_tokens.tolist(),
+        max_new_tokens=args.max_new_tokens,
+        prompt_token_cap=args.prompt_token_cap,
         seed=args.seed,
     )
     info = trace_info(trace, adapter_of)
-    print(f"slice: {info['requests']} requests, {info['keys']} keys -> {info['adapters_used']} "
-          f"adapters, last arrival {info['last_arrival_s']:.1f}s, peak {info['peak_req_per_s']}/s,"
-          f" compulsory cold rate {info['compulsory_cold_rate']:.3f}; pool {pool_bytes} B/worker "
-          f"({pool_bytes / sum(sizes):.3f} of {sum(sizes)} B of adapters)", flush=True)
+    print(
+        f"slice: {info['requests']} requests, {info['keys']} keys -> {info['adapters_used']} "
+        f"adapters, last arrival {info['last_arrival_s']:.1f}s, peak {info['peak_req_per_s']}/s,"
+        f" compulsory cold rate {info['compulsory_cold_rate']:.3f}; pool {pool_bytes} B/worker "
+        f"({pool_bytes / sum(sizes):.3f} of {sum(sizes)} B of adapters)",
+        flush=True,
+    )
 
     summaries: dict[str, dict[str, Any]] = {}
     all_records: dict[str, list[RequestRecord]] = {}
@@ -338,12 +449,16 @@ def run(args: argparse.Namespace) -> int:
     for policy in args.policies:
         print(f"[{policy}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
-            records, samples, timings = run_policy(args, policy, out / policy, paths, requests,
-                                                   pool_bytes, adapters_dir)
+            records, samples, timings = run_policy(
+                args, policy, out / policy, paths, requests, pool_bytes, adapters_dir
+            )
         except Exception as exc:  # noqa: BLE001 - report the failed policy, go on with the next
             logger.exception("policy %s failed", policy)
-            print(f"[{policy}] FAILED: {exc}; logs in {out / policy / 'logs'}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[{policy}] FAILED: {exc}; logs in {out / policy / 'logs'}",
+                file=sys.stderr,
+                flush=True,
+            )
             summaries[policy] = {"error": str(exc)[:2000]}
             failed_policies.append(policy)
             continue
@@ -373,8 +488,11 @@ def run(args: argparse.Namespace) -> int:
         "worker_args": list(args.worker_arg),
         "wall_time_s": time.monotonic() - started,
         "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                 "load_avg_1m_at_end": os.getloadavg()[0]},
+        "host": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg_1m_at_end": os.getloadavg()[0],
+        },
     }
     ok = {k: v for k, v in summaries.items() if "error" not in v}
     # The comparison is plora vs baseline; without plora, the first other policy vs baseline.
@@ -392,9 +510,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(report: dict[str, Any], names: list[str]) -> None:
-    cols = ("requests", "completed", "failed", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s",
-            "throughput_req_s", "cold_starts", "cold_start_rate", "cold_start_wait_mean_s",
-            "pool_utilization_under_pressure", "external_fragmentation")
+    cols = (
+        "requests",
+        "completed",
+        "failed",
+        "ttft_mean_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "throughput_req_s",
+        "cold_starts",
+        "cold_start_rate",
+        "cold_start_wait_mean_s",
+        "pool_utilization_under_pressure",
+        "external_fragmentation",
+    )
     print(f"{'figure':34}" + "".join(f"{n:>14}" for n in names))
     for c in cols:
         row = []

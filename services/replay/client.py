@@ -37,13 +37,86 @@ logger = logging.getLogger(__name__)
 
 #: Common English words; each is one token (with its leading space) in GPT-2-style BPE.
 PROMPT_WORDS: tuple[str, ...] = (
-    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be",
-    "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
-    "an", "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has",
-    "there", "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "people",
-    "year", "way", "day", "man", "world", "life", "hand", "part", "place", "case", "week",
-    "work", "number", "group", "water", "city", "story", "house", "music", "light", "river",
-    "model", "data", "system", "market", "game", "school", "night", "book", "money",
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "had",
+    "they",
+    "you",
+    "were",
+    "their",
+    "one",
+    "all",
+    "we",
+    "can",
+    "her",
+    "has",
+    "there",
+    "been",
+    "if",
+    "more",
+    "when",
+    "will",
+    "would",
+    "who",
+    "so",
+    "no",
+    "time",
+    "people",
+    "year",
+    "way",
+    "day",
+    "man",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "place",
+    "case",
+    "week",
+    "work",
+    "number",
+    "group",
+    "water",
+    "city",
+    "story",
+    "house",
+    "music",
+    "light",
+    "river",
+    "model",
+    "data",
+    "system",
+    "market",
+    "game",
+    "school",
+    "night",
+    "book",
+    "money",
 )
 
 
@@ -190,16 +263,37 @@ class ReplayClient:
             end = time.monotonic() - t0
             code = exc.code() if hasattr(exc, "code") else None  # type: ignore[attr-defined]
             return RequestRecord(
-                req.index, req.adapter_id, req.trace_key, req.t, sent, first, end,
+                req.index,
+                req.adapter_id,
+                req.trace_key,
+                req.t,
+                sent,
+                first,
+                end,
                 code.name if code is not None else "UNKNOWN",
                 error=str(exc.details() if hasattr(exc, "details") else exc)[:300],  # type: ignore[attr-defined]
             )
         if last is None:
-            return RequestRecord(req.index, req.adapter_id, req.trace_key, req.t, sent, first,
-                                 end, "EMPTY_STREAM", error="the stream ended with no message")
+            return RequestRecord(
+                req.index,
+                req.adapter_id,
+                req.trace_key,
+                req.t,
+                sent,
+                first,
+                end,
+                "EMPTY_STREAM",
+                error="the stream ended with no message",
+            )
         return RequestRecord(
-            req.index, req.adapter_id, req.trace_key, req.t, sent,
-            first if first is not None else end, end, OK,
+            req.index,
+            req.adapter_id,
+            req.trace_key,
+            req.t,
+            sent,
+            first if first is not None else end,
+            end,
+            OK,
             prompt_tokens=last.usage.prompt_tokens,
             completion_tokens=last.usage.completion_tokens,
             adapter_cold=last.adapter_cold,
@@ -237,8 +331,14 @@ class ReplayClient:
 
         def snapshot() -> Progress:
             with lock:
-                return Progress(time.monotonic() - t0, len(requests), counts["sent"],
-                                counts["completed"], counts["failed"], counts["in_flight"])
+                return Progress(
+                    time.monotonic() - t0,
+                    len(requests),
+                    counts["sent"],
+                    counts["completed"],
+                    counts["failed"],
+                    counts["in_flight"],
+                )
 
         def report_loop() -> None:
             while not stop_progress.wait(cfg.progress_interval_s):
@@ -257,15 +357,25 @@ class ReplayClient:
             except Exception as exc:  # noqa: BLE001 - a client bug must not hang the replay
                 logger.exception("replay request %d failed in the client", req.index)
                 now = time.monotonic() - t0
-                rec = RequestRecord(req.index, req.adapter_id, req.trace_key, req.t, now, None,
-                                    now, "CLIENT_ERROR", error=repr(exc)[:300])
+                rec = RequestRecord(
+                    req.index,
+                    req.adapter_id,
+                    req.trace_key,
+                    req.t,
+                    now,
+                    None,
+                    now,
+                    "CLIENT_ERROR",
+                    error=repr(exc)[:300],
+                )
             done(rec)
 
         reporter = threading.Thread(target=report_loop, name="replay-progress", daemon=True)
         reporter.start()
         try:
-            with ThreadPoolExecutor(max_workers=cfg.concurrency,
-                                    thread_name_prefix="replay") as pool:
+            with ThreadPoolExecutor(
+                max_workers=cfg.concurrency, thread_name_prefix="replay"
+            ) as pool:
                 for req in requests:
                     delay = t0 + req.t - time.monotonic()
                     if delay > 0:
@@ -274,8 +384,14 @@ class ReplayClient:
                         if counts["in_flight"] >= cfg.concurrency:
                             now = time.monotonic() - t0
                             records[req.index] = RequestRecord(
-                                req.index, req.adapter_id, req.trace_key, req.t, None, None,
-                                None, CLIENT_DROPPED,
+                                req.index,
+                                req.adapter_id,
+                                req.trace_key,
+                                req.t,
+                                None,
+                                None,
+                                None,
+                                CLIENT_DROPPED,
                                 error=f"{cfg.concurrency} calls in flight at t={now:.2f}s",
                             )
                             counts["failed"] += 1
@@ -312,32 +428,36 @@ class StatusSampler:
     def sample(self) -> StatusSample | None:
         """Take one sample now (also used for the final one)."""
         try:
-            resp = self._stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(),
-                                               timeout=max(2.0, self.interval_s * 2))
+            resp = self._stub.GetClusterStatus(
+                gateway_pb2.GetClusterStatusRequest(), timeout=max(2.0, self.interval_s * 2)
+            )
         except grpc.RpcError as exc:
             self.errors += 1
             logger.warning("GetClusterStatus failed: %s", exc.code().name)  # type: ignore[attr-defined]
             return None
         t = time.monotonic() - self.t0
-        s = StatusSample(t, tuple(
-            WorkerSample(
-                worker_id=w.worker_id,
-                utilization=w.pool.utilization,
-                utilization_under_pressure=w.pool.utilization_under_pressure,
-                external_fragmentation=w.pool.external_fragmentation,
-                loads=w.pool.loads,
-                evictions=w.pool.evictions,
-                cold_starts=w.pool.cold_starts,
-                pages_used=w.pool.pages_used,
-                pages_total=w.pool.pages_total,
-                live_bytes=w.pool.live_bytes,
-                pool_bytes=w.pool.pool_bytes,
-                queue_length=w.queue_length,
-                running=w.running,
-                resident_adapters=len(w.resident_adapters),
-            )
-            for w in sorted(resp.workers, key=lambda w: w.worker_id)
-        ))
+        s = StatusSample(
+            t,
+            tuple(
+                WorkerSample(
+                    worker_id=w.worker_id,
+                    utilization=w.pool.utilization,
+                    utilization_under_pressure=w.pool.utilization_under_pressure,
+                    external_fragmentation=w.pool.external_fragmentation,
+                    loads=w.pool.loads,
+                    evictions=w.pool.evictions,
+                    cold_starts=w.pool.cold_starts,
+                    pages_used=w.pool.pages_used,
+                    pages_total=w.pool.pages_total,
+                    live_bytes=w.pool.live_bytes,
+                    pool_bytes=w.pool.pool_bytes,
+                    queue_length=w.queue_length,
+                    running=w.running,
+                    resident_adapters=len(w.resident_adapters),
+                )
+                for w in sorted(resp.workers, key=lambda w: w.worker_id)
+            ),
+        )
         self.samples.append(s)
         return s
 

@@ -292,14 +292,16 @@ def pool_stats(samples: Sequence[StatusSample]) -> dict[str, Any]:
         for w in s.workers:
             first.setdefault(w.worker_id, w)
             last[w.worker_id] = w
-    reported = [w.utilization_under_pressure for w in last.values()
-                if w.utilization_under_pressure > 0]
+    reported = [
+        w.utilization_under_pressure for w in last.values() if w.utilization_under_pressure > 0
+    ]
     return {
         "pool_utilization_under_pressure": mean(reported),
         "pool_utilization_under_pressure_sampled": mean(w.utilization for w in pressured),
         "external_fragmentation": mean(w.external_fragmentation for w in frag_src),
-        "external_fragmentation_max": max((w.external_fragmentation for w in frag_src),
-                                          default=None),
+        "external_fragmentation_max": max(
+            (w.external_fragmentation for w in frag_src), default=None
+        ),
         "pressure_samples": len(pressured),
         "pool_bytes_per_worker": max((w.pool_bytes for w in last.values()), default=0),
         "pool_loads": sum(last[k].loads - first[k].loads for k in last),
@@ -360,7 +362,9 @@ def build_report(
     pair = [summaries.get(a), summaries.get(b)]
     report["comparison"] = (
         compare(pair[0], pair[1])
-        if pair[0] is not None and pair[1] is not None and "error" not in pair[0]
+        if pair[0] is not None
+        and pair[1] is not None
+        and "error" not in pair[0]
         and "error" not in pair[1]
         else None
     )
@@ -378,8 +382,7 @@ def series_cold_starts(samples: Sequence[StatusSample]) -> tuple[np.ndarray, np.
 def series_pool_utilization(samples: Sequence[StatusSample]) -> tuple[np.ndarray, np.ndarray]:
     """``(t [n] s, utilization [n])``: live bytes / pool bytes averaged over the workers."""
     t = np.array([s.t for s in samples], dtype=np.float64)
-    u = np.array([mean(w.utilization for w in s.workers) or 0.0 for s in samples],
-                 dtype=np.float64)
+    u = np.array([mean(w.utilization for w in s.workers) or 0.0 for s in samples], dtype=np.float64)
     return t, u
 
 
@@ -489,18 +492,31 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "| figure | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
     ]
-    extra = ("dropped", "latency_mean_s", "cold_start_wait_mean_cold_s",
-             "pool_utilization_under_pressure_sampled", "pool_loads", "pool_evictions",
-             "pool_cold_starts")
+    extra = (
+        "dropped",
+        "latency_mean_s",
+        "cold_start_wait_mean_cold_s",
+        "pool_utilization_under_pressure_sampled",
+        "pool_loads",
+        "pool_evictions",
+        "pool_cold_starts",
+    )
     for key in (*POLICY_KEYS, *extra):
         lines.append(f"| {key} | " + " | ".join(_fmt(report[n].get(key)) for n in names) + " |")
-    lines += ["", f"Trace floor: compulsory_cold_rate = {_fmt(report.get('compulsory_cold_rate'))} "
-              "(share of requests whose adapter had not appeared earlier in the slice; no "
-              "policy can serve those warm).", ""]
+    lines += [
+        "",
+        f"Trace floor: compulsory_cold_rate = {_fmt(report.get('compulsory_cold_rate'))} "
+        "(share of requests whose adapter had not appeared earlier in the slice; no "
+        "policy can serve those warm).",
+        "",
+    ]
     comp = report.get("comparison")
     if comp:
-        targets = {"cold_start_wait_reduction": ">= 0.68", "ttft_mean_reduction": ">= 0.35",
-                   "throughput_ratio": ">= 1.0"}
+        targets = {
+            "cold_start_wait_reduction": ">= 0.68",
+            "ttft_mean_reduction": ">= 0.35",
+            "throughput_ratio": ">= 1.0",
+        }
         pa, pb = report.get("comparison_pair") or ("plora", "baseline")
         lines += [f"| comparison ({pa} vs {pb}) | measured | paper target |", "|---|---|---|"]
         for k, v in comp.items():
