@@ -99,7 +99,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._inflight: collections.Counter[str] = collections.Counter()
         # requests in flight that have not had their first token yet, per worker
         self._pending: collections.Counter[str] = collections.Counter()
-        # worker id -> adapter id -> wall time this gateway last routed a request for it there
+        # worker id -> adapter id -> wall time this gateway first routed a request for it there
+        # (forgotten once a heartbeat taken ROUTED_GRACE_S later speaks for it)
         self._routed: dict[str, dict[str, float]] = {}
         self._inflight_lock = threading.Lock()
         self.events = EventStreamer(
@@ -186,7 +187,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._inflight[chosen] += 1
             self._add_pending(chosen, 1)
             if adapter:
-                self._routed.setdefault(chosen, {})[adapter.adapter_id] = time.time()
+                self._routed.setdefault(chosen, {}).setdefault(adapter.adapter_id, time.time())
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -63,7 +63,7 @@ class WorkerView:
         resident: Adapter ids resident in its pool.
         loading: Adapter ids on their way into its pool: a load in flight at its last
             heartbeat, or a request for them routed there since (the gateway's own record).
-            Any container (the gateway and the simulator add to a set in place).
+            Any collection (the gateway and the simulator add to a set in place).
         queue_length: Requests queued or running on it.
         pending: Requests sent to it that have not had their first token yet (waiting for an
             adapter, queued, or in prefill): the work a new request's first token waits behind.
@@ -81,7 +81,7 @@ class WorkerView:
     pending: int = 0
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
-    loading: Container[str] = field(default_factory=frozenset)
+    loading: Collection[str] = field(default_factory=frozenset)
 
 
 def worker_view(
@@ -89,7 +89,7 @@ def worker_view(
     *,
     queue_length: int | None = None,
     pending: int = 0,
-    loading: Container[str] | None = None,
+    loading: Collection[str] | None = None,
 ) -> WorkerView:
     """The view of a worker's last heartbeat (``services.common.registry.WorkerRecord``).
 
@@ -146,9 +146,9 @@ def plan_placement(
     Args:
         demand: ``adapter_id -> AdapterDemand``; adapters with ``expected <= 0`` are not placed.
         workers: Healthy workers.
-        previous: The last placement. A worker that holds the adapter resident, then one of the
-            last placement, keeps it while it stays within ``(1 + tolerance)`` of the fair
-            share and has pool room.
+        previous: The last placement. A worker that holds the adapter resident or is loading
+            it, then one of the last placement, keeps it while it stays within
+            ``(1 + tolerance)`` of the fair share and has pool room.
         tolerance: Allowed overshoot of the fair share before a kept assignment is moved.
 
     Returns:
@@ -178,6 +178,10 @@ def plan_placement(
         for a in w.resident:
             if a in loads:
                 resident_on.setdefault(a, []).append(w.worker_id)
+    for w in workers:  # then the workers loading it (after every resident copy)
+        for a in w.loading:
+            if a in loads and a not in w.resident:
+                resident_on.setdefault(a, []).append(w.worker_id)
     placement: dict[str, list[str]] = {}
     for a in sorted(loads, key=lambda a: (-loads[a], a)):
         size = demand[a].size_bytes
@@ -188,8 +192,9 @@ def plan_placement(
             replicas = max(1, min(n_workers, math.ceil(a_load / share - 1e-9)))
         per_replica = a_load / replicas
         chosen: list[str] = []
-        # Keep what already serves the adapter: workers holding it resident first (moving it
-        # would cost a load and waste the copy the router is using), then the last placement.
+        # Keep what already serves the adapter: workers holding it resident or loading it first
+        # (moving it would cost a load and waste the copy the router is using), then the last
+        # placement.
         res = resident_on.get(a)
         prev = previous.get(a)
         if res and prev:
@@ -240,7 +245,9 @@ def route_rank_aware(
 
     Order: the least-loaded worker holding the adapter resident; else the least-loaded worker
     loading it (``WorkerView.loading``: the request waits only for the rest of that load, where
-    another worker would start a whole second one and hold a second copy); else the
+    another worker would start a whole second one and hold a second copy), among the workers
+    the placement assigns it to if it has any (a load elsewhere is one the placement does not
+    keep: the request goes where the copy will stay); else the
     least-loaded worker the placement assigns it to; else the least-loaded worker. A resident
     or loading (or placed) worker ``w`` is passed over for the least-loaded worker ``l`` when
     its queue is more than ``queue_slack`` longer, or when the prefills it has pending beyond
@@ -279,12 +286,18 @@ def route_rank_aware(
             best = min(resident, key=_load_key)
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
                 return best.worker_id, "resident"
-        loading = [w for w in workers if adapter_id in w.loading and adapter_id not in w.resident]
+        placed_ids = set(placement.get(adapter_id, ()))
+        loading = [
+            w
+            for w in workers
+            if adapter_id in w.loading
+            and adapter_id not in w.resident
+            and (not placed_ids or w.worker_id in placed_ids)
+        ]
         if loading:
             best = min(loading, key=_load_key)
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
                 return best.worker_id, "loading"
-        placed_ids = set(placement.get(adapter_id, ()))
         placed = [w for w in workers if w.worker_id in placed_ids and adapter_id not in w.resident]
         if placed:
             best = min(placed, key=_load_key)

@@ -375,8 +375,8 @@ class SimWorker:
         self.last_used: dict[int, float] = {}
         self.prefetched_unused: set[int] = set()
         self.jobs: dict[int, _Load] = {}  # adapter -> load in flight
-        self.jobs_version = 0  # bumped whenever ``jobs`` changes (view cache key)
-        # adapter -> time the gateway last routed a request for it here (WorkerView.loading)
+        # adapter -> time the gateway first routed a request for it here since the heartbeat
+        # before last (WorkerView.loading)
         self.routed_at: dict[int, float] = {}
         self.job_heap: list[tuple[int, float, int, _Load]] = []
         self.loading_handles: set[int] = set()
@@ -425,11 +425,10 @@ class SimWorker:
             al.live_bytes,
             est.prefill_s,
             est.cold_wait_s,
-            self.jobs_version,
         )
         if key != self._view_key:
-            names = self.sim.adapters.names
             if self._res_names_version != self.res_version:
+                names = self.sim.adapters.names
                 self._res_names = frozenset(names[a] for a in self.resident)
                 self._res_names_version = self.res_version
             self._view = WorkerView(
@@ -440,11 +439,18 @@ class SimWorker:
                 queue_length=key[1],
                 prefill_s=est.prefill_s,
                 cold_wait_s=est.cold_wait_s,
-                loading=frozenset(names[a] for a in self.jobs),
             )
             self._view_key = key
         assert self._view is not None
         return self._view
+
+    def loading(self) -> frozenset[str]:
+        """Adapters with a load in flight here (demand or prefetch; the heartbeat's
+        ``loading``, ``AdapterStore.loading_adapters``)."""
+        if not self.jobs:
+            return frozenset()
+        names = self.sim.adapters.names
+        return frozenset(names[a] for a in self.jobs)
 
     def pending(self, t: float) -> int:
         """Requests routed here without their first token at the gateway by ``t`` (the
@@ -479,7 +485,6 @@ class SimWorker:
         if job is None:
             job = _Load(a, True, 0.0)
             self.jobs[a] = job
-            self.jobs_version += 1
             heapq.heappush(self.job_heap, (0, 0.0, sim.next_seq(), job))
         elif not job.demanded:
             job.demanded = True
@@ -783,7 +788,6 @@ class SimWorker:
                 continue
             if not job.demanded:  # a prefetch never waits: dropped
                 del self.jobs[job.a]
-                self.jobs_version += 1
                 self.c["prefetch_ignored"] += 1
                 self.active -= 1
                 self.start_jobs(t)
@@ -819,7 +823,6 @@ class SimWorker:
 
     def _fail_load(self, job: _Load, t: float, err: Exception) -> None:
         del self.jobs[job.a]
-        self.jobs_version += 1
         self.c["failed_loads"] += 1
         self.active -= 1
         for r in self.waiters.pop(job.a, []):
@@ -832,7 +835,6 @@ class SimWorker:
         a = job.a
         self.loading_handles.discard(job.handle)
         del self.jobs[a]
-        self.jobs_version += 1
         self.resident[a] = job.handle
         self.res_bytes[a] = job.units * self.allocator.unit_bytes
         self.res_version += 1
@@ -889,7 +891,6 @@ class SimWorker:
                 continue
             job = _Load(a, False, expected)
             self.jobs[a] = job
-            self.jobs_version += 1
             heapq.heappush(self.job_heap, (1, -expected, sim.next_seq(), job))
             self.c["prefetch_issued"] += 1
         self.start_jobs(t)
@@ -1026,12 +1027,19 @@ class ClusterSimulation:
         hb = self.config.view_refresh_s
         if hb <= 0:
             self._views_t = t
-            return [w.view() for w in self.workers]
-        if t >= self._views_next:
-            self._views = [w.view() for w in self.workers]
+        elif t >= self._views_next:
             self._views_t = math.floor(t / hb) * hb
             self._views_next = self._views_t + hb
-        return self._views
+        else:
+            return self._views
+        views = []
+        for w in self.workers:
+            v = w.view()  # cached while its key is unchanged; ``loading`` is not in the key
+            v.loading = w.loading()
+            views.append(v)
+        if hb > 0:
+            self._views = views
+        return views
 
     def gateway_views(self, t: float) -> list[WorkerView]:
         """What the gateway routes on: the heartbeat views (:meth:`views`), but each worker's
@@ -1094,7 +1102,7 @@ class ClusterSimulation:
             worker = by_name[chosen]
             if worker.accept(r, a, t):
                 if rank_aware:
-                    worker.routed_at[a] = t
+                    worker.routed_at.setdefault(a, t)
                     self._gv[worker.wid].loading.add(name)  # type: ignore[attr-defined]
                 return
             views = [v for v in views if v.worker_id != chosen]

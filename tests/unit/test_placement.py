@@ -225,7 +225,18 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {},
             ("w1", "resident"),
         ),
-        # loading beats the placement (the placed worker would start a second load)
+        # loading where the placement keeps it: joined even with the other worker idle
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=1, pending=1, loading=frozenset({"a"})),
+                WorkerView("w1", queue_length=0),
+            ],
+            {"a": ["w0"]},
+            ("w0", "loading"),
+        ),
+        # loading on a worker the placement moved it from: the request goes where the copy
+        # will stay
         (
             "a",
             [
@@ -233,7 +244,7 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
                 WorkerView("w1", queue_length=0),
             ],
             {"a": ["w1"]},
-            ("w0", "loading"),
+            ("w1", "placed"),
         ),
     ],
 )
@@ -311,3 +322,19 @@ def test_placement_prefers_where_the_adapter_is_already_resident() -> None:
     # ... and the prefetch plan then has nothing to load for "a".
     plan = PrefetchSelector(high=0.1, low=0.05).select(demand, placement, ws)
     assert plan == {"w0": [("b", 2.0)], "w1": []}
+
+
+def test_placement_keeps_an_adapter_where_it_is_loading() -> None:
+    # "a" is on its way into w1's pool (a request was just routed there): the placement keeps
+    # it there rather than on the emptier w0, so routing and the load agree
+    demand = {"a": AdapterDemand(16, MB, 1.0), "b": AdapterDemand(16, MB, 1.0)}
+    ws = [
+        WorkerView("w0", 100 * MB, 100 * MB),
+        WorkerView("w1", 100 * MB, 100 * MB, queue_length=1, loading=frozenset({"a"})),
+    ]
+    placement, _ = plan_placement(demand, ws)
+    assert placement == {"a": ["w1"], "b": ["w0"]}
+    # a resident copy elsewhere comes before the load
+    ws[0] = WorkerView("w0", 100 * MB, 100 * MB, resident=frozenset({"a"}))
+    placement, _ = plan_placement(demand, ws)
+    assert placement["a"] == ["w0"]
