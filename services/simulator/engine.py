@@ -30,8 +30,9 @@ Model of one worker (the engine of :mod:`services.worker.engine`):
   tier (a draw from the real Alibaba load latencies, or a fixed cost plus bytes / bandwidth)
   unless the host cache holds the adapter, then the allocation (first fit; compaction of the
   paged pool when enough pages are free but no run fits; eviction by the policy otherwise;
-  waiting while every resident adapter is leased), then the host-to-device copy (bytes /
-  bandwidth, plus the bytes moved by compaction / device copy bandwidth).
+  waiting while every resident adapter is leased, without holding a loader thread), then the
+  host-to-device copy (bytes / bandwidth, plus the bytes moved by compaction / device copy
+  bandwidth).
 
 Determinism: every random draw comes from ``numpy.random.default_rng`` seeded from
 ``SimConfig.seed``; ties of the event queue are broken by insertion order and events run before
@@ -800,7 +801,10 @@ class SimWorker:
                 self._sample_pressure()
                 self._fail_load(job, t, PoolExhaustedError("no room in the device pool"))
                 return
+            # parked: its loader thread takes other loads meanwhile (AdapterStore._NoRoom)
             self.alloc_wait.append(job)
+            self.active -= 1
+            self.start_jobs(t)
             return
 
     def retry_waiting(self, t: float) -> None:
@@ -809,6 +813,7 @@ class SimWorker:
             job = self.alloc_wait.popleft()
             if self.jobs.get(job.a) is not job or job.handle >= 0:
                 continue
+            self.active += 1  # back on a loader thread
             self.try_allocate(job, t)
 
     def retry_timeout(self, job: _Load, t: float) -> None:
@@ -819,6 +824,7 @@ class SimWorker:
             self.alloc_wait.remove(job)
         except ValueError:
             return
+        self.active += 1  # back on a loader thread
         self.try_allocate(job, t)
 
     def _fail_load(self, job: _Load, t: float, err: Exception) -> None:

@@ -8,7 +8,10 @@
   (:mod:`services.worker.pool`) with a single copy. The engine gets views of pool memory.
 * **Background loads.** ``loader_threads`` threads (each with its own CUDA stream on GPU) take
   jobs from a priority queue: loads a waiting request needs first, then prefetches by expected
-  demand. ``acquire`` never blocks on I/O; a request waits only for its own lease.
+  demand. ``acquire`` never blocks on I/O; a request waits only for its own lease. A demand
+  load that finds no room (every resident adapter leased) is parked, not waited on: its thread
+  takes the next load (one that fits goes ahead), and it is queued again whenever a lease
+  drops or space is freed, until ``load_wait_timeout_s``.
 * **Reference counts.** A held lease pins its adapter: it is never evicted or moved. Freed
   space is zeroed before reuse.
 * **Eviction** (:mod:`services.worker.eviction`): ``lru`` or ``predictive`` ordering over the
@@ -560,12 +563,16 @@ class _Entry:
         "expected",
         "job_started",
         "last_used",
+        "packed",
         "prefetch",
+        "read_s",
         "ready_at",
         "ref",
         "refcount",
+        "room_deadline",
         "slots",
         "state",
+        "tier",
         "used",
         "views",
     )
@@ -588,6 +595,12 @@ class _Entry:
         self.error: Exception | None = None
         self.ready_at = 0.0
         self.cold_created: list[float] = []
+        # a demand load parked while the pool has no room: its host copy, the tier and read
+        # time it came from, and when it gives up (PoolExhaustedError)
+        self.packed: PackedAdapter | None = None
+        self.tier = ""
+        self.read_s = 0.0
+        self.room_deadline: float | None = None
 
 
 class StoreLease:
@@ -688,6 +701,10 @@ class _Detached(Exception):
     pass
 
 
+class _NoRoom(Exception):
+    """A demand load found no room: every resident adapter is leased (it is parked)."""
+
+
 @dataclass
 class _Counters:
     device_hits: int = 0
@@ -766,7 +783,7 @@ class AdapterStore:
         self._latest: dict[str, int] = {}  # adapter_id -> newest version seen
         self._jobs: list[tuple[int, float, int, _Entry]] = []
         self._seq = itertools.count()
-        self._waiting = 0
+        self._parked: list[_Entry] = []  # demand loads waiting for room, oldest first
         self._closed = False
         self._c = _Counters()
         # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
@@ -995,7 +1012,7 @@ class AdapterStore:
                 loading_adapters=sum(
                     1 for e in self._entries.values() if e.state is _State.LOADING
                 ),
-                waiting_loads=self._waiting,
+                waiting_loads=len(self._parked),
                 host_cache_bytes=self._host.capacity_bytes,
                 host_cache_used_bytes=self._host.used_bytes,
                 host_cache_adapters=len(self._host),
@@ -1029,6 +1046,7 @@ class AdapterStore:
                     e.detached = True
                     self._fail(e, PLoRAError("the adapter store was closed"), free=False)
             self._jobs.clear()
+            self._parked.clear()
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=10)
@@ -1087,7 +1105,35 @@ class AdapterStore:
             self._pool.free(e.alloc)
             e.alloc = None
             e.views = None
+            self._unpark()
             self._cv.notify_all()
+
+    def _unpark(self) -> None:
+        """Room may have appeared (space freed, or an adapter no longer leased): queue the
+        parked demand loads again, oldest first (lock held)."""
+        parked, self._parked = self._parked, []
+        for e in parked:
+            if not e.detached and e.state is _State.LOADING:
+                self._push(e)
+
+    def _expire_parked(self) -> float | None:
+        """Queue the parked loads whose room deadline has passed (they fail with
+        ``PoolExhaustedError`` unless room appeared); return the seconds until the next
+        deadline, ``None`` if none is parked (lock held)."""
+        if not self._parked:
+            return None
+        now = time.monotonic()
+        keep = []
+        for e in self._parked:
+            if e.detached or e.state is not _State.LOADING:
+                continue
+            if e.room_deadline is not None and e.room_deadline <= now:
+                self._push(e)
+            else:
+                keep.append(e)
+        self._parked = keep
+        deadlines = [e.room_deadline for e in keep if e.room_deadline is not None]
+        return max(0.0, min(deadlines) - now) if deadlines else None
 
     def _detach(self, e: _Entry, reason: str) -> None:
         """Remove ``e`` from the index; free it now or at its last release."""
@@ -1153,6 +1199,8 @@ class AdapterStore:
             if e.refcount == 0:
                 if e.detached and e.state is _State.RESIDENT:
                     self._free_alloc(e)
+                elif e.state is _State.RESIDENT:
+                    self._unpark()  # it can be evicted now
                 self._cv.notify_all()
 
     def _pinned(self) -> set[int]:
@@ -1221,8 +1269,11 @@ class AdapterStore:
         torch.set_num_threads(1)
         while True:
             with self._cv:
-                while not self._closed and not self._jobs:
-                    self._cv.wait()
+                while True:
+                    timeout = self._expire_parked()
+                    if self._closed or self._jobs:
+                        break
+                    self._cv.wait(timeout)
                 if self._closed:
                     return
                 _, _, _, e = heapq.heappop(self._jobs)
@@ -1231,9 +1282,7 @@ class AdapterStore:
                 e.job_started = True
             try:
                 self._load(e, stream)
-            except _PrefetchIgnored:
-                pass
-            except _Detached:
+            except (_PrefetchIgnored, _Detached, _NoRoom):
                 pass
             except PLoRAError as err:
                 logger.warning("load of %s v%d failed: %s", e.ref.adapter_id, e.ref.version, err)
@@ -1274,14 +1323,19 @@ class AdapterStore:
 
     def _load(self, e: _Entry, stream: torch.cuda.Stream | None) -> None:
         ref = e.ref
-        packed, tier, read_s = self._host_copy(ref)
+        if e.packed is None:
+            packed, tier, read_s = self._host_copy(ref)
+        else:  # a parked load retried: its bytes are already in host memory
+            packed, tier, read_s = e.packed, e.tier, e.read_s
         if packed.nbytes > self._pool.capacity_bytes:
             raise PoolExhaustedError(
                 f"adapter {ref.adapter_id!r} holds {packed.nbytes} bytes but the device pool "
                 f"holds {self._pool.capacity_bytes}; use a smaller rank or a bigger pool"
             )
         t0 = time.monotonic()
+        e.packed, e.tier, e.read_s = packed, tier, read_s  # kept if it is parked (_NoRoom)
         a = self._allocate(e, slot_pieces(packed.slots, packed.flat.element_size()))
+        e.packed = None
         self._copy_in(self._pool.segments(a), packed.flat, stream)
         t1 = time.monotonic()
         with self._lock:
@@ -1349,7 +1403,6 @@ class AdapterStore:
             _Detached: the entry was unloaded or superseded meanwhile.
         """
         pressure = False
-        deadline: float | None = None
         nbytes = sum(pieces)
         with self._lock:
             if max(pieces) > max(self._ref_pieces, default=0):
@@ -1376,7 +1429,7 @@ class AdapterStore:
                         self._emit(
                             StoreEvent("split", e.ref.adapter_id, e.ref.version, nbytes=nbytes)
                         )
-                    if pressure:
+                    if pressure or e.room_deadline is not None:  # evicted or waited
                         self._sample_pressure()
                     return a
                 if not compact:
@@ -1394,23 +1447,21 @@ class AdapterStore:
                         self._c.prefetch_ignored += 1
                         self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
                         raise _PrefetchIgnored()
-                    pressure = True
                     now = time.monotonic()
-                    if deadline is None:
-                        deadline = now + self.config.load_wait_timeout_s
-                    if now >= deadline:
+                    if e.room_deadline is None:
+                        e.room_deadline = now + self.config.load_wait_timeout_s
+                    if now >= e.room_deadline:
                         self._sample_pressure()
                         raise PoolExhaustedError(
                             f"no room in the device pool for adapter {e.ref.adapter_id!r} "
                             f"({nbytes} bytes): every resident adapter stayed in use for "
                             f"{self.config.load_wait_timeout_s:g} s; retry later"
                         )
-                    self._waiting += 1
-                    try:
-                        self._cv.wait(deadline - now)
-                    finally:
-                        self._waiting -= 1
-                    continue
+                    # Park it and free this loader thread for loads that fit (no head-of-line
+                    # blocking); it is queued again whenever room may appear (_unpark).
+                    e.job_started = False
+                    self._parked.append(e)
+                    raise _NoRoom()
             self._compact(compact)
 
     def _compact_or_split(

@@ -272,6 +272,25 @@ def test_load_waits_for_a_release_then_succeeds() -> None:
         assert s.stats().evictions_by_reason == {"demand": 1}
 
 
+def test_a_load_waiting_for_room_does_not_block_loads_that_fit() -> None:
+    # one loader thread: "b" waits for room (all but 2 pages pinned by "a"); "c" fits in
+    # those 2 pages and must not queue behind "b" until its deadline
+    s, _ = store(pages=8, loader_threads=1, load_wait_timeout_s=5.0)
+    with s:
+        a = ready(s.acquire(ref("a", 3)))
+        b = s.acquire(ref("b", 3))
+        time.sleep(0.05)
+        assert s.stats().waiting_loads == 1
+        c = s.acquire(ref("c", 1))
+        assert c.wait(1.0) and c.error() is None and not b.ready()
+        c.release()
+        a.release()  # "a" (or "c") can be evicted now: "b" is retried and loads
+        assert ready(b).error() is None
+        assert torch.equal(b.flat(), expected_flat("b", 3))
+        assert s.stats().waiting_loads == 0
+        b.release()
+
+
 def test_loading_adapters_lists_loads_in_flight_until_resident() -> None:
     s, src = store(pages=16)
     src.gate = threading.Event()  # hold the source reads
