@@ -89,7 +89,10 @@ class WorkerRecord:
         queue_length: Requests waiting to join the batch.
         running: Requests in the running batch.
         resident: Adapter ids resident in the device pool.
-        loading: Adapter ids with a load into the pool in flight (demand or prefetch).
+        loading: Adapter ids with a load into the pool in flight (demand or prefetch; not
+            those waiting for room).
+        room_bytes: Pool bytes a new load could take without waiting for a lease to drop (free
+            plus unleased resident adapters); -1 = not reported.
         pool: Pool statistics (keys of ``plora.v1.PoolStats``).
         prefill_s: Recent mean prefill time per request, seconds
             (``services.worker.engine.ServiceEstimates``; 0 = not measured yet).
@@ -106,6 +109,7 @@ class WorkerRecord:
     running: int = 0
     resident: list[str] = field(default_factory=list)
     loading: list[str] = field(default_factory=list)
+    room_bytes: int = -1
     pool: dict[str, Any] = field(default_factory=dict)
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0

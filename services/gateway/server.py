@@ -99,9 +99,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._inflight: collections.Counter[str] = collections.Counter()
         # requests in flight that have not had their first token yet, per worker
         self._pending: collections.Counter[str] = collections.Counter()
-        # worker id -> adapter id -> wall time this gateway first routed a request for it there
-        # (forgotten once a heartbeat taken ROUTED_GRACE_S later speaks for it)
-        self._routed: dict[str, dict[str, float]] = {}
+        # worker id -> adapter id -> (wall time this gateway first routed a request for it
+        # there, its bytes); forgotten once a heartbeat taken ROUTED_GRACE_S later speaks for it
+        self._routed: dict[str, dict[str, tuple[float, int]]] = {}
         self._inflight_lock = threading.Lock()
         self.events = EventStreamer(
             config.predictor_address,
@@ -166,46 +166,60 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         by_id = {w.worker_id: w for w in workers}
         placement = self._placement() if adapter and self.config.routing != "round_robin" else {}
         with self._inflight_lock:
-            views = [
-                worker_view(
-                    w,
-                    # Heartbeats are up to a second old: between them, count what this gateway
-                    # itself has in flight on each worker, so a burst is not sent to one worker.
-                    queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
-                    pending=self._pending[w.worker_id],
-                    loading=self._loading(w),
+            views = []
+            for w in workers:
+                loading, room = self._since_heartbeat(w)
+                views.append(
+                    worker_view(
+                        w,
+                        # Heartbeats are up to a second old: between them, count what this
+                        # gateway itself has in flight on each worker, so a burst is not sent
+                        # to one worker.
+                        queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
+                        pending=self._pending[w.worker_id],
+                        loading=loading,
+                        room_bytes=room,
+                    )
                 )
-                for w in workers
-            ]
             if self.config.routing == "round_robin":
                 chosen = self._round_robin.route(views)
                 reason = "round_robin"
             else:
                 chosen, reason = route_rank_aware(
-                    adapter.adapter_id if adapter else "", views, placement
+                    adapter.adapter_id if adapter else "",
+                    views,
+                    placement,
+                    size_bytes=adapter.size_bytes if adapter else 0,
                 )
             self._inflight[chosen] += 1
             self._add_pending(chosen, 1)
             if adapter:
-                self._routed.setdefault(chosen, {}).setdefault(adapter.adapter_id, time.time())
+                self._routed.setdefault(chosen, {}).setdefault(
+                    adapter.adapter_id, (time.time(), adapter.size_bytes)
+                )
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
 
-    def _loading(self, w: WorkerRecord) -> set[str]:
-        """Adapters on their way into ``w``'s pool: loading at its last heartbeat, or routed
-        there by this gateway since (lock held). A request routed less than
-        ``ROUTED_GRACE_S`` before the heartbeat may not have reached the worker's store when
-        it was taken; older ones are the heartbeat's to report and are forgotten here."""
+    def _since_heartbeat(self, w: WorkerRecord) -> tuple[set[str], int]:
+        """``w``'s loading adapters and pool room as of now (lock held): its last heartbeat's,
+        plus the loads this gateway started there since (a request routed for an adapter
+        neither resident nor loading there), each taking its bytes from the room. A request
+        routed less than ``ROUTED_GRACE_S`` before the heartbeat may not have reached the
+        worker's store when it was taken; older ones are the heartbeat's to report and are
+        forgotten here."""
         loading = set(w.loading)
+        room = w.room_bytes
         routed = self._routed.get(w.worker_id)
         if routed:
             cutoff = w.heartbeat_unix - ROUTED_GRACE_S
-            for a, t in list(routed.items()):
+            for a, (t, size) in list(routed.items()):
                 if t < cutoff:
                     del routed[a]
-                else:
+                elif a not in loading and a not in w.resident:
                     loading.add(a)
-        return loading
+                    if room >= 0:
+                        room = max(0, room - size)
+        return loading, room
 
     def _add_pending(self, worker_id: str, delta: int) -> None:
         """Count requests awaiting their first token on ``worker_id`` (lock held)."""

@@ -64,6 +64,8 @@ class WorkerView:
         loading: Adapter ids on their way into its pool: a load in flight at its last
             heartbeat, or a request for them routed there since (the gateway's own record).
             Any collection (the gateway and the simulator add to a set in place).
+        room_bytes: Pool bytes a load could take now without waiting for a lease to drop
+            (free plus unleased resident adapters); -1 = unknown (assume room).
         queue_length: Requests queued or running on it.
         pending: Requests sent to it that have not had their first token yet (waiting for an
             adapter, queued, or in prefill): the work a new request's first token waits behind.
@@ -82,6 +84,7 @@ class WorkerView:
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
     loading: Collection[str] = field(default_factory=frozenset)
+    room_bytes: int = -1
 
 
 def worker_view(
@@ -90,6 +93,7 @@ def worker_view(
     queue_length: int | None = None,
     pending: int = 0,
     loading: Collection[str] | None = None,
+    room_bytes: int | None = None,
 ) -> WorkerView:
     """The view of a worker's last heartbeat (``services.common.registry.WorkerRecord``).
 
@@ -99,6 +103,7 @@ def worker_view(
             in flight between heartbeats).
         pending: Requests awaiting their first token (the gateway's count).
         loading: Override of the heartbeat's ``loading`` list.
+        room_bytes: Override of the heartbeat's ``room_bytes``.
     """
     pool_bytes = int(record.pool.get("pool_bytes", 0))
     return WorkerView(
@@ -111,6 +116,7 @@ def worker_view(
         prefill_s=record.prefill_s,
         cold_wait_s=record.cold_wait_s,
         loading=frozenset(record.loading) if loading is None else loading,
+        room_bytes=record.room_bytes if room_bytes is None else room_bytes,
     )
 
 
@@ -233,6 +239,7 @@ def route_rank_aware(
     workers: Sequence[WorkerView],
     placement: Mapping[str, Sequence[str]],
     *,
+    size_bytes: int = 0,
     pending_slack: int = 1,
     queue_slack: int = 4,
 ) -> tuple[str, str]:
@@ -242,6 +249,12 @@ def route_rank_aware(
     (queued + running), then worker id. A request's TTFT waits behind the prefills ahead of it
     far more than behind sequences already decoding (continuous batching adds one row to a
     step for each of those; a prefill is a whole prompt's worth of work).
+
+    Size-aware: with ``size_bytes`` given, a worker whose pool has no room for the adapter now
+    (``room_bytes``: every resident adapter it could evict is leased) is not chosen for a cold
+    start (placed or least loaded) while another has the room: a load there would wait for
+    running requests to finish, however short its queue. ``l`` below is then the least-loaded
+    worker with room.
 
     Order: the least-loaded worker holding the adapter resident; else the least-loaded worker
     loading it (``WorkerView.loading``: the request waits only for the rest of that load, where
@@ -266,6 +279,7 @@ def route_rank_aware(
         adapter_id: Requested adapter ("" = base model).
         workers: Healthy candidate workers (non-empty).
         placement: ``adapter_id -> [worker_id, ...]``.
+        size_bytes: The adapter's pool bytes (its rank decides them); 0 = unknown.
         pending_slack: Extra pending requests tolerated on a resident worker while either
             worker's figures are unknown.
         queue_slack: Queue difference tolerated to stay on a resident/placed worker.
@@ -280,6 +294,16 @@ def route_rank_aware(
     if not workers:
         raise ValueError("no workers to route to")
     least = min(workers, key=_load_key)
+    roomy = workers
+    if adapter_id and size_bytes > 0:
+        # A load where every resident adapter is leased waits for a lease to drop: while
+        # some worker has the room now, cold starts go there (placed or least loaded) and
+        # the resident worker is weighed against a cold start there.
+        roomy = [w for w in workers if w.room_bytes < 0 or w.room_bytes >= size_bytes]
+        if roomy and len(roomy) < len(workers):
+            least = min(roomy, key=_load_key)
+        else:
+            roomy = workers
     if adapter_id:
         resident = [w for w in workers if adapter_id in w.resident]
         if resident:
@@ -298,7 +322,7 @@ def route_rank_aware(
             best = min(loading, key=_load_key)
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
                 return best.worker_id, "loading"
-        placed = [w for w in workers if w.worker_id in placed_ids and adapter_id not in w.resident]
+        placed = [w for w in roomy if w.worker_id in placed_ids and adapter_id not in w.resident]
         if placed:
             best = min(placed, key=_load_key)
             if _worth_staying(best, least, pending_slack, queue_slack, saves_load=False):

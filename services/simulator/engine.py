@@ -453,6 +453,14 @@ class SimWorker:
         names = self.sim.adapters.names
         return frozenset(names[a] for a in self.jobs)
 
+    def room_bytes(self) -> int:
+        """Pool bytes a load could take now without waiting: free plus the resident adapters
+        no request holds (``AdapterStore.room_bytes``)."""
+        al = self.allocator
+        rc = self.refcount
+        res = self.res_bytes
+        return al.free_units * al.unit_bytes + sum(res[a] for a in self.resident if rc[a] == 0)
+
     def pending(self, t: float) -> int:
         """Requests routed here without their first token at the gateway by ``t`` (the
         gateway's own count, ``WorkerView.pending``)."""
@@ -1040,8 +1048,9 @@ class ClusterSimulation:
             return self._views
         views = []
         for w in self.workers:
-            v = w.view()  # cached while its key is unchanged; ``loading`` is not in the key
+            v = w.view()  # cached while its key is unchanged; these two are not in the key
             v.loading = w.loading()
+            v.room_bytes = w.room_bytes()
             views.append(v)
         if hb > 0:
             self._views = views
@@ -1081,6 +1090,7 @@ class ClusterSimulation:
                         v.prefill_s,
                         v.cold_wait_s,
                         loading,
+                        v.room_bytes,
                     )
                 )
         gv = self._gv
@@ -1101,7 +1111,9 @@ class ClusterSimulation:
         by_name = self.by_name
         while views:
             if rank_aware:
-                chosen, reason = route_rank_aware(name, views, self.placement)
+                chosen, reason = route_rank_aware(
+                    name, views, self.placement, size_bytes=int(self.adapters.nbytes[a])
+                )
             else:
                 chosen, reason = self.router.route(views), "round_robin"
             self.routed[reason] = self.routed.get(reason, 0) + 1
@@ -1109,7 +1121,11 @@ class ClusterSimulation:
             if worker.accept(r, a, t):
                 if rank_aware:
                     worker.routed_at.setdefault(a, t)
-                    self._gv[worker.wid].loading.add(name)  # type: ignore[attr-defined]
+                    g = self._gv[worker.wid]
+                    if name not in g.loading and name not in g.resident:
+                        g.loading.add(name)  # type: ignore[attr-defined]
+                        if g.room_bytes >= 0:  # the load takes its bytes from the room
+                            g.room_bytes = max(0, g.room_bytes - int(self.adapters.nbytes[a]))
                 return
             views = [v for v in views if v.worker_id != chosen]
         self.status[r] = _FAILED

@@ -365,6 +365,7 @@ class WorkerService:
             running=self.engine.running,
             resident=resident,
             loading=self.store.loading_adapters(),
+            room_bytes=self.store.room_bytes(),
             pool=pool_stats_dict(snapshot, self.config),
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,

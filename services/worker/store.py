@@ -965,15 +965,29 @@ class AdapterStore:
 
     def loading_adapters(self) -> list[str]:
         """Sorted ids of the adapters with a load in flight (queued or running; demand or
-        prefetch). A request for one of them waits only for the rest of that load."""
+        prefetch), not counting loads parked for want of room. A request for one of them waits
+        only for the rest of that load."""
         with self._lock:
+            parked = {id(e) for e in self._parked}
             return sorted(
                 {
                     e.ref.adapter_id
                     for e in self._entries.values()
-                    if e.state is _State.LOADING and not e.detached
+                    if e.state is _State.LOADING and not e.detached and id(e) not in parked
                 }
             )
+
+    def room_bytes(self) -> int:
+        """Bytes a new load could take now without waiting for a lease to drop: the free pool
+        bytes plus those of the resident adapters no lease holds (eviction frees them). An
+        upper bound for ``contiguous`` (a hole may still be too small)."""
+        with self._lock:
+            al = self._pool.allocator
+            room = al.free_units
+            for e in self._entries.values():
+                if e.state is _State.RESIDENT and e.refcount == 0 and e.alloc is not None:
+                    room += e.alloc.units
+            return room * al.unit_bytes
 
     def stats(self) -> StoreStats:
         """A consistent snapshot of the store's figures."""

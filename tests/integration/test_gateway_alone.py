@@ -134,3 +134,33 @@ def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url:
         assert count("loading") == 2 and count("least_loaded") == 2
     finally:
         gw.close()
+
+
+def test_loads_the_gateway_started_take_their_bytes_from_the_workers_room(
+    redis_url: str,
+) -> None:
+    mb = 1 << 20
+    registry = Registry(connect(redis_url))
+    registry.heartbeat(
+        WorkerRecord("w0", "127.0.0.1:1", resident=["r"], room_bytes=15 * mb), ttl_seconds=30
+    )
+    registry.heartbeat(
+        WorkerRecord("w1", "127.0.0.1:1", running=3, room_bytes=100 * mb), ttl_seconds=30
+    )
+    config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    gw = GatewayServicer(config, registry, GatewayMetrics())
+    try:
+        a = AdapterRecord("a", "/src", version=1, rank=8, size_bytes=10 * mb)
+        b = AdapterRecord("b", "/src", version=1, rank=8, size_bytes=10 * mb)
+        r = AdapterRecord("r", "/src", version=1, rank=8, size_bytes=10 * mb)
+        assert gw._choose(a, set()).worker_id == "w0"  # least loaded (w1 runs 3), has room
+        gw._first_token("w0")
+        assert gw._choose(r, set()).worker_id == "w0"  # resident there: no load, no bytes
+        gw._first_token("w0")
+        w0 = next(w for w in registry.list_workers() if w.worker_id == "w0")
+        assert gw._since_heartbeat(w0) == ({"a"}, 5 * mb)
+        # "b" would fit in w0's 15 MB as heartbeated, but not in the 5 MB left after "a":
+        # the cold start goes to w1 although w0 is less loaded (2 in flight against 3)
+        assert gw._choose(b, set()).worker_id == "w1"
+    finally:
+        gw.close()

@@ -338,3 +338,31 @@ def test_placement_keeps_an_adapter_where_it_is_loading() -> None:
     ws[0] = WorkerView("w0", 100 * MB, 100 * MB, resident=frozenset({"a"}))
     placement, _ = plan_placement(demand, ws)
     assert placement["a"] == ["w0"]
+
+
+def test_cold_starts_go_where_the_pool_has_room_now() -> None:
+    size = 10 * MB
+    full = {"room_bytes": 2 * MB}  # every adapter it could evict is leased
+    # placed on w0, whose pool is pinned full: the load goes to w1, which has room
+    ws = [WorkerView("w0", **full), WorkerView("w1", queue_length=2, room_bytes=50 * MB)]
+    assert route_rank_aware("a", ws, {"a": ["w0"]}, size_bytes=size) == ("w1", "least_loaded")
+    # without the size (unknown) the placement decides, as before
+    assert route_rank_aware("a", ws, {"a": ["w0"]}) == ("w0", "placed")
+    # nobody has room: the load waits wherever the placement puts it
+    ws = [WorkerView("w0", **full), WorkerView("w1", queue_length=2, **full)]
+    assert route_rank_aware("a", ws, {"a": ["w0"]}, size_bytes=size) == ("w0", "placed")
+    # room unknown (-1) counts as room; a resident copy is still preferred
+    ws = [
+        WorkerView("w0", resident=frozenset({"a"}), **full),
+        WorkerView("w1", room_bytes=-1),
+    ]
+    assert route_rank_aware("a", ws, {}, size_bytes=size) == ("w0", "resident")
+    # the resident worker is weighed against a cold start where there is room (w2), not
+    # against the idle w1 whose load would wait
+    ws = [
+        WorkerView("w0", pending=2, prefill_s=0.5, resident=frozenset({"a"}), room_bytes=0),
+        WorkerView("w1", cold_wait_s=0.1, **full),
+        WorkerView("w2", pending=1, cold_wait_s=1.0, room_bytes=50 * MB),
+    ]
+    assert route_rank_aware("a", ws, {}, size_bytes=size) == ("w0", "resident")
+    assert route_rank_aware("a", ws, {}) == ("w1", "least_loaded")

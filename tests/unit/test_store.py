@@ -291,6 +291,22 @@ def test_a_load_waiting_for_room_does_not_block_loads_that_fit() -> None:
         b.release()
 
 
+def test_room_bytes_counts_free_and_unleased_resident_pages() -> None:
+    s, _ = store(pages=8, load_wait_timeout_s=5.0)
+    with s:
+        assert s.room_bytes() == 8 * PAGE
+        a = ready(s.acquire(ref("a", 3)))  # 6 pages, leased
+        assert s.room_bytes() == 2 * PAGE
+        b = s.acquire(ref("b", 3))  # no room: parked, not "loading"
+        time.sleep(0.05)
+        assert s.stats().waiting_loads == 1 and s.loading_adapters() == []
+        a.release()  # "a" evictable: "b" takes its place
+        ready(b)
+        assert s.room_bytes() == 2 * PAGE
+        b.release()
+        assert s.room_bytes() == 8 * PAGE
+
+
 def test_loading_adapters_lists_loads_in_flight_until_resident() -> None:
     s, src = store(pages=16)
     src.gate = threading.Event()  # hold the source reads
