@@ -11,7 +11,8 @@ policy change shows up in all three.
   placement does not churn (the number of changed assignments is reported as *moves*).
 * **Routing**: ``rank_aware`` sends a request to a worker that holds the adapter resident with the
   shortest queue, else to one already loading it, else to a worker the placement assigns it to,
-  else to the least-loaded worker;
+  else to the least-loaded worker, weighing pending prefills against a cold start and sending
+  cold starts where the pool has room for the adapter's bytes now;
   ``round_robin`` is the residency- and rank-oblivious baseline.
 * **Prefetch choice** (Predictive-LoRA, arXiv 2512.20210, section 3): adapters whose forecast
   demand crosses a threshold are prefetched onto their placed workers, with hysteresis (an adapter
@@ -260,17 +261,17 @@ def route_rank_aware(
     loading it (``WorkerView.loading``: the request waits only for the rest of that load, where
     another worker would start a whole second one and hold a second copy), among the workers
     the placement assigns it to if it has any (a load elsewhere is one the placement does not
-    keep: the request goes where the copy will stay); else the
-    least-loaded worker the placement assigns it to; else the least-loaded worker. A resident
-    or loading (or placed) worker ``w`` is passed over for the least-loaded worker ``l`` when
-    its queue is more than ``queue_slack`` longer, or when the prefills it has pending beyond
-    ``l``'s would delay the first token longer than a cold start on ``l``:
+    keep: the request goes where the copy will stay); else the least-loaded worker the
+    placement assigns it to; else the least-loaded worker. A resident or loading (or placed)
+    worker ``w`` is passed over for the least-loaded worker ``l`` when its queue is more than
+    ``queue_slack`` longer, or when the prefills it has pending beyond ``l``'s would delay the
+    first token longer than a cold start on ``l``:
     ``(w.pending - l.pending) * w.prefill_s > l.cold_wait_s``. A placed, not resident, ``w``
     is passed over only for its queue: the request is cold on either worker, and loading the
     adapter where the placement put it keeps one copy that later requests find, instead of
     copies on every worker that happened to be idle. Where a worker has not measured those
-    yet (0), ``pending_slack`` extra pending requests are tolerated. Staying
-    saves a load (a cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the
+    yet (0), ``pending_slack`` extra pending requests are tolerated. Staying saves a load (a
+    cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the
     rule takes whichever is expected to be shorter, using each worker's own recent figures,
     so the same code is right where loads are slow against prefill (remote adapter storage)
     and where they are fast (host memory to GPU).
