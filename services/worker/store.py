@@ -1192,6 +1192,7 @@ class AdapterStore:
             del self._entries[e.ref.adapter_id]
         e.state = _State.FAILED
         e.error = err
+        e.packed = None  # a parked load's host copy (the host cache keeps its own)
         if free:
             self._free_alloc(e)
         e.event.set()
