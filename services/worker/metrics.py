@@ -71,8 +71,14 @@ class WorkerMetrics:
         )
         self.pool_bytes = Gauge(
             "plora_worker_pool_bytes",
-            "Device pool bytes by kind (total, live, allocated)",
+            "Device pool bytes by kind (total, live; room: what a load could take now without "
+            "waiting, free plus unleased resident adapters)",
             ["kind"],
+            registry=r,
+        )
+        self.loads_waiting_for_room = Gauge(
+            "plora_worker_adapter_loads_waiting_for_room",
+            "Demand loads parked because every resident adapter is leased",
             registry=r,
         )
         self.pool_utilization = Gauge(

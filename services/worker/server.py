@@ -353,8 +353,9 @@ class WorkerService:
         """Publish status to Redis and pull the latest forecast for predictive eviction."""
         snapshot = self.store.stats()  # one snapshot for the heartbeat and the gauges
         resident = resident_ids(self.store)
+        room = self.store.room_bytes()
         # Gauges first: they stay current even while Redis is unreachable.
-        self._export_metrics(snapshot, len(resident))
+        self._export_metrics(snapshot, len(resident), room)
         record = WorkerRecord(
             worker_id=self.config.worker_id,
             address=self.address,
@@ -365,7 +366,7 @@ class WorkerService:
             running=self.engine.running,
             resident=resident,
             loading=self.store.loading_adapters(),
-            room_bytes=self.store.room_bytes(),
+            room_bytes=room,
             pool=pool_stats_dict(snapshot, self.config),
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
@@ -376,7 +377,7 @@ class WorkerService:
             self.store.set_forecast({k: float(v) for k, v in forecast["expected"].items()})
         self._last_heartbeat = time.monotonic()
 
-    def _export_metrics(self, s: StoreStats, resident: int) -> None:
+    def _export_metrics(self, s: StoreStats, resident: int, room: int) -> None:
         m = self.metrics
         m.queue_length.set(self.engine.queue_length)
         m.running.set(self.engine.running)
@@ -386,6 +387,8 @@ class WorkerService:
         m.pool_pages.labels("free").set(s.pages_free)
         m.pool_bytes.labels("total").set(s.pool_bytes)
         m.pool_bytes.labels("live").set(s.live_bytes)
+        m.pool_bytes.labels("room").set(room)
+        m.loads_waiting_for_room.set(s.waiting_loads)
         m.pool_utilization.set(s.utilization)
         m.pool_utilization_pressure.set(s.utilization_under_pressure)
         m.pool_fragmentation.set(s.external_fragmentation)

@@ -275,6 +275,8 @@ def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
         "plora_worker_resident_adapters",
         "plora_worker_heartbeat_age_seconds",
         "plora_worker_pool_utilization_ratio",
+        'plora_worker_pool_bytes{kind="room"}',
+        "plora_worker_adapter_loads_waiting_for_room",
     ):
         assert name in worker_text
     assert "plora_predictor_events_received_total" in texts["predictor"]
