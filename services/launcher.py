@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,7 +163,10 @@ class Cluster:
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
         self.redis_url = ""
-        self._stopping = threading.Event()
+        # Set from the SIGINT/SIGTERM handler: a plain flag, because a handler runs in the main
+        # thread between bytecodes, and taking a lock there (threading.Event.set) deadlocks if
+        # the main thread already holds it inside Event.wait.
+        self._stop_requested = False
 
     # -- start ------------------------------------------------------------------------------
 
@@ -205,7 +207,7 @@ class Cluster:
                     )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"start-up timed out waiting for {[c.name for c in pending]}")
-            if self._stopping.wait(0.2):
+            if self._stop_after(0.2):
                 raise KeyboardInterrupt
         for c in children:
             wait_healthy(f"{self.args.host}:{c.ports['grpc_port']}", timeout=30)
@@ -369,9 +371,9 @@ class Cluster:
         ``max_restarts`` times per ``window_s`` seconds; past that the whole cluster stops.
         """
         restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
-        while not self._stopping.wait(0.5):
+        while not self._stop_after(0.5):
             for c in self.children:
-                if c.alive():
+                if c.alive() or self._stop_requested:  # dying from the same signal: no restart
                     continue
                 code = c.proc.returncode if c.proc else "?"
                 now = time.monotonic()
@@ -404,7 +406,15 @@ class Cluster:
             tmp.replace(self.state_file)
 
     def request_stop(self) -> None:
-        self._stopping.set()
+        """Ask :meth:`start` / :meth:`watch` to stop (safe in a signal handler: takes no lock)."""
+        self._stop_requested = True
+
+    def _stop_after(self, seconds: float) -> bool:
+        """Sleep ``seconds`` (a signal's handler runs meanwhile), then whether a stop was
+        requested."""
+        if not self._stop_requested:
+            time.sleep(seconds)
+        return self._stop_requested
 
     def stop(self) -> None:
         """Stop the gateway first (no new requests), then the others together, then Redis."""

@@ -1,0 +1,58 @@
+"""``plora up``'s supervisor loop under SIGTERM (real signals, real child processes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import REPO
+
+# Runs in a child interpreter so a deadlock fails the test by timeout instead of hanging it.
+SCRIPT = textwrap.dedent(
+    """
+    import argparse, os, random, signal, subprocess, sys, time
+    from pathlib import Path
+    from services.launcher import Child, Cluster, add_arguments
+
+    tmp = Path(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cluster = Cluster(parser.parse_args(["--state-file", str(tmp / "cluster.json")]))
+    signal.signal(signal.SIGTERM, lambda *_: cluster.request_stop())
+    random.seed(0)
+    for _ in range(20):  # signals landing anywhere in the loop, the sleep included
+        cluster._stop_requested = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, lambda *_: cluster.request_stop())
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0005, 0.02))
+        assert cluster.watch() == 0
+    # a child dying from the same SIGTERM (as under `kill -TERM -<pgid>`) is not restarted
+    child = Child("worker-0", [sys.executable, "-c", "import time; time.sleep(60)"],
+                  tmp / "w.log", tmp / "w.ready")
+    child.start(dict(os.environ))
+    cluster.children = [child]
+    cluster._stop_requested = False
+    signal.signal(signal.SIGALRM, lambda *_: (child.proc.terminate(), child.proc.wait(),
+                                             cluster.request_stop()))
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    started = time.monotonic()
+    assert cluster.watch() == 0
+    assert child.proc.returncode is not None and time.monotonic() - started < 5
+    assert "restarting" not in (tmp / "w.log").read_text()
+    print("ok")
+    """
+)
+
+
+def test_watch_stops_on_a_signal_without_deadlock_or_restarts(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")
+    assert "restarting" not in out.stdout
