@@ -40,6 +40,7 @@ import numpy as np
 from services.common.traces import TRACE_FORMATS, Trace, load_trace, map_keys_to_adapters
 from services.replay.report import (
     COMPARISON_KEYS,
+    POLICY_KEYS,
     RequestRecord,
     StatusSample,
     build_report,
@@ -510,20 +511,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(report: dict[str, Any], names: list[str]) -> None:
-    cols = (
-        "requests",
-        "completed",
-        "failed",
-        "ttft_mean_s",
-        "ttft_p50_s",
-        "ttft_p99_s",
-        "throughput_req_s",
-        "cold_starts",
-        "cold_start_rate",
-        "cold_start_wait_mean_s",
-        "pool_utilization_under_pressure",
-        "external_fragmentation",
-    )
+    # report.json's per-policy keys, less tokens/s (req/s is beside it)
+    cols = tuple(k for k in POLICY_KEYS if k != "throughput_tok_s")
     print(f"{'figure':34}" + "".join(f"{n:>14}" for n in names))
     for c in cols:
         row = []

@@ -253,6 +253,20 @@ class ReplayClient:
         sent = time.monotonic() - t0
         first: float | None = None
         last = None
+
+        def record(first_s: float | None, status: str, **fields: object) -> RequestRecord:
+            return RequestRecord(
+                req.index,
+                req.adapter_id,
+                req.trace_key,
+                req.t,
+                sent,
+                first_s,
+                end,
+                status,
+                **fields,  # type: ignore[arg-type]
+            )
+
         try:
             for resp in self._stub.Generate(grpc_req, timeout=self.config.request_timeout_s):
                 if first is None and resp.token_ids:
@@ -262,37 +276,15 @@ class ReplayClient:
         except grpc.RpcError as exc:
             end = time.monotonic() - t0
             code = exc.code() if hasattr(exc, "code") else None  # type: ignore[attr-defined]
-            return RequestRecord(
-                req.index,
-                req.adapter_id,
-                req.trace_key,
-                req.t,
-                sent,
+            return record(
                 first,
-                end,
                 code.name if code is not None else "UNKNOWN",
                 error=str(exc.details() if hasattr(exc, "details") else exc)[:300],  # type: ignore[attr-defined]
             )
         if last is None:
-            return RequestRecord(
-                req.index,
-                req.adapter_id,
-                req.trace_key,
-                req.t,
-                sent,
-                first,
-                end,
-                "EMPTY_STREAM",
-                error="the stream ended with no message",
-            )
-        return RequestRecord(
-            req.index,
-            req.adapter_id,
-            req.trace_key,
-            req.t,
-            sent,
+            return record(first, "EMPTY_STREAM", error="the stream ended with no message")
+        return record(
             first if first is not None else end,
-            end,
             OK,
             prompt_tokens=last.usage.prompt_tokens,
             completion_tokens=last.usage.completion_tokens,
