@@ -1108,12 +1108,11 @@ class ClusterSimulation:
         # round robin reads only the worker ids: the heartbeat views do
         views = self.gateway_views(t) if rank_aware else self.views(t)
         name = self.adapters.names[a]
+        size = int(self.adapters.nbytes[a])
         by_name = self.by_name
         while views:
             if rank_aware:
-                chosen, reason = route_rank_aware(
-                    name, views, self.placement, size_bytes=int(self.adapters.nbytes[a])
-                )
+                chosen, reason = route_rank_aware(name, views, self.placement, size_bytes=size)
             else:
                 chosen, reason = self.router.route(views), "round_robin"
             self.routed[reason] = self.routed.get(reason, 0) + 1
@@ -1125,7 +1124,7 @@ class ClusterSimulation:
                     if name not in g.loading and name not in g.resident:
                         g.loading.add(name)  # type: ignore[attr-defined]
                         if g.room_bytes >= 0:  # the load takes its bytes from the room
-                            g.room_bytes = max(0, g.room_bytes - int(self.adapters.nbytes[a]))
+                            g.room_bytes = max(0, g.room_bytes - size)
                 return
             views = [v for v in views if v.worker_id != chosen]
         self.status[r] = _FAILED
