@@ -527,7 +527,6 @@ class Engine:
                 self._waiting = deque(s for s in self._waiting if id(s) not in gone)
         for s in admitted:
             s.slot = len(self._running)
-            self.kv.prepare(s.slot)
             self._running.append(s)
         for s, exc in failed:
             self._finish(s, None, error=exc)

@@ -220,7 +220,6 @@ def test_mixed_batch_logits_and_greedy_tokens_match_peft(setup) -> None:  # type
     row_adapter: list[int] = []
     chunks, last = [], []
     for slot, ((a, _), p) in enumerate(zip(rows, prompts, strict=True)):
-        kv.prepare(slot)
         chunks.append(SeqChunk(slot=slot, row=len(ids), num_tokens=len(p), start_pos=0))
         ids += p
         pos += range(len(p))

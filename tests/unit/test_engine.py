@@ -269,6 +269,33 @@ def test_mixed_adapter_batch_equals_one_at_a_time(
     assert provider.guard_entries > 0
 
 
+def test_kv_cache_garbage_never_reaches_a_row(model: LlamaModel, tok: Tokenizer) -> None:
+    """Decode attention reads every slot up to the step's longest sequence; positions past a
+    row's own length must not leak into it even when the cache memory holds NaN (what
+    ``torch.empty`` may return), and only the positions read are ever touched (no whole-slot
+    zeroing on the engine thread)."""
+    e = make_engine(model, tok, max_model_len=512)
+    try:
+        for t in e.kv.k + e.kv.v:
+            t.fill_(float("nan"))
+        prompts = ["Hi.", "Name three colours of the rainbow, please.", "What is 2+2?"]
+        streams = [
+            e.submit(EngineRequest(f"g{i}", chat(tok, q), max_new_tokens=6))
+            for i, q in enumerate(prompts)
+        ]
+        together = [collect(s)[1] for s in streams]
+        alone = [
+            collect(e.submit(EngineRequest(f"h{i}", chat(tok, q), max_new_tokens=6)))[1]
+            for i, q in enumerate(prompts)
+        ]
+    finally:
+        e.stop()
+    assert together == alone
+    longest = max(len(chat(tok, q)) for q in prompts) + 6
+    assert 0 < max(e.kv._finite) <= longest  # noqa: SLF001 - the touched range is the point
+    assert torch.isnan(e.kv.v[0][0, :, longest:]).all()  # never zeroed past what was read
+
+
 def test_request_waiting_for_adapter_does_not_block_others(
     model: LlamaModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
