@@ -10,7 +10,14 @@ from __future__ import annotations
 import logging
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +38,20 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     60.0,
     120.0,
 )
+
+
+def service_registry() -> CollectorRegistry:
+    """A new registry for one service instance, with the client library's standard process
+    series (``process_cpu_seconds_total``, ``process_resident_memory_bytes``,
+    ``process_open_fds``, ...; Linux ``/proc``), ``python_info`` and ``python_gc_*``, as the
+    library's default registry has them: operators compare a service's CPU and memory with
+    its work, and the replay bench reads each service's CPU seconds from them."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    if GC_COLLECTOR is not None:
+        GCCollector(registry=registry)
+    return registry
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.common.metrics import service_registry
 
 
 class PredictorMetrics:
     """Every series the predictor exports; names ``plora_predictor_*``."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         r = self.registry
         self.events = Counter(
             "plora_predictor_events_received", "Request events received", registry=r

@@ -281,13 +281,15 @@ def run_policy(
     requests: Sequence[Any],
     pool_bytes: int,
     adapters_dir: Path,
-) -> tuple[list[RequestRecord], list[StatusSample], dict[str, float]]:
+) -> tuple[list[RequestRecord], list[StatusSample], dict[str, float], dict[str, dict[str, float]]]:
     """Start a fresh cluster with ``policy``, register the adapters, replay, stop it.
 
     Returns:
-        The request records, the status samples and the wall seconds of each phase
+        The request records, the status samples, the wall seconds of each phase
         (``startup_s``: processes to healthy; ``register_warmup_s``; ``replay_s``: first send to
-        last completion plus the final sample; ``stop_s``).
+        last completion plus the final sample; ``stop_s``), and per service its CPU seconds
+        during the replay (``cpu_s``) and resident bytes at its end (``rss_bytes``), from its
+        ``process_*`` metrics.
     """
     import grpc  # noqa: PLC0415
 
@@ -339,13 +341,16 @@ def run_policy(
             seed=args.seed,
         )
         timings["register_warmup_s"] = time.monotonic() - mark
+        cpu_before = _process_figures(_scrape_metrics(state))
         t0 = time.monotonic()
         with ReplayClient(gateway, config) as client, StatusSampler(gateway, t0) as sampler:
             records = client.replay(requests, t0=t0, on_progress=progress)
             time.sleep(1.5)  # let the last heartbeats reach the registry before the final sample
         samples = sampler.samples
         timings["replay_s"] = time.monotonic() - t0
-        _save_metrics(state, run_dir / "metrics")
+        texts = _scrape_metrics(state)
+        _save_metrics(texts, run_dir / "metrics")
+        usage = _service_usage(cpu_before, _process_figures(texts))
     finally:
         mark = time.monotonic()
         cluster.stop()
@@ -357,21 +362,62 @@ def run_policy(
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
     write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
-    return records, samples, timings
+    return records, samples, timings, usage
 
 
-def _save_metrics(state: dict[str, Any], out_dir: Path) -> None:
-    """Save every service's Prometheus text (``DIR/<policy>/metrics/<name>.prom``) before the
-    cluster stops: prefetches, loads by tier and forecasts are there, not in the logs."""
+def _scrape_metrics(state: dict[str, Any]) -> dict[str, str]:
+    """Every service's Prometheus text, by service name (one that cannot be reached is
+    logged and left out)."""
     import urllib.request  # noqa: PLC0415
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    texts: dict[str, str] = {}
     for name, url in dict(state.get("metrics") or {}).items():
         try:
             with urllib.request.urlopen(str(url), timeout=10) as resp:  # noqa: S310 - loopback
-                (out_dir / f"{name}.prom").write_bytes(resp.read())
+                texts[name] = resp.read().decode("utf-8")
         except OSError as exc:
             logger.warning("could not scrape %s metrics at %s: %s", name, url, exc)
+    return texts
+
+
+def _save_metrics(texts: dict[str, str], out_dir: Path) -> None:
+    """Save every service's Prometheus text (``DIR/<policy>/metrics/<name>.prom``) before the
+    cluster stops: prefetches, loads by tier and forecasts are there, not in the logs."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (out_dir / f"{name}.prom").write_text(text, encoding="utf-8")
+
+
+def _process_figures(texts: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per service, ``process_cpu_seconds_total`` and ``process_resident_memory_bytes``."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    wanted = {"process_cpu_seconds_total", "process_resident_memory_bytes"}
+    out: dict[str, dict[str, float]] = {}
+    for name, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    out.setdefault(name, {})[sample.name] = float(sample.value)
+    return out
+
+
+def _service_usage(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Per service, CPU seconds spent during the replay and resident memory at its end: where
+    a shared host's cores went (workers' generation against the predictor, gateway, ...)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, figures in after.items():
+        cpu = figures.get("process_cpu_seconds_total")
+        rss = figures.get("process_resident_memory_bytes")
+        row: dict[str, float] = {}
+        if cpu is not None and "process_cpu_seconds_total" in before.get(name, {}):
+            row["cpu_s"] = cpu - before[name]["process_cpu_seconds_total"]
+        if rss is not None:
+            row["rss_bytes"] = rss
+        out[name] = row
+    return out
 
 
 # ------------------------------------------------------------------------------ the verb
@@ -450,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
     for policy in args.policies:
         print(f"[{policy}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
-            records, samples, timings = run_policy(
+            records, samples, timings, usage = run_policy(
                 args, policy, out / policy, paths, requests, pool_bytes, adapters_dir
             )
         except Exception as exc:  # noqa: BLE001 - report the failed policy, go on with the next
@@ -464,7 +510,11 @@ def run(args: argparse.Namespace) -> int:
             failed_policies.append(policy)
             continue
         all_records[policy], all_samples[policy] = records, samples
-        summaries[policy] = {**summarize_policy(records, samples), "phase_seconds": timings}
+        summaries[policy] = {
+            **summarize_policy(records, samples),
+            "phase_seconds": timings,
+            "service_usage": usage,
+        }
 
     settings = {
         "trace": str(args.trace),

@@ -522,6 +522,25 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         for k, v in comp.items():
             lines.append(f"| {k} | {_fmt(v)} | {targets.get(k, '')} |")
         lines.append("")
+    services = sorted({sv for n in names for sv in report[n].get("service_usage") or {}})
+    if services:
+        lines += [
+            "CPU seconds per service during the replay (resident MiB at its end), from each "
+            "service's `process_*` metrics:",
+            "",
+            "| service | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for sv in services:
+            cells = []
+            for n in names:
+                u = (report[n].get("service_usage") or {}).get(sv) or {}
+                rss = u.get("rss_bytes")
+                cells.append(
+                    f"{_fmt(u.get('cpu_s'), 1)} ({'-' if rss is None else f'{rss / 2**20:.0f}'})"
+                )
+            lines.append(f"| {sv} | " + " | ".join(cells) + " |")
+        lines.append("")
     lines += ["Definitions: see `services/replay/report.py` (module docstring).", ""]
     return "\n".join(lines)
 

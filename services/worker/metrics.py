@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.metrics import LATENCY_BUCKETS
+from services.common.metrics import LATENCY_BUCKETS, service_registry
 
 
 class WorkerMetrics:
     """Every series the worker exports; names ``plora_worker_*``."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = service_registry()
         r = self.registry
         self.requests = Counter(
             "plora_worker_requests",

@@ -50,6 +50,8 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
         assert report[p]["requests"] == n
         assert report[p]["completed"] > 0 and report[p]["ttft_mean_s"] > 0
         assert report[p]["status_samples"] >= 5
+        usage = report[p]["service_usage"]
+        assert usage["worker-0"]["cpu_s"] > 0 and usage["gateway"]["rss_bytes"] > 0
     assert set(COMPARISON_KEYS) <= set(report["comparison"])
 
     served = {p: _served(out / p / "requests.jsonl") for p in POLICIES}

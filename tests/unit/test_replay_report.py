@@ -267,6 +267,35 @@ def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) 
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
+def test_service_usage_from_each_service_process_metrics() -> None:
+    """The bench reads CPU seconds and resident bytes from the services' real registries (the
+    standard ``process_*`` series) and reports the replay's share of the CPU."""
+    from prometheus_client import generate_latest
+
+    from services.gateway.metrics import GatewayMetrics
+    from services.predictor.metrics import PredictorMetrics
+    from services.replay.bench import _process_figures, _service_usage
+    from services.worker.metrics import WorkerMetrics
+
+    def texts() -> dict[str, str]:
+        return {
+            name: generate_latest(m.registry).decode()
+            for name, m in (("gateway", GatewayMetrics()), ("predictor", PredictorMetrics()),
+                            ("worker-0", WorkerMetrics()))
+        }
+
+    before = _process_figures(texts())
+    assert set(before) == {"gateway", "predictor", "worker-0"}
+    assert all(f["process_resident_memory_bytes"] > 1 << 20 for f in before.values())
+    sum(i * i for i in range(2_000_000))  # some CPU between the two scrapes
+    usage = _service_usage(before, _process_figures(texts()))
+    assert usage["worker-0"]["cpu_s"] > 0 and usage["worker-0"]["rss_bytes"] > 1 << 20
+    assert _service_usage({}, _process_figures(texts()))["gateway"].keys() == {"rss_bytes"}
+    report = {"settings": {}, "trace": {}, "policies": ["plora"],
+              "plora": {"service_usage": {"worker-0": {"cpu_s": 12.25, "rss_bytes": 3 << 20}}}}
+    assert "| worker-0 | 12.2 (3) |" in render_markdown(report)
+
+
 # ------------------------------------------------------------------------------ client / CLI
 @pytest.mark.parametrize(("n", "words"), [(0, 1), (1, 1), (7, 7), (64, 64)])
 def test_synth_prompt_length_and_determinism(n: int, words: int) -> None:
