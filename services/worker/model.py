@@ -86,6 +86,9 @@ class KVCache:
     on the engine thread exactly when a burst first fills more slots.
     """
 
+    #: Positions zeroed at a time by :meth:`ensure_finite` (rounded up to a multiple).
+    ZERO_AHEAD = 64
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -112,13 +115,17 @@ class KVCache:
         """
         if length > self.max_len:
             raise IndexError(f"length {length} > the cache's {self.max_len} positions")
+        # Zero up to the next multiple of ZERO_AHEAD positions: the longest sequence grows by
+        # one position a step, and 2 x layers small kernel calls per lagging slot every step
+        # would cost more than the zeroing itself.
+        end = min(self.max_len, -(-length // self.ZERO_AHEAD) * self.ZERO_AHEAD)
         for slot in slots:
             lo = self._finite[slot]
             if lo < length:
                 for kl, vl in zip(self.k, self.v, strict=True):
-                    kl[slot, :, lo:length].zero_()
-                    vl[slot, :, lo:length].zero_()
-                self._finite[slot] = length
+                    kl[slot, :, lo:end].zero_()
+                    vl[slot, :, lo:end].zero_()
+                self._finite[slot] = end
 
     def written(self, slot: int, end: int) -> None:
         """Record that positions ``[0, end)`` of ``slot`` now hold a sequence's keys/values."""
