@@ -39,24 +39,35 @@ POLICIES: dict[str, dict[str, str]] = {
         "eviction": "predictive",
         "routing": "rank_aware",
         "predictor": "on",
+        "host_staging": "on",
     },
     "baseline": {
         "allocator": "contiguous",
         "eviction": "lru",
         "routing": "round_robin",
         "predictor": "off",
+        "host_staging": "off",
     },
     "plora-no-predictor": {
         "allocator": "paged",
         "eviction": "lru",
         "routing": "rank_aware",
         "predictor": "off",
+        "host_staging": "on",
     },
     "plora-contiguous": {
         "allocator": "contiguous",
         "eviction": "predictive",
         "routing": "rank_aware",
         "predictor": "on",
+        "host_staging": "on",
+    },
+    "plora-no-staging": {
+        "allocator": "paged",
+        "eviction": "predictive",
+        "routing": "rank_aware",
+        "predictor": "on",
+        "host_staging": "off",
     },
 }
 
@@ -281,6 +292,8 @@ class Cluster:
                 policy["allocator"],
                 "--eviction",
                 policy["eviction"],
+                "--host-staging",
+                policy["host_staging"],
             ]
             if a.pool_bytes:
                 flags += ["--pool-bytes", a.pool_bytes]

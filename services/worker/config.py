@@ -46,6 +46,9 @@ class WorkerConfig:
         allocator: ``paged`` (first-fit pages + compaction) or ``contiguous`` (baseline).
         eviction: ``predictive`` (lowest forecast demand per byte) or ``lru`` (baseline).
         load_wait_timeout_s: How long a load may wait for pool space before failing its request.
+        host_staging: ``on``: read registered adapters into free host-cache space ahead of
+            demand (``PLORA_HOST_STAGING``; :meth:`services.worker.store.AdapterStore.stage`);
+            ``off`` (the baseline policy): the source is read on demand only.
         threads: Intra-op CPU threads of the engine (``PLORA_WORKER_THREADS``); 0 = all cores.
             Several workers on one host should split the cores (the launcher does): OpenMP
             threads that outnumber the cores wait on each other and run many times slower.
@@ -73,6 +76,7 @@ class WorkerConfig:
     allocator: str = "paged"
     eviction: str = "predictive"
     load_wait_timeout_s: float = 30.0
+    host_staging: str = "on"
     threads: int = 0
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
@@ -125,6 +129,7 @@ class WorkerConfig:
         parser.add_argument("--allocator", choices=ALLOCATORS)
         parser.add_argument("--eviction", choices=EVICTIONS)
         parser.add_argument("--load-wait-timeout-s", type=float)
+        parser.add_argument("--host-staging", choices=("on", "off"))
         parser.add_argument("--threads", type=int)
         parser.add_argument("--ready-file")
 
@@ -169,6 +174,7 @@ class WorkerConfig:
             load_wait_timeout_s=args.load_wait_timeout_s
             if args.load_wait_timeout_s is not None
             else env_float("PLORA_LOAD_WAIT_TIMEOUT_S", d.load_wait_timeout_s),
+            host_staging=pick(args.host_staging, "PLORA_HOST_STAGING", d.host_staging),
             threads=args.threads
             if args.threads is not None
             else env_int("PLORA_WORKER_THREADS", d.threads),

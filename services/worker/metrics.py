@@ -123,6 +123,28 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.host_stages = Counter(
+            "plora_worker_host_stages",
+            "Adapters read from the source tier into the host cache ahead of demand",
+            registry=r,
+        )
+        self.host_stage_latency = Histogram(
+            "plora_worker_host_stage_seconds",
+            "Source read + check + pack time of one host staging read",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.host_stages_queued = Gauge(
+            "plora_worker_host_stages_queued",
+            "Host staging reads waiting for a loader thread",
+            registry=r,
+        )
+        self.host_cache_bytes = Gauge(
+            "plora_worker_host_cache_bytes",
+            "Host adapter cache bytes by kind (total: its bound; used)",
+            ["kind"],
+            registry=r,
+        )
         self.evictions = Counter(
             "plora_worker_adapter_evictions",
             "Adapters evicted from the device pool, by reason",

@@ -45,6 +45,10 @@ from services.worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between two passes of host staging over the registered adapters (one Redis
+#: listing each; :meth:`WorkerService.heartbeat`).
+HOST_STAGING_INTERVAL_S = 2.0
+
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,
@@ -265,6 +269,7 @@ class WorkerService:
                 device=str(self.device),
                 dtype=str(self.dtype).removeprefix("torch."),
                 load_wait_timeout_s=config.load_wait_timeout_s,
+                host_staging=config.host_staging == "on",
             ),
             loader=self._load_adapter,
             on_event=self._on_store_event,
@@ -302,6 +307,7 @@ class WorkerService:
             target=self._heartbeat_loop, name="heartbeat", daemon=True
         )
         self._last_heartbeat = time.monotonic()
+        self._last_staging = -HOST_STAGING_INTERVAL_S
 
     def _on_store_event(self, event: StoreEvent) -> None:
         """Store events -> Prometheus (called under the store lock: counters only)."""
@@ -318,6 +324,9 @@ class WorkerService:
             m.split_allocations.inc()
         elif event.kind.startswith("prefetch_"):
             m.prefetches.labels(event.kind.removeprefix("prefetch_")).inc()
+        elif event.kind == "host_stage":
+            m.host_stages.inc()
+            m.host_stage_latency.observe(event.seconds)
 
     def _load_adapter(self, ref: AdapterRef) -> LoRAWeights:
         # The registry's sha256 pins the bytes: a file replaced after registration is refused
@@ -373,9 +382,19 @@ class WorkerService:
         )
         self.registry.heartbeat(record, self.config.heartbeat_ttl_s)
         forecast = self.registry.get_forecast()
+        expected: dict[str, float] = {}
         if forecast is not None:
-            self.store.set_forecast({k: float(v) for k, v in forecast["expected"].items()})
-        self._last_heartbeat = time.monotonic()
+            expected = {k: float(v) for k, v in forecast["expected"].items()}
+            self.store.set_forecast(expected)
+        now = time.monotonic()
+        if self.store.config.host_staging and now - self._last_staging >= HOST_STAGING_INTERVAL_S:
+            self._last_staging = now
+            records = sorted(
+                self.registry.list_adapters(),
+                key=lambda r: (-expected.get(r.adapter_id, 0.0), r.adapter_id),
+            )
+            self.store.stage([convert.adapter_ref(convert.adapter_info(r)) for r in records])
+        self._last_heartbeat = now
 
     def _export_metrics(self, s: StoreStats, resident: int, room: int) -> None:
         m = self.metrics
@@ -389,6 +408,9 @@ class WorkerService:
         m.pool_bytes.labels("live").set(s.live_bytes)
         m.pool_bytes.labels("room").set(room)
         m.loads_waiting_for_room.set(s.waiting_loads)
+        m.host_stages_queued.set(s.host_stages_queued)
+        m.host_cache_bytes.labels("total").set(s.host_cache_bytes)
+        m.host_cache_bytes.labels("used").set(s.host_cache_used_bytes)
         m.pool_utilization.set(s.utilization)
         m.pool_utilization_pressure.set(s.utilization_under_pressure)
         m.pool_fragmentation.set(s.external_fragmentation)

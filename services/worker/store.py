@@ -58,7 +58,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple, Self
@@ -139,6 +139,11 @@ class StoreConfig:
             probability of use within the horizon by at least this much
             (:func:`services.worker.eviction.prefetch_victim_limit`); free space is always
             used.
+        host_staging: Accept :meth:`AdapterStore.stage` requests: read registered adapters
+            from the source tier into free host-cache space ahead of demand, so a cold start
+            copies from host memory instead of reading and converting the source files on
+            the request's path (S-LoRA keeps every adapter in host memory, Sec. 4). Off for
+            the S-LoRA-style baseline, which loads on demand (ARCHITECTURE.md).
 
     Raises:
         ConfigError: an unknown name or an inconsistent size (host cache < pool, ...).
@@ -157,6 +162,7 @@ class StoreConfig:
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
     compaction_max_ratio: float = 4.0
     prefetch_min_gain: float = 0.2
+    host_staging: bool = False
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATOR_KINDS:
@@ -353,6 +359,16 @@ class HostCache:
         self._items.move_to_end(adapter_id)
         return p
 
+    def holds(self, adapter_id: str, version: int) -> bool:
+        """Whether exactly this version is cached (its recency is left as it is)."""
+        p = self._items.get(adapter_id)
+        return p is not None and p.version == version
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes the cache can take without evicting."""
+        return self.capacity_bytes - self.used_bytes
+
     def put(self, packed: PackedAdapter) -> None:
         """Cache ``packed`` (replacing any other version), evicting LRU entries to fit.
 
@@ -430,7 +446,8 @@ class StoreEvent:
         kind: ``"load"``, ``"load_failed"``, ``"evict"``, ``"compact"``, ``"split"`` (an
             allocation spread over several runs; ``nbytes`` its live bytes),
             ``"cold_start"``, ``"prefetch_issued"``, ``"prefetch_used"``,
-            ``"prefetch_wasted"``, ``"prefetch_ignored"``.
+            ``"prefetch_wasted"``, ``"prefetch_ignored"``, ``"host_stage"`` (a staging read
+            finished, :meth:`AdapterStore.stage`).
         adapter_id: The adapter ("" for compaction).
         version: Its version (0 when not applicable).
         tier: For loads: ``"source"`` or ``"host"``.
@@ -499,6 +516,9 @@ class StoreStats:
     prefetches_used: int
     prefetches_wasted: int
     prefetches_ignored: int
+    host_stages: int = 0
+    host_stage_seconds: float = 0.0
+    host_stages_queued: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict."""
@@ -724,6 +744,8 @@ class _Counters:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_ignored: int = 0
+    stages: int = 0
+    stage_seconds: float = 0.0
     samples: int = 0
     util_sum: float = 0.0
     frag_sum: float = 0.0
@@ -784,6 +806,9 @@ class AdapterStore:
         self._jobs: list[tuple[int, float, int, _Entry]] = []
         self._seq = itertools.count()
         self._parked: list[_Entry] = []  # demand loads waiting for room, oldest first
+        # host staging (stage()): queued source reads, lowest priority, one at a time
+        self._staging: deque[AdapterRef] = deque()
+        self._staging_active = False
         self._closed = False
         self._c = _Counters()
         # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
@@ -915,6 +940,86 @@ class AdapterStore:
                 self._emit(StoreEvent("prefetch_issued", ref.adapter_id, ref.version))
         return PrefetchResult(accepted, already, ignored)
 
+    def stage(self, refs: Sequence[AdapterRef]) -> int:
+        """Queue host-tier reads of ``refs`` ahead of demand (``host_staging``), in order.
+
+        Each is read from the source tier, checked and packed into the host cache in the
+        background, after every device load (demand or prefetch) and one at a time, so a
+        loader thread always stays free for demand loads. Only free host-cache space is used:
+        staging never evicts a cached adapter. Skipped: adapters already cached (this
+        version), resident or loading on the device, already queued, superseded versions,
+        and those that do not fit the remaining free space. A read that fails (a missing or
+        changed source) is logged and dropped; the demand load reports the error.
+
+        Args:
+            refs: Adapter versions, most wanted first (e.g. by forecast demand).
+
+        Returns:
+            How many were queued; 0 when ``host_staging`` is off.
+        """
+        if not self.config.host_staging:
+            return 0
+        queued = 0
+        with self._lock:
+            self._check_open()
+            room = self._host.free_bytes - sum(r.size_bytes for r in self._staging)
+            waiting = {r.adapter_id for r in self._staging}
+            for ref in refs:
+                latest = self._latest.get(ref.adapter_id)
+                if (
+                    ref.adapter_id in waiting
+                    or ref.adapter_id in self._entries
+                    or (latest is not None and ref.version < latest)
+                    or self._host.holds(ref.adapter_id, ref.version)
+                    or not 0 < ref.size_bytes <= room
+                ):
+                    continue
+                self._observe_version(ref)
+                self._staging.append(ref)
+                waiting.add(ref.adapter_id)
+                room -= ref.size_bytes
+                queued += 1
+            if queued:
+                self._cv.notify_all()
+        return queued
+
+    def _stage_one(self, ref: AdapterRef) -> None:
+        """One staging read (a loader thread, no lock held): source -> host cache."""
+        try:
+            with self._lock:
+                skip = (
+                    self._closed
+                    or ref.adapter_id in self._entries  # a device load reads it itself
+                    or self._host.holds(ref.adapter_id, ref.version)
+                    or self._latest.get(ref.adapter_id) != ref.version  # unloaded, superseded
+                )
+            if skip:
+                return
+            t0 = time.monotonic()
+            packed, tier, _ = self._host_copy(ref)
+            if tier == "source":
+                seconds = time.monotonic() - t0
+                with self._lock:
+                    self._c.stages += 1
+                    self._c.stage_seconds += seconds
+                    self._emit(
+                        StoreEvent(
+                            "host_stage",
+                            ref.adapter_id,
+                            ref.version,
+                            seconds=seconds,
+                            nbytes=packed.nbytes,
+                        )
+                    )
+        except PLoRAError as err:
+            logger.warning("host staging of %s v%d failed: %s", ref.adapter_id, ref.version, err)
+        except Exception:
+            logger.exception("host staging of %s v%d failed", ref.adapter_id, ref.version)
+        finally:
+            with self._cv:
+                self._staging_active = False
+                self._cv.notify_all()
+
     def set_forecast(self, forecast: Mapping[str, float]) -> None:
         """Replace the demand forecast (``adapter_id -> expected requests``) used by
         ``predictive`` eviction and prefetch admission."""
@@ -923,13 +1028,17 @@ class AdapterStore:
 
     def unload(self, adapter_id: str) -> bool:
         """Drop ``adapter_id`` from every tier (a leased copy is freed at its last release;
-        a pending load fails its leases with ``AdapterNotFoundError``).
+        a pending load fails its leases with ``AdapterNotFoundError``; a queued host staging
+        read is cancelled).
 
         Returns:
             Whether anything was dropped.
         """
         with self._lock:
             dropped = self._host.drop(adapter_id)
+            queued = len(self._staging)
+            self._staging = deque(r for r in self._staging if r.adapter_id != adapter_id)
+            dropped = dropped or len(self._staging) < queued
             e = self._entries.get(adapter_id)
             if e is not None:
                 self._detach(e, "unload")
@@ -1047,6 +1156,9 @@ class AdapterStore:
                 prefetches_used=c.prefetch_used,
                 prefetches_wasted=c.prefetch_wasted,
                 prefetches_ignored=c.prefetch_ignored,
+                host_stages=c.stages,
+                host_stage_seconds=c.stage_seconds,
+                host_stages_queued=len(self._staging),
             )
 
     def close(self) -> None:
@@ -1061,6 +1173,7 @@ class AdapterStore:
                     self._fail(e, PLoRAError("the adapter store was closed"), free=False)
             self._jobs.clear()
             self._parked.clear()
+            self._staging.clear()
             self._cv.notify_all()
         for t in self._threads:
             t.join(timeout=10)
@@ -1286,11 +1399,20 @@ class AdapterStore:
             with self._cv:
                 while True:
                     timeout = self._expire_parked()
-                    if self._closed or self._jobs:
+                    if self._closed or self._jobs or (self._staging and not self._staging_active):
                         break
                     self._cv.wait(timeout)
                 if self._closed:
                     return
+                if not self._jobs:
+                    ref = self._staging.popleft()
+                    self._staging_active = True
+                else:
+                    ref = None
+            if ref is not None:
+                self._stage_one(ref)
+                continue
+            with self._cv:
                 _, _, _, e = heapq.heappop(self._jobs)
                 if e.detached or e.state is not _State.LOADING or e.job_started:
                     continue

@@ -282,6 +282,40 @@ def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
     assert "plora_predictor_events_received_total" in texts["predictor"]
 
 
+def test_workers_stage_registered_adapters_in_host_memory(stub, cluster: dict) -> None:
+    """plora (the launcher's default policy) reads every registered adapter into each worker's
+    host cache ahead of demand: each one was read from the source on every worker, by a
+    staging read or by a device load that came first."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registered = stub.GetClusterStatus(
+        gateway_pb2.GetClusterStatusRequest(), timeout=10
+    ).adapters_registered
+
+    def figures(url: str) -> dict[str, float]:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = sample.name + "".join(f"/{v}" for v in sample.labels.values())
+                out[key] = sample.value
+        return out
+
+    deadline = time.monotonic() + 60
+    for name in ("worker-0", "worker-1"):
+        while True:
+            f = figures(cluster["metrics"][name])
+            read = f["plora_worker_host_stages_total"] + f.get(
+                "plora_worker_adapter_loads_total/source", 0.0
+            )
+            if read >= registered and f["plora_worker_host_stages_queued"] == 0:
+                break
+            assert time.monotonic() < deadline, f"{name}: {read} of {registered} read: {f}"
+            time.sleep(0.5)
+        assert f["plora_worker_host_stages_total"] >= 1
+        assert f["plora_worker_host_cache_bytes/used"] > 0
+
+
 def test_health_and_reflection_on_every_server(cluster: dict) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

@@ -408,6 +408,75 @@ def test_demand_loads_run_before_queued_prefetches() -> None:
         assert src.calls[:2] == ["first", "need"]
 
 
+def _wait_for(cond, timeout: float = 5.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_host_staging_reads_into_free_host_space_then_loads_come_from_host() -> None:
+    s, src = store(pages=8, host_cache_bytes=12 * UNIT, host_staging=True)
+    with s:
+        # 4 + 4 + 4 units fill the 12-unit host cache; the fourth does not fit the free space
+        # and is skipped (staging never evicts).
+        assert s.stage([ref("a", 4), ref("b", 4), ref("c", 4), ref("d", 2)]) == 3
+        assert s.stage([ref("a", 4)]) == 0  # already queued
+        _wait_for(lambda: s.stats().host_stages == 3)
+        assert sorted(src.calls) == ["a", "b", "c"]
+        st = s.stats()
+        assert st.host_cache_used_bytes == 12 * UNIT and st.host_stages_queued == 0
+        assert st.resident_adapters == 0 and st.loads_by_tier == {"source": 0, "host": 0}
+        lease = ready(s.acquire(ref("b", 4)))  # a cold start, served from host memory
+        assert lease.cold and torch.equal(lease.flat(), expected_flat("b", 4))
+        lease.release()
+        assert s.stats().loads_by_tier == {"source": 0, "host": 1}
+        assert s.stage([ref("a", 4), ref("b", 4)]) == 0  # cached (or resident) already
+        assert sorted(src.calls) == ["a", "b", "c"]
+
+
+def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
+    off, src_off = store()
+    with off:
+        assert off.stage([ref("a")]) == 0
+        assert src_off.calls == []
+    s, src = store(pages=64, loader_threads=2, host_staging=True)
+    with s:
+        src.gate = threading.Event()
+        first = s.acquire(ref("first"))  # takes one loader thread
+        time.sleep(0.05)
+        assert s.stage([ref(f"s{i}") for i in range(3)]) == 3
+        time.sleep(0.05)  # one staging read takes the other thread; two stay queued
+        assert s.stats().host_stages_queued == 2
+        demand = s.acquire(ref("need"))
+        s.prefetch([(ref("pre"), 5.0)])
+        src.gate.set()
+        ready(first)
+        ready(demand)
+        _wait_for(lambda: s.stats().host_stages == 3)
+        # one staging read at a time, and queued device loads (demand, then prefetch) first
+        assert src.calls[:2] == ["first", "s0"]
+        assert src.calls.index("need") < src.calls.index("s1")
+        assert src.calls.index("pre") < src.calls.index("s1")
+
+
+def test_host_staging_of_a_bad_source_is_dropped_and_unload_cancels_it() -> None:
+    s, src = store(host_staging=True)
+    with s:
+        src.fail["bad"] = InvalidAdapterError("no adapter_model.safetensors")
+        src.gate = threading.Event()
+        assert s.stage([ref("bad"), ref("gone"), ref("ok")]) == 3
+        time.sleep(0.05)
+        assert s.unload("gone")  # still queued: cancelled
+        src.gate.set()
+        _wait_for(lambda: s.stats().host_stages_queued == 0 and "ok" in src.calls)
+        _wait_for(lambda: s.stats().host_stages == 1)
+        assert "gone" not in src.calls and s.stats().host_cache_adapters == 1
+        bad = ready(s.acquire(ref("bad")))  # the demand load reports the error
+        assert isinstance(bad.error(), InvalidAdapterError)
+        bad.release()
+
+
 def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
     s, _ = store(pages=8, eviction="predictive")
     with s:
