@@ -97,6 +97,7 @@ _EV_READ = 1  # a load's source/host read finished
 _EV_LOADED = 2  # a load's copy finished: adapter resident
 _EV_RETRY = 3  # a demand load's wait for pool space timed out: retry once more
 _EV_TICK = 4  # predictor tick
+_EV_STAGED = 5  # a host staging read finished (AdapterStore.stage)
 
 # request status
 _PENDING, _OK, _FAILED = 0, 1, 2
@@ -114,6 +115,8 @@ class PolicySpec:
         routing: ``"rank_aware"`` or ``"round_robin"`` (:mod:`services.predictor.placement`).
         predictor: Run the forecaster every tick (placement, prefetch, eviction forecast).
         prefetch: Send the prefetch choice to the workers (needs ``predictor``).
+        host_staging: Workers read the registered adapters into free host-cache space ahead
+            of demand (``AdapterStore.stage``; the launcher's ``host_staging``).
     """
 
     name: str
@@ -122,6 +125,7 @@ class PolicySpec:
     routing: str
     predictor: bool
     prefetch: bool
+    host_staging: bool = False
 
     def __post_init__(self) -> None:
         if self.routing not in ("rank_aware", "round_robin"):
@@ -135,13 +139,14 @@ class PolicySpec:
 POLICIES: dict[str, PolicySpec] = {
     p.name: p
     for p in (
-        PolicySpec("plora", "paged", "predictive", "rank_aware", True, True),
-        PolicySpec("baseline", "contiguous", "lru", "round_robin", False, False),
-        PolicySpec("plora-no-predictor", "paged", "lru", "rank_aware", False, False),
-        PolicySpec("plora-no-prefetch", "paged", "predictive", "rank_aware", True, False),
-        PolicySpec("plora-contiguous", "contiguous", "predictive", "rank_aware", True, True),
-        PolicySpec("plora-round-robin", "paged", "predictive", "round_robin", True, True),
-        PolicySpec("plora-lru", "paged", "lru", "rank_aware", True, True),
+        PolicySpec("plora", "paged", "predictive", "rank_aware", True, True, True),
+        PolicySpec("baseline", "contiguous", "lru", "round_robin", False, False, False),
+        PolicySpec("plora-no-predictor", "paged", "lru", "rank_aware", False, False, True),
+        PolicySpec("plora-no-prefetch", "paged", "predictive", "rank_aware", True, False, True),
+        PolicySpec("plora-no-staging", "paged", "predictive", "rank_aware", True, True, False),
+        PolicySpec("plora-contiguous", "contiguous", "predictive", "rank_aware", True, True, True),
+        PolicySpec("plora-round-robin", "paged", "predictive", "round_robin", True, True, True),
+        PolicySpec("plora-lru", "paged", "lru", "rank_aware", True, True, True),
     )
 }
 
@@ -382,6 +387,12 @@ class SimWorker:
         self.job_heap: list[tuple[int, float, int, _Load]] = []
         self.loading_handles: set[int] = set()
         self.active = 0
+        # host staging (AdapterStore.stage): the registered adapters, in id order, read into
+        # free host-cache space one at a time after every device load
+        self.staging: deque[int] = deque(
+            sorted(range(k), key=lambda a: sim.adapters.names[a]) if sim.policy.host_staging else ()
+        )
+        self.staging_active = False
         self.alloc_wait: deque[_Load] = deque()
         self.waiters: dict[int, list[int]] = {}
         self.ready: list[int] = []  # heap of request indices (arrival order)
@@ -411,7 +422,7 @@ class SimWorker:
             "failed_loads": 0, "prefetch_issued": 0, "prefetch_used": 0, "prefetch_wasted": 0,
             "prefetch_ignored": 0, "prefetch_already": 0, "rejected": 0, "steps": 0,
             "pressure_samples": 0, "util_sum": 0.0, "frag_sum": 0.0, "raw_frag_sum": 0.0,
-            "waste_sum": 0.0, "splits": 0,
+            "waste_sum": 0.0, "splits": 0, "host_stages": 0,
         }  # fmt: skip
         self.ref_pieces: list[int] = []  # coarsest tensor layout loaded (fragmentation)
 
@@ -686,6 +697,37 @@ class SimWorker:
                 job.tier = "source"
                 read = sim.source_read_s(job.a, self.rng)
             sim.push(t + read, _EV_READ, self.wid, job)
+        if self.staging and not self.job_heap and not self.staging_active:
+            self._start_staging(t)
+
+    def _start_staging(self, t: float) -> None:
+        """The next staging read that is still needed and fits the free host space."""
+        sim = self.sim
+        if self.active >= sim.preset.loader_threads:
+            return
+        names = sim.adapters.names
+        nbytes = sim.adapters.nbytes
+        host = self.host
+        while self.staging:
+            a = self.staging.popleft()
+            if a in self.jobs or a in self.resident or host.holds(names[a], 0):
+                continue
+            if int(nbytes[a]) > host.free_bytes:
+                continue
+            self.staging_active = True
+            self.active += 1
+            sim.push(t + sim.source_read_s(a, self.rng), _EV_STAGED, self.wid, a)
+            return
+
+    def staged(self, a: int, t: float) -> None:
+        """A staging read finished: the adapter is in host memory (unless a load beat it)."""
+        name = self.sim.adapters.names[a]
+        if not self.host.holds(name, 0):
+            self.host.put(self.sim.packed(a))
+            self.c["host_stages"] += 1
+        self.staging_active = False
+        self.active -= 1
+        self.start_jobs(t)
 
     def read_done(self, job: _Load, t: float) -> None:
         """The adapter's bytes are in host memory: cache them and find pool space."""
@@ -1196,6 +1238,8 @@ class ClusterSimulation:
         next_tick = tick_s if self.feed is not None and n else _INF
         if next_tick < _INF:
             self.push(next_tick, _EV_TICK, -1, None)
+        for w in workers:  # the adapters are registered before the first request
+            w.start_jobs(0.0)
         i = 0
         events = 0
         while True:
@@ -1211,6 +1255,8 @@ class ClusterSimulation:
                     workers[wid].loaded(payload, t)
                 elif kind == _EV_RETRY:
                     workers[wid].retry_timeout(payload, t)
+                elif kind == _EV_STAGED:
+                    workers[wid].staged(payload, t)
                 else:  # tick
                     t0 = time.perf_counter()
                     self._tick(t)

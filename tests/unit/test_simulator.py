@@ -261,6 +261,23 @@ def test_predictor_prefetches_and_prefetched_adapters_serve() -> None:
     assert not plora.failed.any() and not nopred.failed.any()
 
 
+def test_host_staging_takes_source_reads_off_cold_starts() -> None:
+    # 4 adapters, 1 s source reads, instant host -> device copies. With host staging the
+    # workers read the registered adapters one at a time from t = 0 (a loader thread stays
+    # free: the demand at 0.5 s still waits exactly its own 1 s read); at 5 and 6 s the
+    # adapters are in host memory: cold starts that wait nothing. The baseline reads on demand.
+    tr = _trace([0.5, 5.0, 6.0], ["a", "b", "c"])
+    _, staged = _run(tr, policy="plora-no-predictor", k=4)
+    _, baseline = _run(tr, policy="baseline", k=4)
+    assert staged.cold.tolist() == [True, True, True] == baseline.cold.tolist()
+    np.testing.assert_allclose(staged.cold_wait_s, [1.0, 0.0, 0.0], atol=1e-9)
+    np.testing.assert_allclose(baseline.cold_wait_s, [1.0, 1.0, 1.0], atol=1e-9)
+    c = staged.counters
+    assert (c["host_stages"], c["loads_source"], c["loads_host"]) == (3, 1, 2)
+    assert baseline.counters["host_stages"] == 0
+    assert get_policy("plora").host_staging and not get_policy("plora-no-staging").host_staging
+
+
 def test_overload_rejects_and_fails_cleanly() -> None:
     preset = SIMPLE.with_overrides(max_queue=2)
     tr = _trace([0.0] * 6, ["a"] * 6)
