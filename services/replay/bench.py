@@ -573,6 +573,6 @@ def _print_table(report: dict[str, Any], names: list[str]) -> None:
     print(f"{'compulsory_cold_rate (floor)':34}{report['compulsory_cold_rate']:>14.4f}")
     comp = report.get("comparison")
     if comp:
-        for k in COMPARISON_KEYS:
+        for k in (*COMPARISON_KEYS, "baseline_cold_wait_share_of_ttft"):
             v = comp.get(k)
             print(f"{k:34}{'-' if v is None else f'{v:.4f}':>14}")

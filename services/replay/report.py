@@ -31,6 +31,10 @@ Definitions (ARCHITECTURE.md "Definitions"; times in seconds):
   it has never seen, so no policy can serve those warm.
 - **Comparison** (plora vs baseline): ``reduction = 1 - plora / baseline``,
   ``ratio = plora / baseline``; ``null`` when the baseline figure is 0 or missing.
+  ``baseline_cold_wait_share_of_ttft`` = the baseline's ``cold_start_wait_mean_s /
+  ttft_mean_s``: the mean-TTFT reduction a policy would get from removing every cold-start
+  wait and changing nothing else (where prefill and queueing, not adapter loads, make most of
+  the TTFT, a TTFT target above it needs faster serving, not fewer or shorter cold starts).
 """
 
 from __future__ import annotations
@@ -335,6 +339,9 @@ def compare(plora: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, 
         "throughput_ratio": ratio(plora.get("throughput_req_s"), baseline.get("throughput_req_s")),
         "throughput_tok_ratio": ratio(
             plora.get("throughput_tok_s"), baseline.get("throughput_tok_s")
+        ),
+        "baseline_cold_wait_share_of_ttft": ratio(
+            baseline.get("cold_start_wait_mean_s"), baseline.get("ttft_mean_s")
         ),
     }
 

@@ -227,6 +227,7 @@ def test_series_and_cdf() -> None:
         ("cold_start_rate_reduction", 1 - 0.05 / 0.2),
         ("throughput_ratio", 3.0 / 2.0),
         ("throughput_tok_ratio", 24.0 / 16.0),
+        ("baseline_cold_wait_share_of_ttft", 0.1 / 1.0),
     ],
 )
 def test_compare(key: str, want: float) -> None:
