@@ -84,7 +84,7 @@ from services.worker.pool import (
     external_fragmentation,
     make_allocator,
 )
-from services.worker.store import HostCache, PackedAdapter, StoreConfig
+from services.worker.store import HOST_STAGING_INTERVAL_S, HostCache, PackedAdapter, StoreConfig
 
 logger = logging.getLogger(__name__)
 
@@ -387,8 +387,10 @@ class SimWorker:
         self.job_heap: list[tuple[int, float, int, _Load]] = []
         self.loading_handles: set[int] = set()
         self.active = 0
-        # host staging (AdapterStore.stage): the registered adapters, in id order, read into
-        # free host-cache space one at a time after every device load
+        # host staging (AdapterStore.stage): the registered adapters read into free host-cache
+        # space one at a time after every device load; the forecast's order first (set every
+        # HOST_STAGING_INTERVAL_S), then the rest in id order
+        self.stage_first: deque[int] = deque()
         self.staging: deque[int] = deque(
             sorted(range(k), key=lambda a: sim.adapters.names[a]) if sim.policy.host_staging else ()
         )
@@ -697,7 +699,7 @@ class SimWorker:
                 job.tier = "source"
                 read = sim.source_read_s(job.a, self.rng)
             sim.push(t + read, _EV_READ, self.wid, job)
-        if self.staging and not self.job_heap and not self.staging_active:
+        if (self.stage_first or self.staging) and not self.job_heap and not self.staging_active:
             self._start_staging(t)
 
     def _start_staging(self, t: float) -> None:
@@ -708,8 +710,8 @@ class SimWorker:
         names = sim.adapters.names
         nbytes = sim.adapters.nbytes
         host = self.host
-        while self.staging:
-            a = self.staging.popleft()
+        while self.stage_first or self.staging:
+            a = (self.stage_first or self.staging).popleft()
             if a in self.jobs or a in self.resident or host.holds(names[a], 0):
                 continue
             if int(nbytes[a]) > host.free_bytes:
@@ -718,6 +720,11 @@ class SimWorker:
             self.active += 1
             sim.push(t + sim.source_read_s(a, self.rng), _EV_STAGED, self.wid, a)
             return
+
+    def stage_order(self, order: list[int], t: float) -> None:
+        """A staging pass (``AdapterStore.stage``): these adapters first, in this order."""
+        self.stage_first = deque(order)
+        self.start_jobs(t)
 
     def staged(self, a: int, t: float) -> None:
         """A staging read finished: the adapter is in host memory (unless a load beat it)."""
@@ -1030,6 +1037,7 @@ class ClusterSimulation:
                 high=config.prefetch_min_expected, low=config.prefetch_min_expected / 2
             )
         self.ticks = 0
+        self._last_staging = -HOST_STAGING_INTERVAL_S
         self.predictor_wall_s = 0.0
         self._feed_wait0 = feed.wait_s if feed is not None else 0.0
         self.busy_workers = 0
@@ -1190,6 +1198,13 @@ class ClusterSimulation:
         expected = dict(zip(names, exp_l, strict=True))
         for w in self.workers:
             w.evictor.set_forecast(expected)
+        if self.policy.host_staging and t - self._last_staging >= HOST_STAGING_INTERVAL_S:
+            self._last_staging = t
+            order = [
+                a for _, _, a in sorted(zip([-e for e in exp_l], names, ads.tolist(), strict=True))
+            ]
+            for w in self.workers:
+                w.stage_order(order, t)
         ranks = self._ranks_l
         sizes = self._sizes_l
         demand = {

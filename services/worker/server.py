@@ -40,14 +40,16 @@ from services.worker.engine import Engine, EngineConfig, EngineRequest
 from services.worker.metrics import WorkerMetrics
 from services.worker.model import LlamaModel
 from services.worker.model_loader import default_cache_dir, model_display_name, resolve_model
-from services.worker.store import AdapterStore, StoreConfig, StoreEvent, StoreStats
+from services.worker.store import (
+    HOST_STAGING_INTERVAL_S,
+    AdapterStore,
+    StoreConfig,
+    StoreEvent,
+    StoreStats,
+)
 from services.worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-#: Seconds between two passes of host staging over the registered adapters (one Redis
-#: listing each; :meth:`WorkerService.heartbeat`).
-HOST_STAGING_INTERVAL_S = 2.0
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _FINISH = {

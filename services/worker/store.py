@@ -105,6 +105,10 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
+#: Seconds between two host-staging passes of a worker over the registered adapters
+#: (:meth:`AdapterStore.stage`; one Redis listing each); the simulator uses the same period.
+HOST_STAGING_INTERVAL_S = 2.0
+
 #: Loader signature: read one adapter version from the source tier (raises domain errors).
 Loader = Callable[[AdapterRef], LoRAWeights]
 
@@ -808,7 +812,7 @@ class AdapterStore:
         self._parked: list[_Entry] = []  # demand loads waiting for room, oldest first
         # host staging (stage()): queued source reads, lowest priority, one at a time
         self._staging: deque[AdapterRef] = deque()
-        self._staging_active = False
+        self._staging_current: AdapterRef | None = None
         self._closed = False
         self._c = _Counters()
         # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
@@ -941,33 +945,37 @@ class AdapterStore:
         return PrefetchResult(accepted, already, ignored)
 
     def stage(self, refs: Sequence[AdapterRef]) -> int:
-        """Queue host-tier reads of ``refs`` ahead of demand (``host_staging``), in order.
+        """Set the host-staging queue (``host_staging``): read ``refs``, in this order, from
+        the source tier into the host cache ahead of demand.
 
-        Each is read from the source tier, checked and packed into the host cache in the
-        background, after every device load (demand or prefetch) and one at a time, so a
+        Each call replaces the queue (callers pass every candidate, most wanted first, e.g.
+        by current forecast demand, so the order follows the forecast). Reads run in the
+        background after every device load (demand or prefetch) and one at a time, so a
         loader thread always stays free for demand loads. Only free host-cache space is used:
         staging never evicts a cached adapter. Skipped: adapters already cached (this
-        version), resident or loading on the device, already queued, superseded versions,
-        and those that do not fit the remaining free space. A read that fails (a missing or
-        changed source) is logged and dropped; the demand load reports the error.
+        version), resident or loading on the device, being staged now, superseded versions,
+        and those that do not fit the free space left by the ones before them. A read that
+        fails (a missing or changed source) is logged and dropped; the demand load reports
+        the error.
 
         Args:
-            refs: Adapter versions, most wanted first (e.g. by forecast demand).
+            refs: Adapter versions, most wanted first.
 
         Returns:
-            How many were queued; 0 when ``host_staging`` is off.
+            The queue's length; 0 when ``host_staging`` is off.
         """
         if not self.config.host_staging:
             return 0
-        queued = 0
         with self._lock:
             self._check_open()
-            room = self._host.free_bytes - sum(r.size_bytes for r in self._staging)
-            waiting = {r.adapter_id for r in self._staging}
+            current = self._staging_current
+            room = self._host.free_bytes - (current.size_bytes if current else 0)
+            queue: deque[AdapterRef] = deque()
+            seen = {current.adapter_id} if current else set()
             for ref in refs:
                 latest = self._latest.get(ref.adapter_id)
                 if (
-                    ref.adapter_id in waiting
+                    ref.adapter_id in seen
                     or ref.adapter_id in self._entries
                     or (latest is not None and ref.version < latest)
                     or self._host.holds(ref.adapter_id, ref.version)
@@ -975,13 +983,13 @@ class AdapterStore:
                 ):
                     continue
                 self._observe_version(ref)
-                self._staging.append(ref)
-                waiting.add(ref.adapter_id)
+                queue.append(ref)
+                seen.add(ref.adapter_id)
                 room -= ref.size_bytes
-                queued += 1
-            if queued:
+            self._staging = queue
+            if queue:
                 self._cv.notify_all()
-        return queued
+            return len(queue)
 
     def _stage_one(self, ref: AdapterRef) -> None:
         """One staging read (a loader thread, no lock held): source -> host cache."""
@@ -992,6 +1000,7 @@ class AdapterStore:
                     or ref.adapter_id in self._entries  # a device load reads it itself
                     or self._host.holds(ref.adapter_id, ref.version)
                     or self._latest.get(ref.adapter_id) != ref.version  # unloaded, superseded
+                    or ref.size_bytes > self._host.free_bytes  # filled by loads since queued
                 )
             if skip:
                 return
@@ -1017,7 +1026,7 @@ class AdapterStore:
             logger.exception("host staging of %s v%d failed", ref.adapter_id, ref.version)
         finally:
             with self._cv:
-                self._staging_active = False
+                self._staging_current = None
                 self._cv.notify_all()
 
     def set_forecast(self, forecast: Mapping[str, float]) -> None:
@@ -1399,14 +1408,14 @@ class AdapterStore:
             with self._cv:
                 while True:
                     timeout = self._expire_parked()
-                    if self._closed or self._jobs or (self._staging and not self._staging_active):
+                    idle = self._staging_current is None
+                    if self._closed or self._jobs or (self._staging and idle):
                         break
                     self._cv.wait(timeout)
                 if self._closed:
                     return
                 if not self._jobs:
-                    ref = self._staging.popleft()
-                    self._staging_active = True
+                    ref = self._staging_current = self._staging.popleft()
                 else:
                     ref = None
             if ref is not None:

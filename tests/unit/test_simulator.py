@@ -278,6 +278,25 @@ def test_host_staging_takes_source_reads_off_cold_starts() -> None:
     assert get_policy("plora").host_staging and not get_policy("plora-no-staging").host_staging
 
 
+def test_a_staging_pass_puts_its_order_first() -> None:
+    # AdapterStore.stage: the pass's order (the forecast's) first, then the rest by id
+    tr = _trace([100.0], ["a"])
+    sim = ClusterSimulation(
+        tr,
+        build_adapter_set(tr, SIMPLE, 4, seed=0),
+        get_policy("plora-no-predictor"),
+        SimConfig(preset=SIMPLE, workers=1),
+    )
+    w = sim.workers[0]
+    names = sim.adapters.names
+    w.stage_order([3, 1], 0.0)  # reads 3 now (a loader thread was free), then 1, 0, 2
+    sim.run()
+    staged = [names[i] for i in (3, 1, 0, 2)]
+    used = names[int(sim.req_adapter[0])]  # the request at 100 s moved it to the LRU end
+    staged.remove(used)
+    assert list(w.host._items) == [*staged, used]  # noqa: SLF001 - the cache's order
+
+
 def test_overload_rejects_and_fails_cleanly() -> None:
     preset = SIMPLE.with_overrides(max_queue=2)
     tr = _trace([0.0] * 6, ["a"] * 6)

@@ -421,7 +421,6 @@ def test_host_staging_reads_into_free_host_space_then_loads_come_from_host() -> 
         # 4 + 4 + 4 units fill the 12-unit host cache; the fourth does not fit the free space
         # and is skipped (staging never evicts).
         assert s.stage([ref("a", 4), ref("b", 4), ref("c", 4), ref("d", 2)]) == 3
-        assert s.stage([ref("a", 4)]) == 0  # already queued
         _wait_for(lambda: s.stats().host_stages == 3)
         assert sorted(src.calls) == ["a", "b", "c"]
         st = s.stats()
@@ -458,6 +457,18 @@ def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
         assert src.calls[:2] == ["first", "s0"]
         assert src.calls.index("need") < src.calls.index("s1")
         assert src.calls.index("pre") < src.calls.index("s1")
+
+
+def test_each_staging_pass_replaces_the_queue_in_its_order() -> None:
+    s, src = store(host_staging=True)
+    with s:
+        src.gate = threading.Event()
+        assert s.stage([ref("x"), ref("y"), ref("z")]) == 3
+        _wait_for(lambda: src.calls == ["x"])  # x is being read; y, z queued
+        assert s.stage([ref("z"), ref("x"), ref("w")]) == 2  # the forecast changed
+        src.gate.set()
+        _wait_for(lambda: s.stats().host_stages == 3)
+        assert src.calls == ["x", "z", "w"]  # y dropped, x not read twice
 
 
 def test_host_staging_of_a_bad_source_is_dropped_and_unload_cancels_it() -> None:
