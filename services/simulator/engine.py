@@ -388,9 +388,11 @@ class SimWorker:
         self.loading_handles: set[int] = set()
         self.active = 0
         # host staging (AdapterStore.stage): the registered adapters read into free host-cache
-        # space one at a time after every device load; the forecast's order first (set every
-        # HOST_STAGING_INTERVAL_S), then the rest in id order
-        self.stage_first: deque[int] = deque()
+        # space one at a time, on a thread of its own, while no device load is queued; the
+        # forecast's order first (the pass of every HOST_STAGING_INTERVAL_S, shared by the
+        # workers, read from stage_pos on), then the rest in id order
+        self.stage_first: list[int] = []
+        self.stage_pos = 0
         self.staging: deque[int] = deque(
             sorted(range(k), key=lambda a: sim.adapters.names[a]) if sim.policy.host_staging else ()
         )
@@ -699,32 +701,39 @@ class SimWorker:
                 job.tier = "source"
                 read = sim.source_read_s(job.a, self.rng)
             sim.push(t + read, _EV_READ, self.wid, job)
-        if (self.stage_first or self.staging) and not self.job_heap and not self.staging_active:
+        if not self.staging_active and not self.job_heap:
             self._start_staging(t)
 
     def _start_staging(self, t: float) -> None:
         """The next staging read that is still needed and fits the free host space."""
         sim = self.sim
-        if self.active >= sim.preset.loader_threads:
-            return
         names = sim.adapters.names
         nbytes = sim.adapters.nbytes
         host = self.host
-        while self.stage_first or self.staging:
-            a = (self.stage_first or self.staging).popleft()
+        if len(host) >= len(names):
+            return  # every adapter is in host memory
+        first = self.stage_first
+        while self.stage_pos < len(first) or self.staging:
+            if self.stage_pos < len(first):
+                a = first[self.stage_pos]
+                self.stage_pos += 1
+            else:
+                a = self.staging.popleft()
             if a in self.jobs or a in self.resident or host.holds(names[a], 0):
                 continue
             if int(nbytes[a]) > host.free_bytes:
                 continue
             self.staging_active = True
-            self.active += 1
             sim.push(t + sim.source_read_s(a, self.rng), _EV_STAGED, self.wid, a)
             return
 
     def stage_order(self, order: list[int], t: float) -> None:
-        """A staging pass (``AdapterStore.stage``): these adapters first, in this order."""
-        self.stage_first = deque(order)
-        self.start_jobs(t)
+        """A staging pass (``AdapterStore.stage``): these adapters first, in this order (the
+        list is shared by the workers and not modified)."""
+        self.stage_first = order
+        self.stage_pos = 0
+        if not self.staging_active and not self.job_heap:
+            self._start_staging(t)
 
     def staged(self, a: int, t: float) -> None:
         """A staging read finished: the adapter is in host memory (unless a load beat it)."""
@@ -733,7 +742,6 @@ class SimWorker:
             self.host.put(self.sim.packed(a))
             self.c["host_stages"] += 1
         self.staging_active = False
-        self.active -= 1
         self.start_jobs(t)
 
     def read_done(self, job: _Load, t: float) -> None:
@@ -1200,9 +1208,7 @@ class ClusterSimulation:
             w.evictor.set_forecast(expected)
         if self.policy.host_staging and t - self._last_staging >= HOST_STAGING_INTERVAL_S:
             self._last_staging = t
-            order = [
-                a for _, _, a in sorted(zip([-e for e in exp_l], names, ads.tolist(), strict=True))
-            ]
+            order = ads[np.lexsort((ads, -exps))].tolist()  # most demand first; ties by id
             for w in self.workers:
                 w.stage_order(order, t)
         ranks = self._ranks_l

@@ -822,6 +822,10 @@ class AdapterStore:
             threading.Thread(target=self._worker, name=f"adapter-loader-{i}", daemon=True)
             for i in range(config.loader_threads)
         ]
+        if config.host_staging:
+            self._threads.append(
+                threading.Thread(target=self._stager, name="adapter-stager", daemon=True)
+            )
         for t in self._threads:
             t.start()
         logger.info(
@@ -949,9 +953,9 @@ class AdapterStore:
         the source tier into the host cache ahead of demand.
 
         Each call replaces the queue (callers pass every candidate, most wanted first, e.g.
-        by current forecast demand, so the order follows the forecast). Reads run in the
-        background after every device load (demand or prefetch) and one at a time, so a
-        loader thread always stays free for demand loads. Only free host-cache space is used:
+        by current forecast demand, so the order follows the forecast). Reads run one at a
+        time on a staging thread of their own (never on a loader thread), and only while no
+        device load (demand or prefetch) is queued. Only free host-cache space is used:
         staging never evicts a cached adapter. Skipped: adapters already cached (this
         version), resident or loading on the device, being staged now, superseded versions,
         and those that do not fit the free space left by the ones before them. A read that
@@ -1399,6 +1403,20 @@ class AdapterStore:
         return self._entries[self._policy.order(cands)[0].adapter_id]
 
     # ------------------------------------------------------------------ loader threads
+    def _stager(self) -> None:
+        """The host-staging thread: one read at a time, only while no device load (demand or
+        prefetch) is queued for a loader thread. Its own thread, so a staging read (as slow
+        as any source read: seconds from remote storage) never holds a loader thread."""
+        torch.set_num_threads(1)
+        while True:
+            with self._cv:
+                while not self._closed and (self._jobs or not self._staging):
+                    self._cv.wait()
+                if self._closed:
+                    return
+                ref = self._staging_current = self._staging.popleft()
+            self._stage_one(ref)
+
     def _worker(self) -> None:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Background loads must not take the cores from the decode step: on CPU each loader
@@ -1408,21 +1426,14 @@ class AdapterStore:
             with self._cv:
                 while True:
                     timeout = self._expire_parked()
-                    idle = self._staging_current is None
-                    if self._closed or self._jobs or (self._staging and idle):
+                    if self._closed or self._jobs:
                         break
                     self._cv.wait(timeout)
                 if self._closed:
                     return
-                if not self._jobs:
-                    ref = self._staging_current = self._staging.popleft()
-                else:
-                    ref = None
-            if ref is not None:
-                self._stage_one(ref)
-                continue
-            with self._cv:
                 _, _, _, e = heapq.heappop(self._jobs)
+                if not self._jobs and self._staging:
+                    self._cv.notify_all()  # the stager waits for the device queue to empty
                 if e.detached or e.state is not _State.LOADING or e.job_started:
                     continue
                 e.job_started = True

@@ -445,7 +445,7 @@ def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
         first = s.acquire(ref("first"))  # takes one loader thread
         time.sleep(0.05)
         assert s.stage([ref(f"s{i}") for i in range(3)]) == 3
-        time.sleep(0.05)  # one staging read takes the other thread; two stay queued
+        time.sleep(0.05)  # the staging thread reads s0; two stay queued
         assert s.stats().host_stages_queued == 2
         demand = s.acquire(ref("need"))
         s.prefetch([(ref("pre"), 5.0)])
@@ -453,8 +453,9 @@ def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
         ready(first)
         ready(demand)
         _wait_for(lambda: s.stats().host_stages == 3)
-        # one staging read at a time, and queued device loads (demand, then prefetch) first
-        assert src.calls[:2] == ["first", "s0"]
+        # one staging read at a time, on its own thread (both loader threads stayed free for
+        # "first" and "need"), and none while a device load (the prefetch) is queued
+        assert src.calls[:3] == ["first", "s0", "need"]
         assert src.calls.index("need") < src.calls.index("s1")
         assert src.calls.index("pre") < src.calls.index("s1")
 
