@@ -98,6 +98,8 @@ class WorkerConfig:
             )
         if self.threads < 0:
             raise ConfigError("threads must be >= 0 (0 = all cores)")
+        if self.host_staging not in ("on", "off"):
+            raise ConfigError(f"host_staging must be 'on' or 'off', got {self.host_staging!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("heartbeat_ttl_s must exceed heartbeat_interval_s")
 

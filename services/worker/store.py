@@ -810,7 +810,7 @@ class AdapterStore:
         self._jobs: list[tuple[int, float, int, _Entry]] = []
         self._seq = itertools.count()
         self._parked: list[_Entry] = []  # demand loads waiting for room, oldest first
-        # host staging (stage()): queued source reads, lowest priority, one at a time
+        # host staging (stage()): queued source reads for the staging thread, one at a time
         self._staging: deque[AdapterRef] = deque()
         self._staging_current: AdapterRef | None = None
         self._closed = False
@@ -996,7 +996,7 @@ class AdapterStore:
             return len(queue)
 
     def _stage_one(self, ref: AdapterRef) -> None:
-        """One staging read (a loader thread, no lock held): source -> host cache."""
+        """One staging read (the staging thread, no lock held): source -> host cache."""
         try:
             with self._lock:
                 skip = (

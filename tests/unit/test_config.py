@@ -52,6 +52,15 @@ def test_worker_host_cache_must_cover_pool() -> None:
         WorkerConfig(pool_bytes=1 << 30, host_cache_bytes=1 << 20)
 
 
+def test_worker_host_staging_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert WorkerConfig.from_args(_worker_args()).host_staging == "on"
+    monkeypatch.setenv("PLORA_HOST_STAGING", "off")
+    assert WorkerConfig.from_args(_worker_args()).host_staging == "off"
+    assert WorkerConfig.from_args(_worker_args("--host-staging", "on")).host_staging == "on"
+    with pytest.raises(ConfigError, match="host_staging"):
+        WorkerConfig(host_staging="yes")
+
+
 def test_gateway_rejects_unknown_routing() -> None:
     with pytest.raises(ConfigError, match="routing"):
         GatewayConfig(routing="random")
