@@ -33,8 +33,9 @@ def adapter_record(info: gateway_pb2.AdapterInfo) -> AdapterRecord:
     )
 
 
-def adapter_ref(info: gateway_pb2.AdapterInfo) -> AdapterRef:
-    """``plora.v1.AdapterInfo`` -> the engine/store's ``AdapterRef``."""
+def adapter_ref(info: gateway_pb2.AdapterInfo | AdapterRecord) -> AdapterRef:
+    """``plora.v1.AdapterInfo`` or a registry ``AdapterRecord`` (same field names) -> the
+    engine/store's ``AdapterRef``."""
     return AdapterRef(
         adapter_id=info.adapter_id,
         version=int(info.version),

@@ -701,11 +701,13 @@ class SimWorker:
                 job.tier = "source"
                 read = sim.source_read_s(job.a, self.rng)
             sim.push(t + read, _EV_READ, self.wid, job)
-        if not self.staging_active and not self.job_heap:
-            self._start_staging(t)
+        self._start_staging(t)
 
     def _start_staging(self, t: float) -> None:
-        """The next staging read that is still needed and fits the free host space."""
+        """The next staging read that is still needed and fits the free host space, unless
+        one is running or a device load is queued."""
+        if self.staging_active or self.job_heap:
+            return
         sim = self.sim
         names = sim.adapters.names
         nbytes = sim.adapters.nbytes
@@ -732,8 +734,7 @@ class SimWorker:
         list is shared by the workers and not modified)."""
         self.stage_first = order
         self.stage_pos = 0
-        if not self.staging_active and not self.job_heap:
-            self._start_staging(t)
+        self._start_staging(t)
 
     def staged(self, a: int, t: float) -> None:
         """A staging read finished: the adapter is in host memory (unless a load beat it)."""

@@ -136,7 +136,7 @@ class WorkerMetrics:
         )
         self.host_stages_queued = Gauge(
             "plora_worker_host_stages_queued",
-            "Host staging reads waiting for a loader thread",
+            "Host staging reads queued for the staging thread",
             registry=r,
         )
         self.host_cache_bytes = Gauge(

@@ -395,7 +395,7 @@ class WorkerService:
                 self.registry.list_adapters(),
                 key=lambda r: (-expected.get(r.adapter_id, 0.0), r.adapter_id),
             )
-            self.store.stage([convert.adapter_ref(convert.adapter_info(r)) for r in records])
+            self.store.stage([convert.adapter_ref(r) for r in records])
         self._last_heartbeat = now
 
     def _export_metrics(self, s: StoreStats, resident: int, room: int) -> None:

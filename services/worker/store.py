@@ -980,10 +980,8 @@ class AdapterStore:
                 latest = self._latest.get(ref.adapter_id)
                 if (
                     ref.adapter_id in seen
-                    or ref.adapter_id in self._entries
                     or (latest is not None and ref.version < latest)
-                    or self._host.holds(ref.adapter_id, ref.version)
-                    or not 0 < ref.size_bytes <= room
+                    or not self._stage_needed(ref, room)
                 ):
                     continue
                 self._observe_version(ref)
@@ -995,16 +993,25 @@ class AdapterStore:
                 self._cv.notify_all()
             return len(queue)
 
+    def _stage_needed(self, ref: AdapterRef, room: int) -> bool:
+        """Whether a staging read of ``ref`` is wanted and fits ``room`` host bytes: not
+        cached (this version), not resident or loading on the device (that load reads it
+        itself), and of known size (lock held)."""
+        return (
+            ref.adapter_id not in self._entries
+            and not self._host.holds(ref.adapter_id, ref.version)
+            and 0 < ref.size_bytes <= room
+        )
+
     def _stage_one(self, ref: AdapterRef) -> None:
         """One staging read (the staging thread, no lock held): source -> host cache."""
         try:
             with self._lock:
                 skip = (
                     self._closed
-                    or ref.adapter_id in self._entries  # a device load reads it itself
-                    or self._host.holds(ref.adapter_id, ref.version)
                     or self._latest.get(ref.adapter_id) != ref.version  # unloaded, superseded
-                    or ref.size_bytes > self._host.free_bytes  # filled by loads since queued
+                    # cached, or on the device, or the space went to loads since it was queued
+                    or not self._stage_needed(ref, self._host.free_bytes)
                 )
             if skip:
                 return
