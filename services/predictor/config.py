@@ -24,6 +24,9 @@ class PredictorConfig:
             prefetched; an adapter already chosen stays until it falls below half of it
             (hysteresis).
         max_prefetch_per_worker: Most adapters sent per worker per tick.
+        prefetch: ``on``: send each tick's prefetch choice to the workers; ``off``: forecast,
+            place and publish only (``PLORA_PREDICTOR_PREFETCH``; the ``plora-no-prefetch``
+            ablation).
         train_budget_s: Seconds of online training allowed per tick (after the forecast).
         persist_every_s: How often the model and recent counts are saved to Redis.
         ready_file: Where to write the bound ports once serving (launcher).
@@ -38,6 +41,7 @@ class PredictorConfig:
     horizon_s: float = 5.0
     prefetch_min_expected: float = 0.1
     max_prefetch_per_worker: int = 8
+    prefetch: str = "on"
     train_budget_s: float = 0.05
     persist_every_s: float = 10.0
     ready_file: str = ""
@@ -47,6 +51,8 @@ class PredictorConfig:
             raise ConfigError(f"forecaster must be one of {FORECASTER_NAMES}")
         if self.tick_s <= 0 or self.horizon_s <= 0:
             raise ConfigError("tick_s and horizon_s must be positive")
+        if self.prefetch not in ("on", "off"):
+            raise ConfigError(f"prefetch must be 'on' or 'off', got {self.prefetch!r}")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +64,9 @@ class PredictorConfig:
         parser.add_argument("--forecaster", choices=FORECASTER_NAMES)
         parser.add_argument("--tick-s", type=float)
         parser.add_argument("--horizon-s", type=float)
+        parser.add_argument(
+            "--prefetch", choices=("on", "off"), help="send prefetch RPCs to the workers (on)"
+        )
         parser.add_argument("--ready-file")
 
     @classmethod
@@ -74,5 +83,6 @@ class PredictorConfig:
             forecaster=args.forecaster or env_or("PLORA_FORECASTER", d.forecaster) or d.forecaster,
             tick_s=args.tick_s or env_float("PLORA_PREDICTOR_TICK_S", d.tick_s),
             horizon_s=args.horizon_s or env_float("PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
+            prefetch=args.prefetch or env_or("PLORA_PREDICTOR_PREFETCH", d.prefetch) or d.prefetch,
             ready_file=args.ready_file or "",
         )

@@ -221,6 +221,8 @@ class PredictorCore:
             self.metrics.placement_moves.inc(moves)
         self.placement = placement
         self.registry.set_placement(placement)
+        if self.config.prefetch == "off":
+            return
         plan = self.selector.select(
             demand, placement, views, max_per_worker=self.config.max_prefetch_per_worker
         )

@@ -9,6 +9,7 @@ import pytest
 from services.common.config import parse_bytes
 from services.common.errors import ConfigError
 from services.gateway.config import GatewayConfig
+from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 
 
@@ -64,3 +65,17 @@ def test_worker_host_staging_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> No
 def test_gateway_rejects_unknown_routing() -> None:
     with pytest.raises(ConfigError, match="routing"):
         GatewayConfig(routing="random")
+
+
+def test_predictor_prefetch_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def args(*argv: str) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        PredictorConfig.add_arguments(parser)
+        return parser.parse_args(list(argv))
+
+    assert PredictorConfig.from_args(args()).prefetch == "on"
+    monkeypatch.setenv("PLORA_PREDICTOR_PREFETCH", "off")
+    assert PredictorConfig.from_args(args()).prefetch == "off"
+    assert PredictorConfig.from_args(args("--prefetch", "on")).prefetch == "on"
+    with pytest.raises(ConfigError, match="prefetch"):
+        PredictorConfig(prefetch="maybe")

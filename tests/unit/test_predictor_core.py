@@ -1,0 +1,58 @@
+"""The predictor's tick against real Redis and a real gRPC endpoint: prefetch on and off."""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from plora.v1 import worker_pb2, worker_pb2_grpc
+from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
+from services.predictor.config import PredictorConfig
+from services.predictor.metrics import PredictorMetrics
+from services.predictor.server import PredictorCore
+
+
+class _PrefetchRecorder(worker_pb2_grpc.WorkerServicer):
+    """The worker's gRPC surface, recording the prefetch requests it receives."""
+
+    def __init__(self) -> None:
+        self.requests: list[worker_pb2.PrefetchAdaptersRequest] = []
+
+    def PrefetchAdapters(self, request, context):  # noqa: N802 - gRPC method name
+        self.requests.append(request)
+        return worker_pb2.PrefetchAdaptersResponse()
+
+
+@pytest.fixture()
+def endpoint():
+    recorder = _PrefetchRecorder()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    worker_pb2_grpc.add_WorkerServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield recorder, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+@pytest.mark.parametrize("prefetch", ["on", "off"])
+def test_prefetch_off_places_and_publishes_but_sends_nothing(redis_url, endpoint, prefetch):
+    recorder, address = endpoint
+    registry = Registry(connect(redis_url))
+    registry.put_adapter(AdapterRecord("hot", "/nowhere", rank=8, size_bytes=1 << 20, version=1))
+    registry.heartbeat(WorkerRecord("worker-0", address, heartbeat_unix=time.time()), 30)
+    core = PredictorCore(
+        PredictorConfig(forecaster="frequency", prefetch=prefetch), registry, PredictorMetrics()
+    )
+    now = time.time()
+    for i in range(20):
+        core.observe("hot", now - 2 + i * 0.1)
+    core.tick(now)
+    # Forecast and placement are published whatever the switch says ...
+    assert registry.get_forecast() is not None and "hot" in registry.get_forecast()["expected"]
+    assert registry.get_placement().get("hot") == ["worker-0"]
+    # ... the prefetch RPC goes out only when it is on.
+    sent = [item.adapter.adapter_id for r in recorder.requests for item in r.items]
+    assert sent == (["hot"] if prefetch == "on" else [])
