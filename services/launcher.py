@@ -27,49 +27,34 @@ from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import env_or
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
+from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect
 
 logger = logging.getLogger(__name__)
 
-#: Policies a cluster can run (issue 6): what each sets on the services.
-POLICIES: dict[str, dict[str, str]] = {
-    "plora": {
-        "allocator": "paged",
-        "eviction": "predictive",
-        "routing": "rank_aware",
-        "predictor": "on",
-        "host_staging": "on",
-    },
-    "baseline": {
-        "allocator": "contiguous",
-        "eviction": "lru",
-        "routing": "round_robin",
-        "predictor": "off",
-        "host_staging": "off",
-    },
-    "plora-no-predictor": {
-        "allocator": "paged",
-        "eviction": "lru",
-        "routing": "rank_aware",
-        "predictor": "off",
-        "host_staging": "on",
-    },
-    "plora-contiguous": {
-        "allocator": "contiguous",
-        "eviction": "predictive",
-        "routing": "rank_aware",
-        "predictor": "on",
-        "host_staging": "on",
-    },
-    "plora-no-staging": {
-        "allocator": "paged",
-        "eviction": "predictive",
-        "routing": "rank_aware",
-        "predictor": "on",
-        "host_staging": "off",
-    },
-}
+
+def policy_flags(spec: PolicySpec) -> dict[str, list[str]]:
+    """The flags that make each service run ``spec``.
+
+    Returns:
+        ``{"worker": [...], "gateway": [...], "predictor": [...]}``; no ``"predictor"`` key
+        when the policy runs without one.
+    """
+    flags = {
+        "worker": [
+            "--allocator",
+            spec.allocator,
+            "--eviction",
+            spec.eviction,
+            "--host-staging",
+            "on" if spec.host_staging else "off",
+        ],
+        "gateway": ["--routing", spec.routing],
+    }
+    if spec.predictor:
+        flags["predictor"] = ["--prefetch", "on" if spec.prefetch else "off"]
+    return flags
 
 
 @dataclass
@@ -138,7 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface every service binds")
     parser.add_argument("--gateway-port", type=int, default=50051, help="0 = any free port")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="plora")
+    parser.add_argument(
+        "--policy",
+        choices=sorted(POLICIES),
+        default="plora",
+        help="serving policy (services/common/policies.py; default plora)",
+    )
     parser.add_argument(
         "--demo-adapters",
         type=int,
@@ -239,7 +229,7 @@ class Cluster:
     def start(self) -> dict[str, object]:
         """Start everything; returns the state written to the state file."""
         a = self.args
-        policy = POLICIES[a.policy]
+        policy = policy_flags(POLICIES[a.policy])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_file.unlink(missing_ok=True)
         env = dict(os.environ)
@@ -266,9 +256,11 @@ class Cluster:
 
         common = ["--host", a.host, "--redis-url", self.redis_url]
         predictor = None
-        if policy["predictor"] == "on":
+        if "predictor" in policy:
             predictor = self._child(
-                "predictor", "predictor", [*common, "--port", "0", "--metrics-port", "0"]
+                "predictor",
+                "predictor",
+                [*common, "--port", "0", "--metrics-port", "0", *policy["predictor"]],
             )
             predictor.start(env)
         workers = []
@@ -288,12 +280,7 @@ class Cluster:
                 "0",
                 "--model",
                 str(model_dir),
-                "--allocator",
-                policy["allocator"],
-                "--eviction",
-                policy["eviction"],
-                "--host-staging",
-                policy["host_staging"],
+                *policy["worker"],
             ]
             if a.pool_bytes:
                 flags += ["--pool-bytes", a.pool_bytes]
@@ -314,8 +301,7 @@ class Cluster:
             str(a.gateway_port),
             "--metrics-port",
             "0",
-            "--routing",
-            policy["routing"],
+            *policy["gateway"],
         ]
         if predictor:
             gw_flags += ["--predictor-address", f"{a.host}:{predictor.ports['grpc_port']}"]

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from services.common.policies import POLICIES
 from services.common.traces import TRACE_FORMATS, Trace, load_trace, map_keys_to_adapters
 from services.replay.report import (
     COMPARISON_KEYS,
@@ -423,7 +424,6 @@ def _service_usage(
 # ------------------------------------------------------------------------------ the verb
 def run(args: argparse.Namespace) -> int:
     """``plora bench replay``: see the module docstring. Returns 0, or 1 when a policy failed."""
-    from services.launcher import POLICIES  # noqa: PLC0415
     from services.replay.client import build_requests  # noqa: PLC0415
 
     started = time.monotonic()

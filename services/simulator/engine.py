@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from services.common.errors import PoolExhaustedError
+from services.common.policies import PolicySpec, get_policy
 from services.common.traces import Trace, map_keys_to_adapters
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER
@@ -101,66 +102,6 @@ _EV_STAGED = 5  # a host staging read finished (AdapterStore.stage)
 
 # request status
 _PENDING, _OK, _FAILED = 0, 1, 2
-
-
-# ------------------------------------------------------------------------------ policies
-@dataclass(frozen=True)
-class PolicySpec:
-    """One serving policy, as the pieces it combines.
-
-    Attributes:
-        name: Report name.
-        allocator: ``"paged"`` or ``"contiguous"`` (:func:`services.worker.pool.make_allocator`).
-        eviction: ``"lru"`` or ``"predictive"`` (:func:`services.worker.eviction.make_policy`).
-        routing: ``"rank_aware"`` or ``"round_robin"`` (:mod:`services.predictor.placement`).
-        predictor: Run the forecaster every tick (placement, prefetch, eviction forecast).
-        prefetch: Send the prefetch choice to the workers (needs ``predictor``).
-        host_staging: Workers read the registered adapters into free host-cache space ahead
-            of demand (``AdapterStore.stage``; the launcher's ``host_staging``).
-    """
-
-    name: str
-    allocator: str
-    eviction: str
-    routing: str
-    predictor: bool
-    prefetch: bool
-    host_staging: bool = False
-
-    def __post_init__(self) -> None:
-        if self.routing not in ("rank_aware", "round_robin"):
-            raise ValueError(f"routing must be rank_aware or round_robin, got {self.routing!r}")
-        if self.prefetch and not self.predictor:
-            raise ValueError("prefetch needs the predictor")
-
-
-#: The policies ``plora simulate --policies`` knows. ``plora`` and ``baseline`` follow
-#: ARCHITECTURE.md; the others each remove one piece of ``plora``.
-POLICIES: dict[str, PolicySpec] = {
-    p.name: p
-    for p in (
-        PolicySpec("plora", "paged", "predictive", "rank_aware", True, True, True),
-        PolicySpec("baseline", "contiguous", "lru", "round_robin", False, False, False),
-        PolicySpec("plora-no-predictor", "paged", "lru", "rank_aware", False, False, True),
-        PolicySpec("plora-no-prefetch", "paged", "predictive", "rank_aware", True, False, True),
-        PolicySpec("plora-no-staging", "paged", "predictive", "rank_aware", True, True, False),
-        PolicySpec("plora-contiguous", "contiguous", "predictive", "rank_aware", True, True, True),
-        PolicySpec("plora-round-robin", "paged", "predictive", "round_robin", True, True, True),
-        PolicySpec("plora-lru", "paged", "lru", "rank_aware", True, True, True),
-    )
-}
-
-
-def get_policy(name: str) -> PolicySpec:
-    """The policy called ``name``.
-
-    Raises:
-        ValueError: Unknown name.
-    """
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; expected one of {tuple(POLICIES)}") from None
 
 
 # ------------------------------------------------------------------------------ inputs

@@ -24,16 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from services.common.policies import POLICIES, get_policy
 from services.common.traces import TRACE_FORMATS, Trace, load_trace
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
 from services.simulator.calibrate import fit_replay, read_records
 from services.simulator.engine import (
-    POLICIES,
     AdapterSet,
     SimConfig,
     SimResult,
     build_adapter_set,
-    get_policy,
     make_feed,
     simulate,
 )

@@ -1,11 +1,20 @@
-"""``plora up``'s supervisor loop under SIGTERM (real signals, real child processes)."""
+"""``plora up``: the supervisor loop under SIGTERM (real signals, real child processes) and
+the flags that make each service run a policy."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from services.common.policies import POLICIES, PolicySpec, get_policy
+from services.gateway.config import GatewayConfig
+from services.launcher import policy_flags
+from services.predictor.config import PredictorConfig
+from services.worker.config import WorkerConfig
 from tests.conftest import REPO
 
 # Runs in a child interpreter so a deadlock fails the test by timeout instead of hanging it.
@@ -56,3 +65,33 @@ def test_watch_stops_on_a_signal_without_deadlock_or_restarts(tmp_path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")
     assert "restarting" not in out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_flags_make_every_service_run_the_policy(name: str) -> None:
+    """Each service's own parser turns the launcher's flags into the policy's pieces."""
+    spec = POLICIES[name]
+    flags = policy_flags(spec)
+
+    def parse(config: type, argv: list[str]) -> object:
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser)  # type: ignore[attr-defined]
+        return config.from_args(parser.parse_args(argv))  # type: ignore[attr-defined]
+
+    worker = parse(WorkerConfig, flags["worker"])
+    assert (worker.allocator, worker.eviction) == (spec.allocator, spec.eviction)
+    assert worker.host_staging == ("on" if spec.host_staging else "off")
+    assert parse(GatewayConfig, flags["gateway"]).routing == spec.routing
+    assert ("predictor" in flags) == spec.predictor
+    if spec.predictor:
+        predictor = parse(PredictorConfig, flags["predictor"])
+        assert predictor.prefetch == ("on" if spec.prefetch else "off")
+
+
+def test_an_inconsistent_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefetch needs the predictor"):
+        PolicySpec("x", "paged", "lru", "rank_aware", predictor=False, prefetch=True)
+    with pytest.raises(ValueError, match="allocator"):
+        PolicySpec("x", "buddy", "lru", "rank_aware", predictor=False, prefetch=False)
+    with pytest.raises(ValueError, match="unknown policy 'plora-fast'"):
+        get_policy("plora-fast")

@@ -9,14 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.common.policies import POLICIES, get_policy
 from services.common.traces import Trace
 from services.simulator.calibrate import fit_replay, solo_mask
 from services.simulator.engine import (
-    POLICIES,
     ClusterSimulation,
     SimConfig,
     build_adapter_set,
-    get_policy,
     make_feed,
     simulate,
 )

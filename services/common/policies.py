@@ -1,0 +1,84 @@
+"""The serving policies a cluster runs and the simulator models: one table for both.
+
+``plora`` and ``baseline`` follow ARCHITECTURE.md (the Predictive-LoRA policy and the
+S-LoRA-style baseline); every other entry is an ablation that removes one piece of ``plora``.
+``plora up --policy``, ``plora bench replay --policies`` (:mod:`services.launcher`, which turns a
+spec into each service's flags) and ``plora simulate --policies``
+(:mod:`services.simulator.engine`) all read :data:`POLICIES`, so a policy means the same pieces
+live and simulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One serving policy, as the pieces it combines.
+
+    Attributes:
+        name: Report name.
+        allocator: ``"paged"`` or ``"contiguous"`` (:func:`services.worker.pool.make_allocator`;
+            the worker's ``--allocator``).
+        eviction: ``"lru"`` or ``"predictive"`` (:func:`services.worker.eviction.make_policy`;
+            the worker's ``--eviction``).
+        routing: ``"rank_aware"`` or ``"round_robin"`` (:mod:`services.predictor.placement`;
+            the gateway's ``--routing``).
+        predictor: Run the predictor: forecasts every tick (placement, predictive eviction's
+            forecast, host staging order), and prefetch when ``prefetch`` is set.
+        prefetch: The predictor sends its prefetch choice to the workers (the predictor's
+            ``--prefetch``; needs ``predictor``).
+        host_staging: Workers read the registered adapters into free host-cache space ahead
+            of demand (``AdapterStore.stage``; the worker's ``--host-staging``).
+
+    Raises:
+        ValueError: an unknown allocator, eviction or routing name, or prefetch without the
+            predictor.
+    """
+
+    name: str
+    allocator: str
+    eviction: str
+    routing: str
+    predictor: bool
+    prefetch: bool
+    host_staging: bool = False
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ("paged", "contiguous"):
+            raise ValueError(f"allocator must be paged or contiguous, got {self.allocator!r}")
+        if self.eviction not in ("lru", "predictive"):
+            raise ValueError(f"eviction must be lru or predictive, got {self.eviction!r}")
+        if self.routing not in ("rank_aware", "round_robin"):
+            raise ValueError(f"routing must be rank_aware or round_robin, got {self.routing!r}")
+        if self.prefetch and not self.predictor:
+            raise ValueError("prefetch needs the predictor")
+
+
+#: Every policy by name, ``plora`` first.
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("plora", "paged", "predictive", "rank_aware", True, True, True),
+        PolicySpec("baseline", "contiguous", "lru", "round_robin", False, False, False),
+        PolicySpec("plora-no-predictor", "paged", "lru", "rank_aware", False, False, True),
+        PolicySpec("plora-no-prefetch", "paged", "predictive", "rank_aware", True, False, True),
+        PolicySpec("plora-no-staging", "paged", "predictive", "rank_aware", True, True, False),
+        PolicySpec("plora-contiguous", "contiguous", "predictive", "rank_aware", True, True, True),
+        PolicySpec("plora-round-robin", "paged", "predictive", "round_robin", True, True, True),
+        PolicySpec("plora-lru", "paged", "lru", "rank_aware", True, True, True),
+    )
+}
+
+
+def get_policy(name: str) -> PolicySpec:
+    """The policy called ``name``.
+
+    Raises:
+        ValueError: Unknown name (the message lists the known ones).
+    """
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; expected one of {tuple(POLICIES)}") from None
