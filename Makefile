@@ -38,8 +38,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+## lint: ruff lint rules and formatting (check only)
 lint: setup
 	$(VENV)/bin/ruff check services tests
+	$(VENV)/bin/ruff format --check services tests
 
 clean:
 	rm -rf $(VENV) plora/v1/*_pb2*.py plora/v1/*_pb2.pyi $(GEN_STAMP)

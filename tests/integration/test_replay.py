@@ -32,7 +32,7 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
         "--policies", ",".join(POLICIES), "--out", str(out), "--workers", "1",
         "--max-new-tokens", "4", "--concurrency", "64", "--seed", "0",
         "--model", str(model_dir), "--warmup", "2", "--progress-interval", "2",
-    ])
+    ])  # fmt: skip
     code = bench.run(args)
     report = json.loads((out / "report.json").read_text())
     errors = {p: report[p]["error"] for p in POLICIES if "error" in report[p]}
@@ -64,11 +64,18 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
                 assert 1 <= r["completion_tokens"] <= 4
                 assert r["worker_id"].startswith("worker-")
                 assert r["first_token_s"] >= r["sent_s"]
-    for name in ("report.md", "ttft_cdf.png", "cold_starts_over_time.png",
-                 "pool_utilization_over_time.png"):
+    for name in (
+        "report.md",
+        "ttft_cdf.png",
+        "cold_starts_over_time.png",
+        "pool_utilization_over_time.png",
+    ):
         assert (out / name).stat().st_size > 0, name
 
 
 def _served(path: Path) -> set[int]:
-    return {r["index"] for line in path.read_text().splitlines()
-            if (r := json.loads(line))["status"] == "OK"}
+    return {
+        r["index"]
+        for line in path.read_text().splitlines()
+        if (r := json.loads(line))["status"] == "OK"
+    }

@@ -38,18 +38,59 @@ from services.replay.report import (
 )
 
 
-def rec(i: int, sent: float | None, first: float | None, end: float | None, status: str = OK,
-        *, cold: bool = False, wait: float = 0.0, tokens: int = 8, worker: str = "w0",
-        adapter: str = "a") -> RequestRecord:
-    return RequestRecord(i, adapter, f"k{adapter}", float(i), sent, first, end, status,
-                         prompt_tokens=10, completion_tokens=tokens if status == OK else 0,
-                         adapter_cold=cold, adapter_wait_s=wait, worker_id=worker)
+def rec(
+    i: int,
+    sent: float | None,
+    first: float | None,
+    end: float | None,
+    status: str = OK,
+    *,
+    cold: bool = False,
+    wait: float = 0.0,
+    tokens: int = 8,
+    worker: str = "w0",
+    adapter: str = "a",
+) -> RequestRecord:
+    return RequestRecord(
+        i,
+        adapter,
+        f"k{adapter}",
+        float(i),
+        sent,
+        first,
+        end,
+        status,
+        prompt_tokens=10,
+        completion_tokens=tokens if status == OK else 0,
+        adapter_cold=cold,
+        adapter_wait_s=wait,
+        worker_id=worker,
+    )
 
 
-def ws(wid: str, util: float, evictions: int, *, upp: float = 0.0, frag: float = 0.0,
-       cold: int = 0, loads: int = 0, pages_used: int = 1) -> WorkerSample:
-    return WorkerSample(wid, util, upp, frag, loads, evictions, cold, pages_used=pages_used,
-                        pages_total=10, pool_bytes=10 << 20)
+def ws(
+    wid: str,
+    util: float,
+    evictions: int,
+    *,
+    upp: float = 0.0,
+    frag: float = 0.0,
+    cold: int = 0,
+    loads: int = 0,
+    pages_used: int = 1,
+) -> WorkerSample:
+    return WorkerSample(
+        wid,
+        util,
+        upp,
+        frag,
+        loads,
+        evictions,
+        cold,
+        pages_used=pages_used,
+        pages_total=10,
+        pool_bytes=10 << 20,
+    )
 
 
 # ------------------------------------------------------------------------------ basics
@@ -86,8 +127,9 @@ def test_mean(values: list[float], want: float | None) -> None:
         (1.0, None, None, None),
     ],
 )
-def test_reduction_and_ratio(p: float | None, b: float | None, red: float | None,
-                             rat: float | None) -> None:
+def test_reduction_and_ratio(
+    p: float | None, b: float | None, red: float | None, rat: float | None
+) -> None:
     assert reduction(p, b) == (pytest.approx(red) if red is not None else None)
     assert ratio(p, b) == (pytest.approx(rat) if rat is not None else None)
 
@@ -146,8 +188,9 @@ def test_request_stats(key: str, want: object) -> None:
 
 
 def test_request_stats_with_nothing_completed() -> None:
-    s = request_stats([rec(0, 0.0, None, 1.0, "DEADLINE_EXCEEDED"),
-                       rec(1, None, None, None, CLIENT_DROPPED)])
+    s = request_stats(
+        [rec(0, 0.0, None, 1.0, "DEADLINE_EXCEEDED"), rec(1, None, None, None, CLIENT_DROPPED)]
+    )
     assert (s["completed"], s["failed"], s["dropped"]) == (0, 2, 1)
     assert s["ttft_mean_s"] is None and s["cold_start_rate"] is None
     assert s["throughput_req_s"] == 0.0 and s["makespan_s"] == 0.0
@@ -166,11 +209,18 @@ SAMPLES = [
     # w0 evicts: under pressure (util 0.9, frag 0.1); w1 does not
     StatusSample(1.0, (ws("w0", 0.9, 2, frag=0.1, cold=3, loads=4), ws("w1", 0.5, 0, frag=0.4))),
     # w0 steady (no pressure); w1 evicts (util 0.8, frag 0.3)
-    StatusSample(2.0, (ws("w0", 0.7, 2, frag=0.0, cold=3, loads=4),
-                       ws("w1", 0.8, 1, frag=0.3, cold=2, loads=3))),
+    StatusSample(
+        2.0,
+        (ws("w0", 0.7, 2, frag=0.0, cold=3, loads=4), ws("w1", 0.8, 1, frag=0.3, cold=2, loads=3)),
+    ),
     # both evict; workers report their own under-pressure means
-    StatusSample(3.0, (ws("w0", 1.0, 5, upp=0.92, frag=0.2, cold=5, loads=7),
-                       ws("w1", 0.6, 3, upp=0.84, frag=0.0, cold=4, loads=5))),
+    StatusSample(
+        3.0,
+        (
+            ws("w0", 1.0, 5, upp=0.92, frag=0.2, cold=5, loads=7),
+            ws("w1", 0.6, 3, upp=0.84, frag=0.0, cold=4, loads=5),
+        ),
+    ),
 ]
 
 
@@ -195,9 +245,10 @@ def test_pool_stats(key: str, want: object) -> None:
 
 
 def test_pool_stats_without_pressure_falls_back_to_samples_in_use() -> None:
-    samples = [StatusSample(0.0, (ws("w0", 0.3, 0, frag=0.5), ws("w1", 0.0, 0, frag=0.9,
-                                                                   pages_used=0))),
-               StatusSample(1.0, (ws("w0", 0.3, 0, frag=0.1), ws("w1", 0.0, 0, pages_used=0)))]
+    samples = [
+        StatusSample(0.0, (ws("w0", 0.3, 0, frag=0.5), ws("w1", 0.0, 0, frag=0.9, pages_used=0))),
+        StatusSample(1.0, (ws("w0", 0.3, 0, frag=0.1), ws("w1", 0.0, 0, pages_used=0))),
+    ]
     s = pool_stats(samples)
     assert s["pressure_samples"] == 0
     assert s["pool_utilization_under_pressure"] is None
@@ -231,23 +282,48 @@ def test_series_and_cdf() -> None:
     ],
 )
 def test_compare(key: str, want: float) -> None:
-    plora = {"ttft_mean_s": 0.65, "ttft_p99_s": 2.0, "cold_start_wait_mean_s": 0.032,
-             "cold_starts": 10, "cold_start_rate": 0.05, "throughput_req_s": 3.0,
-             "throughput_tok_s": 24.0}
-    baseline = {"ttft_mean_s": 1.0, "ttft_p99_s": 4.0, "cold_start_wait_mean_s": 0.1,
-                "cold_starts": 40, "cold_start_rate": 0.2, "throughput_req_s": 2.0,
-                "throughput_tok_s": 16.0}
+    plora = {
+        "ttft_mean_s": 0.65,
+        "ttft_p99_s": 2.0,
+        "cold_start_wait_mean_s": 0.032,
+        "cold_starts": 10,
+        "cold_start_rate": 0.05,
+        "throughput_req_s": 3.0,
+        "throughput_tok_s": 24.0,
+    }
+    baseline = {
+        "ttft_mean_s": 1.0,
+        "ttft_p99_s": 4.0,
+        "cold_start_wait_mean_s": 0.1,
+        "cold_starts": 40,
+        "cold_start_rate": 0.2,
+        "throughput_req_s": 2.0,
+        "throughput_tok_s": 16.0,
+    }
     assert compare(plora, baseline)[key] == pytest.approx(want)
 
 
 def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) -> None:
     plora = summarize_policy(RECORDS, SAMPLES)
     baseline = summarize_policy(RECORDS[:4], SAMPLES[:2])
-    settings = {"trace": "t.csv", "format": "azure2021", "start": 0.0, "duration": 30.0,
-                "time_scale": 10.0, "adapters": 4, "ranks": [8, 16], "pool_bytes": 1 << 20,
-                "pool_fraction": 0.25, "adapter_bytes_total": 4 << 20, "workers": 2,
-                "max_new_tokens": 8, "prompt_token_cap": 64, "concurrency": 8, "seed": 0,
-                "wall_time_s": 12.5}
+    settings = {
+        "trace": "t.csv",
+        "format": "azure2021",
+        "start": 0.0,
+        "duration": 30.0,
+        "time_scale": 10.0,
+        "adapters": 4,
+        "ranks": [8, 16],
+        "pool_bytes": 1 << 20,
+        "pool_fraction": 0.25,
+        "adapter_bytes_total": 4 << 20,
+        "workers": 2,
+        "max_new_tokens": 8,
+        "prompt_token_cap": 64,
+        "concurrency": 8,
+        "seed": 0,
+        "wall_time_s": 12.5,
+    }
     info = {"requests": 6, "keys": 3, "adapters_used": 3, "compulsory_cold_rate": 0.5}
     report = build_report(settings, info, {"plora": plora, "baseline": baseline})
     for name in ("plora", "baseline"):
@@ -263,8 +339,11 @@ def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) 
     failed = build_report(settings, info, {"plora": plora, "baseline": {"error": "boom"}})
     assert failed["comparison"] is None and failed["baseline"] == {"error": "boom"}
     paths = write_plots(tmp_path, {"plora": RECORDS}, {"plora": SAMPLES})
-    assert [p.name for p in paths] == ["ttft_cdf.png", "cold_starts_over_time.png",
-                                       "pool_utilization_over_time.png"]
+    assert [p.name for p in paths] == [
+        "ttft_cdf.png",
+        "cold_starts_over_time.png",
+        "pool_utilization_over_time.png",
+    ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
@@ -281,8 +360,11 @@ def test_service_usage_from_each_service_process_metrics() -> None:
     def texts() -> dict[str, str]:
         return {
             name: generate_latest(m.registry).decode()
-            for name, m in (("gateway", GatewayMetrics()), ("predictor", PredictorMetrics()),
-                            ("worker-0", WorkerMetrics()))
+            for name, m in (
+                ("gateway", GatewayMetrics()),
+                ("predictor", PredictorMetrics()),
+                ("worker-0", WorkerMetrics()),
+            )
         }
 
     before = _process_figures(texts())
@@ -292,8 +374,12 @@ def test_service_usage_from_each_service_process_metrics() -> None:
     usage = _service_usage(before, _process_figures(texts()))
     assert usage["worker-0"]["cpu_s"] > 0 and usage["worker-0"]["rss_bytes"] > 1 << 20
     assert _service_usage({}, _process_figures(texts()))["gateway"].keys() == {"rss_bytes"}
-    report = {"settings": {}, "trace": {}, "policies": ["plora"],
-              "plora": {"service_usage": {"worker-0": {"cpu_s": 12.25, "rss_bytes": 3 << 20}}}}
+    report = {
+        "settings": {},
+        "trace": {},
+        "policies": ["plora"],
+        "plora": {"service_usage": {"worker-0": {"cpu_s": 12.25, "rss_bytes": 3 << 20}}},
+    }
     assert "| worker-0 | 12.2 (3) |" in render_markdown(report)
 
 
@@ -309,8 +395,15 @@ def test_synth_prompt_length_and_determinism(n: int, words: int) -> None:
 
 
 def test_build_requests_caps_prompts_and_keeps_order() -> None:
-    reqs = build_requests([0.0, 0.5, 2.0], ["a", "b", "a"], ["k1", "k2", "k1"], [3, 500, 64],
-                          max_new_tokens=8, prompt_token_cap=64, seed=0)
+    reqs = build_requests(
+        [0.0, 0.5, 2.0],
+        ["a", "b", "a"],
+        ["k1", "k2", "k1"],
+        [3, 500, 64],
+        max_new_tokens=8,
+        prompt_token_cap=64,
+        seed=0,
+    )
     assert [r.index for r in reqs] == [0, 1, 2] and [r.t for r in reqs] == [0.0, 0.5, 2.0]
     assert [len(r.prompt.split()) for r in reqs] == [3, 64, 64]
     assert [r.adapter_id for r in reqs] == ["a", "b", "a"] and reqs[1].trace_key == "k2"
@@ -336,8 +429,9 @@ def test_auto_pool_bytes(sizes: list[int], fraction: float, want: int) -> None:
 
 
 def test_trace_info_floor_uses_adapters_and_keys() -> None:
-    trace = Trace.from_arrays([0.0, 0.2, 1.1, 1.5, 3.0], ["x", "y", "x", "z", "y"],
-                              prompt_tokens=[10, 20, 30, 40, 50])
+    trace = Trace.from_arrays(
+        [0.0, 0.2, 1.1, 1.5, 3.0], ["x", "y", "x", "z", "y"], prompt_tokens=[10, 20, 30, 40, 50]
+    )
     info = trace_info(trace, {"x": "A", "y": "B", "z": "A"})  # z shares x's adapter
     assert info["requests"] == 5 and info["keys"] == 3 and info["adapters_used"] == 2
     assert info["compulsory_cold_rate"] == pytest.approx(2 / 5)
