@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.config import ROUTING_POLICIES
+from services.worker.config import ALLOCATORS, EVICTIONS
+
 
 @dataclass(frozen=True)
 class PolicySpec:
@@ -46,12 +49,12 @@ class PolicySpec:
     host_staging: bool = False
 
     def __post_init__(self) -> None:
-        if self.allocator not in ("paged", "contiguous"):
-            raise ValueError(f"allocator must be paged or contiguous, got {self.allocator!r}")
-        if self.eviction not in ("lru", "predictive"):
-            raise ValueError(f"eviction must be lru or predictive, got {self.eviction!r}")
-        if self.routing not in ("rank_aware", "round_robin"):
-            raise ValueError(f"routing must be rank_aware or round_robin, got {self.routing!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.prefetch and not self.predictor:
             raise ValueError("prefetch needs the predictor")
 
