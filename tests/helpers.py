@@ -1,9 +1,10 @@
-"""Small shared test fixtures: a tiny Llama shape and a random transformers model of it, and
-the parsed flags of ``plora bench replay``."""
+"""Small shared test fixtures: a tiny Llama shape and a random transformers model of it, the
+parsed flags of ``plora bench replay``, and a service config built from its own flags."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -53,3 +54,12 @@ def replay_args(flags: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="plora bench replay")
     bench.add_arguments(parser)
     return parser.parse_args(flags)
+
+
+def config_from_flags(config: Any, *argv: str) -> Any:
+    """``config`` (a service's config class) built from ``argv`` exactly as the service's own
+    command line builds it: its ``add_arguments`` parser, then ``from_args`` (flags, then
+    ``PLORA_*`` environment, then defaults)."""
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return config.from_args(parser.parse_args(list(argv)))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from services.common.config import parse_bytes
@@ -11,6 +9,7 @@ from services.common.errors import ConfigError
 from services.gateway.config import GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
+from tests.helpers import config_from_flags
 
 
 @pytest.mark.parametrize(
@@ -35,16 +34,10 @@ def test_parse_bytes_rejects_garbage(text: str) -> None:
         parse_bytes(text)
 
 
-def _worker_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    WorkerConfig.add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
 def test_worker_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PLORA_POOL_BYTES", "64MiB")
     monkeypatch.setenv("PLORA_ALLOCATOR", "contiguous")
-    cfg = WorkerConfig.from_args(_worker_args("--allocator", "paged"))
+    cfg = config_from_flags(WorkerConfig, "--allocator", "paged")
     assert cfg.pool_bytes == 64 << 20 and cfg.allocator == "paged"
 
 
@@ -54,10 +47,10 @@ def test_worker_host_cache_must_cover_pool() -> None:
 
 
 def test_worker_host_staging_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert WorkerConfig.from_args(_worker_args()).host_staging == "on"
+    assert config_from_flags(WorkerConfig).host_staging == "on"
     monkeypatch.setenv("PLORA_HOST_STAGING", "off")
-    assert WorkerConfig.from_args(_worker_args()).host_staging == "off"
-    assert WorkerConfig.from_args(_worker_args("--host-staging", "on")).host_staging == "on"
+    assert config_from_flags(WorkerConfig).host_staging == "off"
+    assert config_from_flags(WorkerConfig, "--host-staging", "on").host_staging == "on"
     with pytest.raises(ConfigError, match="host_staging"):
         WorkerConfig(host_staging="yes")
 
@@ -68,14 +61,9 @@ def test_gateway_rejects_unknown_routing() -> None:
 
 
 def test_predictor_prefetch_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    def args(*argv: str) -> argparse.Namespace:
-        parser = argparse.ArgumentParser()
-        PredictorConfig.add_arguments(parser)
-        return parser.parse_args(list(argv))
-
-    assert PredictorConfig.from_args(args()).prefetch == "on"
+    assert config_from_flags(PredictorConfig).prefetch == "on"
     monkeypatch.setenv("PLORA_PREDICTOR_PREFETCH", "off")
-    assert PredictorConfig.from_args(args()).prefetch == "off"
-    assert PredictorConfig.from_args(args("--prefetch", "on")).prefetch == "on"
+    assert config_from_flags(PredictorConfig).prefetch == "off"
+    assert config_from_flags(PredictorConfig, "--prefetch", "on").prefetch == "on"
     with pytest.raises(ConfigError, match="prefetch"):
         PredictorConfig(prefetch="maybe")

@@ -3,7 +3,6 @@ the flags that make each service run a policy."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ from services.launcher import policy_flags
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO
+from tests.helpers import config_from_flags
 
 # Runs in a child interpreter so a deadlock fails the test by timeout instead of hanging it.
 SCRIPT = textwrap.dedent(
@@ -73,18 +73,13 @@ def test_policy_flags_make_every_service_run_the_policy(name: str) -> None:
     spec = POLICIES[name]
     flags = policy_flags(spec)
 
-    def parse(config: type, argv: list[str]) -> object:
-        parser = argparse.ArgumentParser()
-        config.add_arguments(parser)  # type: ignore[attr-defined]
-        return config.from_args(parser.parse_args(argv))  # type: ignore[attr-defined]
-
-    worker = parse(WorkerConfig, flags["worker"])
+    worker = config_from_flags(WorkerConfig, *flags["worker"])
     assert (worker.allocator, worker.eviction) == (spec.allocator, spec.eviction)
     assert worker.host_staging == ("on" if spec.host_staging else "off")
-    assert parse(GatewayConfig, flags["gateway"]).routing == spec.routing
+    assert config_from_flags(GatewayConfig, *flags["gateway"]).routing == spec.routing
     assert ("predictor" in flags) == spec.predictor
     if spec.predictor:
-        predictor = parse(PredictorConfig, flags["predictor"])
+        predictor = config_from_flags(PredictorConfig, *flags["predictor"])
         assert predictor.prefetch == ("on" if spec.prefetch else "off")
 
 
