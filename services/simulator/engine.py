@@ -73,7 +73,6 @@ from services.worker.eviction import (
     Candidate,
     EvictionPolicy,
     make_policy,
-    prefetch_victim_limit,
 )
 from services.worker.pool import (
     Allocation,
@@ -714,18 +713,18 @@ class SimWorker:
     def _victim(self, job: _Load) -> int | None:
         names = self.sim.adapters.names
         rc = self.refcount
-        pol = self.evictor
-        limit = prefetch_victim_limit(job.expected, self.sim.config.prefetch_min_gain)
-        cands = []
-        for a, _h in self.resident.items():
-            if rc[a]:
-                continue
-            if not job.demanded and not pol.demand(names[a]) < limit:
-                continue
-            cands.append(Candidate(names[a], self.res_bytes[a], self.last_used.get(a, 0.0)))
-        if not cands:
-            return None
-        return self.sim.name_index[pol.order(cands)[0].adapter_id]
+        last = self.last_used
+        victim = self.evictor.choose_victim(
+            (
+                Candidate(names[a], self.res_bytes[a], last.get(a, 0.0))
+                for a in self.resident
+                if not rc[a]
+            ),
+            demanded=job.demanded,
+            incoming_expected=job.expected,
+            min_gain=self.sim.config.prefetch_min_gain,
+        )
+        return None if victim is None else self.sim.name_index[victim]
 
     def evict(self, a: int) -> None:
         """Free adapter ``a``'s run (it is resident and unleased)."""
@@ -874,18 +873,15 @@ class SimWorker:
     # ---------------------------------------------------------------- prefetch
     def _may_fit(self, nbytes: int, expected: float) -> bool:
         al = self.allocator
-        need = al.units_for(nbytes) * al.unit_bytes
-        room = al.free_units * al.unit_bytes
         names = self.sim.adapters.names
         rc = self.refcount
-        pol = self.evictor
-        limit = prefetch_victim_limit(expected, self.sim.config.prefetch_min_gain)
-        for a, b in self.res_bytes.items():
-            if room >= need:
-                break
-            if rc[a] == 0 and pol.demand(names[a]) < limit:
-                room += b
-        return room >= need
+        return self.evictor.prefetch_fits(
+            al.units_for(nbytes) * al.unit_bytes,
+            al.free_units * al.unit_bytes,
+            ((names[a], b) for a, b in self.res_bytes.items() if rc[a] == 0),
+            incoming_expected=expected,
+            min_gain=self.sim.config.prefetch_min_gain,
+        )
 
     def prefetch(self, items: list[tuple[int, float]], t: float) -> None:
         """``AdapterStore.prefetch``: low-priority loads that never evict more-wanted adapters."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 #: Policy names understood by :func:`make_policy`.
@@ -122,6 +122,65 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
         """Candidates in eviction order (first = evict first)."""
+
+    def choose_victim(
+        self,
+        evictable: Iterable[Candidate],
+        *,
+        demanded: bool,
+        incoming_expected: float,
+        min_gain: float,
+    ) -> str | None:
+        """The adapter to evict for a load, or ``None`` when none may go.
+
+        A demand load (a request waits for it) may evict any of ``evictable``; a prefetch
+        only those whose forecast demand is below :func:`prefetch_victim_limit` of its own.
+        The store and the simulator both call this, each listing its resident adapters that
+        no lease holds.
+
+        Args:
+            evictable: Resident adapters no request holds (the load's own entry excluded).
+            demanded: The load is for a waiting request (not a prefetch).
+            incoming_expected: The prefetch's forecast expected count (ignored when demanded).
+            min_gain: ``prefetch_min_gain`` of the store.
+        """
+        if demanded:
+            cands = list(evictable)
+        else:
+            limit = prefetch_victim_limit(incoming_expected, min_gain)
+            cands = [c for c in evictable if self.demand(c.adapter_id) < limit]
+        return self.order(cands)[0].adapter_id if cands else None
+
+    def prefetch_fits(
+        self,
+        need_bytes: int,
+        free_bytes: int,
+        evictable: Iterable[tuple[str, int]],
+        *,
+        incoming_expected: float,
+        min_gain: float,
+    ) -> bool:
+        """Whether a prefetch of ``need_bytes`` can have room: the free bytes plus those of the
+        evictable adapters it may displace (:meth:`choose_victim`'s prefetch rule) cover it.
+        Checked before a prefetch is queued, so one that could only wait is not queued.
+
+        Args:
+            need_bytes: Pool bytes the adapter takes (rounded to the allocator's unit).
+            free_bytes: Free pool bytes now.
+            evictable: ``(adapter_id, nbytes)`` of resident adapters no request holds.
+            incoming_expected: The prefetch's forecast expected count.
+            min_gain: ``prefetch_min_gain`` of the store.
+        """
+        room = free_bytes
+        if room >= need_bytes:
+            return True
+        limit = prefetch_victim_limit(incoming_expected, min_gain)
+        for adapter_id, nbytes in evictable:
+            if self.demand(adapter_id) < limit:
+                room += nbytes
+                if room >= need_bytes:
+                    return True
+        return False
 
 
 class LRUPolicy(EvictionPolicy):

@@ -78,7 +78,6 @@ from services.worker.eviction import (
     EVICTION_KINDS,
     Candidate,
     make_policy,
-    prefetch_victim_limit,
 )
 from services.worker.pool import (
     ALLOCATOR_KINDS,
@@ -1112,10 +1111,7 @@ class AdapterStore:
         upper bound for ``contiguous`` (a hole may still be too small)."""
         with self._lock:
             al = self._pool.allocator
-            room = al.free_units
-            for e in self._entries.values():
-                if e.state is _State.RESIDENT and e.refcount == 0 and e.alloc is not None:
-                    room += e.alloc.units
+            room = al.free_units + sum(alloc.units for _, alloc in self._unleased())
             return room * al.unit_bytes
 
     def stats(self) -> StoreStats:
@@ -1379,35 +1375,34 @@ class AdapterStore:
         c.waste_sum += (allocated - al.live_bytes) / allocated if allocated else 0.0
         c.extents_sum += al.mean_extents()
 
+    def _unleased(self) -> Iterator[tuple[_Entry, Allocation]]:
+        """Resident entries no lease holds (eviction may free them), with their runs."""
+        for e in self._entries.values():
+            if e.state is _State.RESIDENT and e.refcount == 0 and e.alloc is not None:
+                yield e, e.alloc
+
     def _prefetch_may_fit(self, nbytes: int, expected: float) -> bool:
         al = self._pool.allocator
-        need = al.units_for(nbytes) * al.unit_bytes
-        room = al.free_units * al.unit_bytes
-        limit = prefetch_victim_limit(expected, self.config.prefetch_min_gain)
-        for e in self._entries.values():
-            if room >= need:
-                break
-            if (
-                e.state is _State.RESIDENT
-                and e.refcount == 0
-                and e.alloc is not None
-                and self._policy.demand(e.ref.adapter_id) < limit
-            ):
-                room += e.alloc.byte_length
-        return room >= need
+        return self._policy.prefetch_fits(
+            al.units_for(nbytes) * al.unit_bytes,
+            al.free_units * al.unit_bytes,
+            ((e.ref.adapter_id, alloc.byte_length) for e, alloc in self._unleased()),
+            incoming_expected=expected,
+            min_gain=self.config.prefetch_min_gain,
+        )
 
     def _pick_victim(self, e: _Entry) -> _Entry | None:
-        cands = []
-        limit = prefetch_victim_limit(e.expected, self.config.prefetch_min_gain)
-        for x in self._entries.values():
-            if x is e or x.state is not _State.RESIDENT or x.refcount or x.alloc is None:
-                continue
-            if not e.demanded and not self._policy.demand(x.ref.adapter_id) < limit:
-                continue
-            cands.append(Candidate(x.ref.adapter_id, x.alloc.byte_length, x.last_used))
-        if not cands:
-            return None
-        return self._entries[self._policy.order(cands)[0].adapter_id]
+        victim = self._policy.choose_victim(
+            (
+                Candidate(x.ref.adapter_id, alloc.byte_length, x.last_used)
+                for x, alloc in self._unleased()
+                if x is not e
+            ),
+            demanded=e.demanded,
+            incoming_expected=e.expected,
+            min_gain=self.config.prefetch_min_gain,
+        )
+        return None if victim is None else self._entries[victim]
 
     # ------------------------------------------------------------------ loader threads
     def _stager(self) -> None:
