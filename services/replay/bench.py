@@ -19,18 +19,24 @@ Writes ``DIR/report.json``, ``DIR/report.md``, ``DIR/ttft_cdf.png``,
 service's Prometheus metrics at the end of the replay ``DIR/<policy>/metrics/*.prom`` and the
 cluster's logs ``DIR/<policy>/logs/*.log``. Definitions of every figure:
 :mod:`services.replay.report`.
+
+SIGINT or SIGTERM stops the running policy's cluster (every service and its Redis) and exits
+with status 130 without a report; further signals are ignored while it stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import platform
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -422,6 +428,32 @@ def _service_usage(
 
 
 # ------------------------------------------------------------------------------ the verb
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """While inside, the first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main
+    thread (so ``run_policy``'s ``finally`` stops the cluster it started: a killed benchmark
+    must not leave services and a Redis server running) and later ones are ignored until the
+    stop is done. Python's default SIGTERM ends the process without running ``finally``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
+
+    def interrupt(signum: int, _frame: object) -> None:
+        for sig in sigs:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in sigs:
+        signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     """``plora bench replay``: see the module docstring. Returns 0, or 1 when a policy failed."""
     from services.replay.client import build_requests  # noqa: PLC0415
@@ -496,9 +528,18 @@ def run(args: argparse.Namespace) -> int:
     for policy in args.policies:
         print(f"[{policy}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
-            records, samples, timings, usage = run_policy(
-                args, policy, out / policy, paths, requests, pool_bytes, adapters_dir
+            with _signals_interrupt():
+                records, samples, timings, usage = run_policy(
+                    args, policy, out / policy, paths, requests, pool_bytes, adapters_dir
+                )
+        except KeyboardInterrupt as exc:
+            print(
+                f"[{policy}] interrupted ({exc or 'SIGINT'}): its cluster is stopped; "
+                "no report written",
+                file=sys.stderr,
+                flush=True,
             )
+            return 130
         except Exception as exc:  # noqa: BLE001 - report the failed policy, go on with the next
             logger.exception("policy %s failed", policy)
             print(

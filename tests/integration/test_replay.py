@@ -5,13 +5,19 @@ the report."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from services.replay import bench
 from services.replay.report import COMPARISON_KEYS, POLICY_KEYS
-from tests.conftest import shared_data
+from tests.conftest import REPO, _pid_alive, shared_data
 from tests.helpers import replay_args
 
 pytestmark = pytest.mark.slow
@@ -79,3 +85,59 @@ def _served(path: Path) -> set[int]:
         for line in path.read_text().splitlines()
         if (r := json.loads(line))["status"] == "OK"
     }
+
+
+def _cmdlines() -> dict[int, str]:
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            out[int(entry.name)] = raw.replace(b"\0", b" ").decode(errors="replace")
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the child processes")
+def test_sigterm_stops_the_benchmark_cluster(tmp_path: Path, model_dir: Path) -> None:
+    """A benchmark killed with SIGTERM (a CI timeout, ``kill``) stops the cluster it started:
+    no service and no Redis server outlives it."""
+    trace = shared_data("traces", "azure_functions_2021_first998.csv")
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "services.cli", "bench", "replay", "--trace", str(trace),
+            "--format", "azure2021", "--time-scale", "20", "--start", "2", "--duration", "12",
+            "--adapters", "2", "--ranks", "8", "--policies", "plora,baseline", "--out", str(out),
+            "--workers", "1", "--max-new-tokens", "4", "--model", str(model_dir),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        ready = out / "plora" / "run" / "gateway.ready.json"
+        deadline = time.monotonic() + 300
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), "the cluster never came up"
+        children = {pid: c for pid, c in _cmdlines().items() if str(out) in c}
+        ports = {m for c in children.values() for m in re.findall(r"redis://127.0.0.1:(\d+)", c)}
+        assert len(children) >= 3 and len(ports) == 1, children  # predictor, worker, gateway
+        redis = [p for p, c in _cmdlines().items() if f"redis-server 127.0.0.1:{min(ports)}" in c]
+        assert redis, "the embedded Redis server was not found"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, output[-2000:]
+    assert "[plora] interrupted (SIGTERM)" in output
+    assert not (out / "report.json").exists()
+    left = [pid for pid in [*children, *redis] if _pid_alive(pid)]
+    for pid in left:  # do not leave them to the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after the benchmark exited: {left}"
