@@ -476,6 +476,27 @@ def test_prefetch_victim_limit(victim: float, incoming: float, min_gain: float, 
         assert math.exp(-victim) - math.exp(-incoming) > min_gain or min_gain == 0.0
 
 
+def test_victim_and_prefetch_fit_rules() -> None:
+    """The one rule the store and the simulator apply: a demand load may evict any unleased
+    adapter (in the policy's order), a prefetch only those wanted less than its limit."""
+    p = PredictivePolicy()
+    p.set_forecast({"hot": 3.0, "warm": 0.5, "cold": 0.0})
+    evictable = [C("hot", 10, 1.0), C("warm", 10, 2.0), C("cold", 30, 3.0)]
+    kw = {"min_gain": 0.2}
+    assert p.choose_victim(evictable, demanded=True, incoming_expected=0.0, **kw) == "cold"
+    assert p.choose_victim(evictable[:1], demanded=True, incoming_expected=0.0, **kw) == "hot"
+    # a prefetch expecting 2 requests may displace "warm" and "cold", never "hot"
+    assert p.choose_victim(evictable[:2], demanded=False, incoming_expected=2.0, **kw) == "warm"
+    assert p.choose_victim(evictable[:1], demanded=False, incoming_expected=2.0, **kw) is None
+    assert p.choose_victim([], demanded=True, incoming_expected=0.0, **kw) is None
+    sizes = [(c.adapter_id, c.nbytes) for c in evictable]
+    assert p.prefetch_fits(40, 0, sizes, incoming_expected=2.0, **kw)  # warm + cold
+    assert not p.prefetch_fits(41, 0, sizes, incoming_expected=2.0, **kw)  # hot stays
+    assert p.prefetch_fits(41, 1, sizes, incoming_expected=2.0, **kw)
+    assert p.prefetch_fits(5, 5, [], incoming_expected=0.0, **kw)  # free space always counts
+    assert not p.prefetch_fits(10, 0, sizes, incoming_expected=0.1, **kw)  # a long shot
+
+
 def test_make_policy() -> None:
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("predictive"), PredictivePolicy)
