@@ -161,13 +161,15 @@ class PredictorCore:
                 logger.warning("ignoring persisted predictor state: %s", exc)
 
     def observe(self, adapter_id: str, t: float) -> None:
-        """Record one request event (thread-safe)."""
+        """Record one request event (thread-safe). Every event is counted (the gateway's
+        ``events_sent`` and this ``events_received`` match); base-model requests (empty
+        ``adapter_id``) feed no forecast."""
+        self.metrics.events.inc()
         if not adapter_id:
             return
         with self._lock:
             self.forecaster.observe(adapter_id, t)
             self.recall.arrival(t, adapter_id)
-        self.metrics.events.inc()
 
     def tick(self, now: float | None = None) -> None:
         """One round: forecast, publish, plan placement, prefetch, then train and persist."""

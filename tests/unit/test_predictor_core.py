@@ -56,3 +56,19 @@ def test_prefetch_off_places_and_publishes_but_sends_nothing(redis_url, endpoint
     # ... the prefetch RPC goes out only when it is on.
     sent = [item.adapter.adapter_id for r in recorder.requests for item in r.items]
     assert sent == (["hot"] if prefetch == "on" else [])
+
+
+def test_every_event_is_counted_base_model_ones_forecast_nothing(redis_url):
+    """``events_received`` counts what the gateway's ``events_sent`` counts, base-model
+    requests included; only adapter requests reach the forecaster."""
+    metrics = PredictorMetrics()
+    core = PredictorCore(
+        PredictorConfig(forecaster="frequency"), Registry(connect(redis_url)), metrics
+    )
+    now = time.time()
+    for i in range(3):
+        core.observe("", now - 1 + i * 0.1)
+    core.observe("hot", now)
+    assert metrics.registry.get_sample_value("plora_predictor_events_received_total") == 4
+    core.tick(now)
+    assert set(core.latest.expected_by_id()) == {"hot"}
