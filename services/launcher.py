@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -446,6 +447,22 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
+def _cli_command() -> str:
+    """How the user can call this ``plora`` from their shell: ``plora`` when that name on
+    PATH is this installation, else the script's path (``make up`` runs ``.venv/bin/plora``
+    without activating the venv)."""
+    script = Path(sys.executable).parent / "plora"
+    on_path = shutil.which("plora")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return "plora"
+    if script.exists():
+        try:
+            return str(script.relative_to(Path.cwd()))
+        except ValueError:
+            return str(script)
+    return "plora"
+
+
 def run(args: argparse.Namespace) -> int:
     """``plora up``."""
     cluster = Cluster(args)
@@ -464,7 +481,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
-        f'  try: plora generate "What is the capital of France?"\n'
+        f'  try: {_cli_command()} generate "What is the capital of France?"\n'
         f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"  # type: ignore[union-attr]
         "  Ctrl-C stops everything.",
         flush=True,

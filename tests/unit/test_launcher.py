@@ -6,12 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from services.common.policies import POLICIES, PolicySpec, get_policy
 from services.gateway.config import GatewayConfig
-from services.launcher import policy_flags
+from services.launcher import _cli_command, policy_flags
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO
@@ -90,3 +91,21 @@ def test_an_inconsistent_policy_is_refused() -> None:
         PolicySpec("x", "buddy", "lru", "rank_aware", predictor=False, prefetch=False)
     with pytest.raises(ValueError, match="unknown policy 'plora-fast'"):
         get_policy("plora-fast")
+
+
+def test_ready_hint_names_a_plora_the_shell_can_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make up`` runs ``.venv/bin/plora`` without activating the venv: the "try: ..." hint
+    must name that path, and plain ``plora`` only when PATH finds this same script."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "plora"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert _cli_command() == "venv/bin/plora"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    assert _cli_command() == "plora"
