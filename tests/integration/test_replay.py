@@ -123,17 +123,22 @@ def test_sigterm_stops_the_benchmark_cluster(tmp_path: Path, model_dir: Path) ->
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ready.exists(), "the cluster never came up"
-        children = {pid: c for pid, c in _cmdlines().items() if str(out) in c}
+        procs = _cmdlines()
+        children = {pid: c for pid, c in procs.items() if str(out) in c}
         ports = {m for c in children.values() for m in re.findall(r"redis://127.0.0.1:(\d+)", c)}
         assert len(children) >= 3 and len(ports) == 1, children  # predictor, worker, gateway
-        redis = [p for p, c in _cmdlines().items() if f"redis-server 127.0.0.1:{min(ports)}" in c]
+        redis = [p for p, c in procs.items() if f"redis-server 127.0.0.1:{min(ports)}" in c]
         assert redis, "the embedded Redis server was not found"
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        if proc.poll() is None:  # failed before the SIGTERM: Ctrl-C stops its cluster too
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
     assert proc.returncode == 130, output[-2000:]
     assert "[plora] interrupted (SIGTERM)" in output
     assert not (out / "report.json").exists()
