@@ -20,6 +20,13 @@ service's Prometheus metrics at the end of the replay ``DIR/<policy>/metrics/*.p
 cluster's logs ``DIR/<policy>/logs/*.log``. Definitions of every figure:
 :mod:`services.replay.report`.
 
+``--repeats N`` (N > 1) runs N rounds of every policy, the order alternating between rounds
+(``plora,baseline``, then ``baseline,plora``, ...) so that neither always meets the machine
+first; each round is written as above under ``DIR/round-<i>/``, and ``DIR/report.json`` gives
+each policy's figures as the means of its rounds', the comparison between those means, and a
+``repeats`` block with every round's own comparison and their spread (mean, min, max, stdev).
+On a shared machine one round is one sample of its load.
+
 SIGINT or SIGTERM stops the running policy's cluster (every service and its Redis) and exits
 with status 130 without a report; further signals are ignored while it stops.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -51,7 +59,9 @@ from services.replay.report import (
     RequestRecord,
     StatusSample,
     build_report,
+    comparison_spread,
     compulsory_cold_rate,
+    mean_of_rounds,
     render_markdown,
     summarize_policy,
     write_json,
@@ -124,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated cluster policies (default plora,baseline)",
     )
     parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every policy, order alternating (plora,baseline then baseline,plora "
+        "...); over 1 the report gives the means and the rounds' spread (default 1)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="workers per cluster (default 2)")
     parser.add_argument(
         "--pool-bytes",
@@ -288,8 +305,11 @@ def run_policy(
     requests: Sequence[Any],
     pool_bytes: int,
     adapters_dir: Path,
+    label: str = "",
 ) -> tuple[list[RequestRecord], list[StatusSample], dict[str, float], dict[str, dict[str, float]]]:
     """Start a fresh cluster with ``policy``, register the adapters, replay, stop it.
+
+    ``label`` names the run in progress lines (default: the policy).
 
     Returns:
         The request records, the status samples, the wall seconds of each phase
@@ -305,6 +325,7 @@ def run_policy(
     from services.launcher import Cluster  # noqa: PLC0415
     from services.replay.client import ClientConfig, ReplayClient, StatusSampler  # noqa: PLC0415
 
+    label = label or policy
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(_cluster_args(args, policy, run_dir, pool_bytes, adapters_dir))
     timings: dict[str, float] = {}
@@ -321,7 +342,7 @@ def run_policy(
                     gateway_pb2.RegisterAdapterRequest(adapter_id=p.name, source=str(p)),
                     timeout=120,
                 )
-            print(f"[{policy}] registered {len(adapter_paths)} adapters; warming up", flush=True)
+            print(f"[{label}] registered {len(adapter_paths)} adapters; warming up", flush=True)
             for i in range(args.warmup):
                 list(
                     stub.Generate(
@@ -336,7 +357,7 @@ def run_policy(
 
         def progress(p: Any) -> None:
             print(
-                f"[{policy}] t={p.elapsed_s:6.1f}s sent {p.sent}/{p.total} "
+                f"[{label}] t={p.elapsed_s:6.1f}s sent {p.sent}/{p.total} "
                 f"completed {p.completed} failed {p.failed} in-flight {p.in_flight}",
                 flush=True,
             )
@@ -362,9 +383,7 @@ def run_policy(
         mark = time.monotonic()
         cluster.stop()
         timings["stop_s"] = time.monotonic() - mark
-    print(
-        f"[{policy}] phases: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True
-    )
+    print(f"[{label}] phases: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), flush=True)
     with open(run_dir / "requests.jsonl", "w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
@@ -466,6 +485,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.repeats < 1:
+        print(f"plora bench replay: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -521,42 +543,176 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
 
-    summaries: dict[str, dict[str, Any]] = {}
-    all_records: dict[str, list[RequestRecord]] = {}
-    all_samples: dict[str, list[StatusSample]] = {}
-    failed_policies = []
-    for policy in args.policies:
-        print(f"[{policy}] starting a fresh cluster ({args.workers} workers)", flush=True)
+    compare_pair = _compare_pair(args.policies)
+    rounds: list[_Round] = []
+    for i in range(args.repeats):
+        # Rounds alternate the order (ABBA...): neither policy always runs first, on a machine
+        # whose load drifts.
+        order = list(args.policies) if i % 2 == 0 else list(reversed(args.policies))
+        if args.repeats == 1:
+            round_dir, tag = out, ""
+        else:
+            round_dir, tag = out / f"round-{i + 1}", f"r{i + 1} "
+            print(f"round {i + 1}/{args.repeats}: {', '.join(order)}", flush=True)
+        try:
+            rnd = _run_round(args, order, round_dir, tag, paths, requests, pool_bytes, adapters_dir)
+        except KeyboardInterrupt:
+            return 130
+        rnd.report = build_report(
+            _settings(args, ranks, sizes, pool_bytes, started, round_index=i + 1),
+            info,
+            rnd.summaries,
+            compare_pair=compare_pair,
+        )
+        if args.repeats > 1:
+            print(f"round {i + 1}/{args.repeats} results:", flush=True)
+        _write_report(round_dir, rnd.report, rnd.records, rnd.samples)
+        rounds.append(rnd)
+
+    if args.repeats > 1:
+        print(f"means over the {args.repeats} rounds:", flush=True)
+        _write_report(
+            out,
+            _combine_rounds(args, rounds, info, compare_pair, ranks, sizes, pool_bytes, started),
+            {f"{p} r{i + 1}": recs for i, r in enumerate(rounds) for p, recs in r.records.items()},
+            {f"{p} r{i + 1}": ss for i, r in enumerate(rounds) for p, ss in r.samples.items()},
+        )
+    print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots", flush=True)
+    return 1 if any(r.failed for r in rounds) else 0
+
+
+@dataclasses.dataclass
+class _Round:
+    """One round: every policy once, on a fresh cluster each."""
+
+    summaries: dict[str, dict[str, Any]]  # in --policies order
+    records: dict[str, list[RequestRecord]]
+    samples: dict[str, list[StatusSample]]
+    failed: list[str]
+    report: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _compare_pair(policies: Sequence[str]) -> tuple[str, str]:
+    """plora vs baseline; without plora, the first other policy vs baseline."""
+    others = [p for p in policies if p != "baseline"]
+    first = "plora" if "plora" in policies else (others[0] if others else "plora")
+    return first, "baseline"
+
+
+def _run_round(
+    args: argparse.Namespace,
+    order: Sequence[str],
+    round_dir: Path,
+    tag: str,
+    paths: Sequence[Path],
+    requests: Sequence[Any],
+    pool_bytes: int,
+    adapters_dir: Path,
+) -> _Round:
+    """Run every policy once in ``order``. A policy that fails is recorded (``{"error": ...}``)
+    and the round goes on.
+
+    Raises:
+        KeyboardInterrupt: SIGINT or SIGTERM arrived; the running cluster is already stopped.
+    """
+    done: dict[str, dict[str, Any]] = {}
+    rnd = _Round({}, {}, {}, [])
+    for policy in order:
+        label = f"{tag}{policy}"
+        print(f"[{label}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
             with _signals_interrupt():
                 records, samples, timings, usage = run_policy(
-                    args, policy, out / policy, paths, requests, pool_bytes, adapters_dir
+                    args,
+                    policy,
+                    round_dir / policy,
+                    paths,
+                    requests,
+                    pool_bytes,
+                    adapters_dir,
+                    label=label,
                 )
         except KeyboardInterrupt as exc:
             print(
-                f"[{policy}] interrupted ({exc or 'SIGINT'}): its cluster is stopped; "
+                f"[{label}] interrupted ({exc or 'SIGINT'}): its cluster is stopped; "
                 "no report written",
                 file=sys.stderr,
                 flush=True,
             )
-            return 130
+            raise
         except Exception as exc:  # noqa: BLE001 - report the failed policy, go on with the next
             logger.exception("policy %s failed", policy)
             print(
-                f"[{policy}] FAILED: {exc}; logs in {out / policy / 'logs'}",
+                f"[{label}] FAILED: {exc}; logs in {round_dir / policy / 'logs'}",
                 file=sys.stderr,
                 flush=True,
             )
-            summaries[policy] = {"error": str(exc)[:2000]}
-            failed_policies.append(policy)
+            done[policy] = {"error": str(exc)[:2000]}
+            rnd.failed.append(policy)
             continue
-        all_records[policy], all_samples[policy] = records, samples
-        summaries[policy] = {
+        rnd.records[policy], rnd.samples[policy] = records, samples
+        done[policy] = {
             **summarize_policy(records, samples),
             "phase_seconds": timings,
             "service_usage": usage,
         }
+    rnd.summaries = {p: done[p] for p in args.policies}
+    return rnd
 
+
+def _combine_rounds(
+    args: argparse.Namespace,
+    rounds: Sequence[_Round],
+    info: dict[str, Any],
+    compare_pair: tuple[str, str],
+    ranks: Sequence[int],
+    sizes: Sequence[int],
+    pool_bytes: int,
+    started: float,
+) -> dict[str, Any]:
+    """report.json over ``--repeats`` rounds: each policy's figures are the means of its
+    rounds' (:func:`mean_of_rounds`; a policy that failed in any round is an error, the
+    comparison is then ``None``), plus the ``repeats`` block."""
+    summaries: dict[str, dict[str, Any]] = {}
+    for p in args.policies:
+        errors = [
+            f"round {i + 1}: {r.summaries[p]['error']}"
+            for i, r in enumerate(rounds)
+            if "error" in r.summaries[p]
+        ]
+        summaries[p] = (
+            {"error": "; ".join(errors)[:2000]}
+            if errors
+            else mean_of_rounds([r.summaries[p] for r in rounds])
+        )
+    per_round = [r.report.get("comparison") for r in rounds]
+    repeats = {
+        "rounds": len(rounds),
+        "order": [
+            list(args.policies) if i % 2 == 0 else list(reversed(args.policies))
+            for i in range(len(rounds))
+        ],
+        "comparison_per_round": per_round,
+        "spread": comparison_spread([c for c in per_round if c is not None]),
+    }
+    return build_report(
+        _settings(args, ranks, sizes, pool_bytes, started),
+        info,
+        summaries,
+        compare_pair=compare_pair,
+        repeats=repeats,
+    )
+
+
+def _settings(
+    args: argparse.Namespace,
+    ranks: Sequence[int],
+    sizes: Sequence[int],
+    pool_bytes: int,
+    started: float,
+    round_index: int | None = None,
+) -> dict[str, Any]:
+    """report.json's ``settings``: what was run, where, and how long it took so far."""
     settings = {
         "trace": str(args.trace),
         "format": args.format,
@@ -566,12 +722,13 @@ def run(args: argparse.Namespace) -> int:
         "drop_top": args.drop_top,
         "adapters": args.adapters,
         "ranks": sorted(set(ranks)),
-        "adapter_ranks": ranks,
+        "adapter_ranks": list(ranks),
         "adapter_bytes_total": int(sum(sizes)),
         "pool_bytes": pool_bytes,
         "pool_fraction": pool_bytes / sum(sizes),
         "workers": args.workers,
         "policies": list(args.policies),
+        "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "prompt_token_cap": args.prompt_token_cap,
         "concurrency": args.concurrency,
@@ -586,19 +743,27 @@ def run(args: argparse.Namespace) -> int:
             "load_avg_1m_at_end": os.getloadavg()[0],
         },
     }
-    ok = {k: v for k, v in summaries.items() if "error" not in v}
-    # The comparison is plora vs baseline; without plora, the first other policy vs baseline.
-    others = [p for p in args.policies if p != "baseline"]
-    first = "plora" if "plora" in args.policies else (others[0] if others else "plora")
-    report = build_report(settings, info, summaries, compare_pair=(first, "baseline"))
+    if round_index is not None and args.repeats > 1:
+        settings["round"] = round_index
+    return settings
+
+
+def _write_report(
+    out: Path,
+    report: dict[str, Any],
+    records: dict[str, list[RequestRecord]],
+    samples: dict[str, list[StatusSample]],
+) -> None:
+    """``out/report.json`` always; ``report.md``, the plots and the printed table when some
+    policy ran (one plot line per entry of ``records`` / ``samples``)."""
     write_json(out / "report.json", report)
+    ok = [p for p in report["policies"] if "error" not in report[p]]
     if ok:
-        md_report = {**report, "policies": list(ok)}
-        (out / "report.md").write_text(render_markdown(md_report), encoding="utf-8")
-        write_plots(out, all_records, all_samples)
-    _print_table(report, list(ok))
-    print(f"wrote {out / 'report.json'}, {out / 'report.md'} and plots", flush=True)
-    return 1 if failed_policies else 0
+        (out / "report.md").write_text(
+            render_markdown({**report, "policies": ok}), encoding="utf-8"
+        )
+        write_plots(out, records, samples)
+    _print_table(report, ok)
 
 
 def _print_table(report: dict[str, Any], names: list[str]) -> None:
@@ -614,6 +779,11 @@ def _print_table(report: dict[str, Any], names: list[str]) -> None:
     print(f"{'compulsory_cold_rate (floor)':34}{report['compulsory_cold_rate']:>14.4f}")
     comp = report.get("comparison")
     if comp:
+        rep = report.get("repeats")
+        per = (rep or {}).get("comparison_per_round") or []
+        if rep:
+            print(f"{'comparison (of the means)':34}{'':>14}  per round")
         for k in (*COMPARISON_KEYS, "baseline_cold_wait_share_of_ttft"):
             v = comp.get(k)
-            print(f"{k:34}{'-' if v is None else f'{v:.4f}':>14}")
+            rounds = "  ".join("-" if (x := (c or {}).get(k)) is None else f"{x:.4f}" for c in per)
+            print(f"{k:34}{'-' if v is None else f'{v:.4f}':>14}  {rounds}".rstrip())

@@ -351,11 +351,14 @@ def build_report(
     trace_info: Mapping[str, Any],
     summaries: Mapping[str, Mapping[str, Any]],
     compare_pair: tuple[str, str] = ("plora", "baseline"),
+    repeats: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Assemble report.json: ``settings``, ``trace``, ``compulsory_cold_rate``, one block per
     policy (keyed by the policy name; a policy that failed holds ``{"error": ...}``),
     ``policies`` (their order) and ``comparison`` (``None`` unless both policies of
-    ``compare_pair`` ran without error)."""
+    ``compare_pair`` ran without error). Over repeated rounds the policy blocks are
+    :func:`mean_of_rounds`, the comparison is taken between those means, and ``repeats``
+    (given) holds the rounds' order, their own comparisons and :func:`comparison_spread`."""
     a, b = compare_pair
     report: dict[str, Any] = {
         "settings": dict(settings),
@@ -375,7 +378,70 @@ def build_report(
         and "error" not in pair[1]
         else None
     )
+    if repeats is not None:
+        report["repeats"] = dict(repeats)
     return report
+
+
+def mean_of_rounds(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One policy's figures over repeated rounds (``plora bench replay --repeats N``).
+
+    Every numeric figure is the mean of the rounds' figures (``None`` values left out; ``None``
+    when every round has ``None``; a figure every round agrees on keeps its value and type),
+    so ``ttft_mean_s`` equals the mean over all the rounds' requests (each round replays the
+    same requests) and ``ttft_p99_s`` is the mean of the rounds' p99s. Nested figures
+    (``requests_by_worker``, ``failed_by_status``, ``service_usage``, ``phase_seconds``) are
+    averaged key by key, a key a round lacks counting as 0 there (they are counts and
+    seconds). Other values are the first round's. Adds ``rounds`` (how many were averaged).
+
+    Raises:
+        ValueError: ``summaries`` is empty.
+    """
+    if not summaries:
+        raise ValueError("no rounds to average")
+    out = _mean_dicts(summaries, missing_is_zero=False)
+    out["rounds"] = len(summaries)
+    return out
+
+
+def _mean_dicts(dicts: Sequence[Mapping[str, Any]], *, missing_is_zero: bool) -> dict[str, Any]:
+    keys = list(dict.fromkeys(k for d in dicts for k in d))
+    out: dict[str, Any] = {}
+    for k in keys:
+        present = [v for d in dicts if (v := d.get(k)) is not None]
+        if present and all(isinstance(v, Mapping) for v in present):
+            out[k] = _mean_dicts(present, missing_is_zero=True)
+        elif present and all(_is_number(v) for v in present):
+            n = len(dicts) if missing_is_zero else len(present)
+            same = n == len(present) and all(v == present[0] for v in present)
+            out[k] = present[0] if same else float(sum(present) / n)
+        else:
+            out[k] = present[0] if present else None
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def comparison_spread(
+    per_round: Sequence[Mapping[str, float | None]],
+) -> dict[str, dict[str, float | None]]:
+    """Per comparison key, ``mean``, ``min``, ``max`` and ``stdev`` (sample standard deviation,
+    ``None`` under two rounds) over the rounds' own comparisons; rounds where a figure is
+    ``None`` are left out of it. The spread says how far one run of the benchmark can be
+    trusted on this machine: its load changes from run to run."""
+    keys = list(dict.fromkeys(k for c in per_round for k in c))
+    out: dict[str, dict[str, float | None]] = {}
+    for k in keys:
+        vals = [float(v) for c in per_round if (v := c.get(k)) is not None]
+        if not vals:
+            out[k] = {"mean": None, "min": None, "max": None, "stdev": None}
+            continue
+        m = sum(vals) / len(vals)
+        sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None
+        out[k] = {"mean": m, "min": min(vals), "max": max(vals), "stdev": sd}
+    return out
 
 
 # ------------------------------------------------------------------------- time series
@@ -525,9 +591,31 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             "throughput_ratio": ">= 1.0",
         }
         pa, pb = report.get("comparison_pair") or ("plora", "baseline")
-        lines += [f"| comparison ({pa} vs {pb}) | measured | paper target |", "|---|---|---|"]
-        for k, v in comp.items():
-            lines.append(f"| {k} | {_fmt(v)} | {targets.get(k, '')} |")
+        rep = report.get("repeats")
+        if rep:
+            spread = rep.get("spread") or {}
+            lines += [
+                f"Over {rep.get('rounds')} rounds (policy order alternating: "
+                + "; ".join(" then ".join(o) for o in rep.get("order") or [])
+                + "); the policy figures above are the rounds' means, the comparison is "
+                "taken between those means; the rounds' own comparisons beside it:",
+                "",
+                f"| comparison ({pa} vs {pb}) | of the means | round mean | min | max | stdev "
+                "| per round | paper target |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for k, v in comp.items():
+                sp = spread.get(k) or {}
+                per = ", ".join(_fmt(c.get(k)) for c in rep.get("comparison_per_round") or [])
+                lines.append(
+                    f"| {k} | {_fmt(v)} | {_fmt(sp.get('mean'))} | {_fmt(sp.get('min'))} | "
+                    f"{_fmt(sp.get('max'))} | {_fmt(sp.get('stdev'))} | {per} | "
+                    f"{targets.get(k, '')} |"
+                )
+        else:
+            lines += [f"| comparison ({pa} vs {pb}) | measured | paper target |", "|---|---|---|"]
+            for k, v in comp.items():
+                lines.append(f"| {k} | {_fmt(v)} | {targets.get(k, '')} |")
         lines.append("")
     services = sorted({sv for n in names for sv in report[n].get("service_usage") or {}})
     if services:

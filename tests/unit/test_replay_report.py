@@ -22,8 +22,10 @@ from services.replay.report import (
     WorkerSample,
     build_report,
     compare,
+    comparison_spread,
     compulsory_cold_rate,
     mean,
+    mean_of_rounds,
     percentile,
     pool_stats,
     ratio,
@@ -345,6 +347,78 @@ def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) 
         "pool_utilization_over_time.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_mean_of_rounds_averages_figures_and_nested_counts() -> None:
+    r1 = {
+        "requests": 6,
+        "ttft_mean_s": 0.4,
+        "cold_start_rate": None,
+        "failed_by_status": {"UNAVAILABLE": 2},
+        "requests_by_worker": {"worker-0": 4, "worker-1": 2},
+        "service_usage": {"worker-0": {"cpu_s": 10.0, "rss_bytes": 100}},
+        "note": "first",
+    }
+    r2 = {
+        "requests": 6,
+        "ttft_mean_s": 0.6,
+        "cold_start_rate": 0.5,
+        "failed_by_status": {},
+        "requests_by_worker": {"worker-0": 6},
+        "service_usage": {"worker-0": {"cpu_s": 20.0, "rss_bytes": 300}},
+        "note": "second",
+    }
+    m = mean_of_rounds([r1, r2])
+    assert m["rounds"] == 2 and m["requests"] == 6 and isinstance(m["requests"], int)
+    assert m["ttft_mean_s"] == pytest.approx(0.5)
+    assert m["cold_start_rate"] == 0.5  # a round without the figure is left out of its mean
+    assert m["failed_by_status"] == {"UNAVAILABLE": 1.0}  # a count a round lacks is 0 there
+    assert m["requests_by_worker"] == {"worker-0": 5.0, "worker-1": 1.0}
+    assert m["service_usage"] == {"worker-0": {"cpu_s": 15.0, "rss_bytes": 200.0}}
+    assert m["note"] == "first"
+    assert mean_of_rounds([r1])["ttft_mean_s"] == 0.4
+    with pytest.raises(ValueError, match="no rounds"):
+        mean_of_rounds([])
+
+
+def test_comparison_spread_and_the_repeats_report(tmp_path: Path) -> None:
+    rounds = [
+        {"ttft_mean_reduction": 0.2, "throughput_ratio": 1.0},
+        {"ttft_mean_reduction": 0.4, "throughput_ratio": None},
+        {"ttft_mean_reduction": 0.3, "throughput_ratio": 0.98},
+    ]
+    sp = comparison_spread(rounds)
+    assert sp["ttft_mean_reduction"]["mean"] == pytest.approx(0.3)
+    assert (sp["ttft_mean_reduction"]["min"], sp["ttft_mean_reduction"]["max"]) == (0.2, 0.4)
+    assert sp["ttft_mean_reduction"]["stdev"] == pytest.approx(0.1)  # sample stdev
+    assert sp["throughput_ratio"]["mean"] == pytest.approx(0.99)  # the None round left out
+    assert comparison_spread(rounds[:1])["ttft_mean_reduction"]["stdev"] is None
+    assert comparison_spread([{"x": None}])["x"] == {
+        "mean": None,
+        "min": None,
+        "max": None,
+        "stdev": None,
+    }
+
+    plora = mean_of_rounds([summarize_policy(RECORDS, SAMPLES)] * 2)
+    baseline = mean_of_rounds([summarize_policy(RECORDS[:4], SAMPLES[:2])] * 2)
+    per_round = [compare(plora, baseline)] * 2
+    repeats = {
+        "rounds": 2,
+        "order": [["plora", "baseline"], ["baseline", "plora"]],
+        "comparison_per_round": per_round,
+        "spread": comparison_spread(per_round),
+    }
+    info = {"requests": 6, "keys": 3, "adapters_used": 3, "compulsory_cold_rate": 0.5}
+    report = build_report(
+        {"repeats": 2}, info, {"plora": plora, "baseline": baseline}, repeats=repeats
+    )
+    assert report["repeats"]["rounds"] == 2
+    assert set(COMPARISON_KEYS) <= set(report["comparison"])
+    json.dumps(report, allow_nan=False)
+    md = render_markdown(report)
+    assert "Over 2 rounds" in md and "plora then baseline; baseline then plora" in md
+    assert "| of the means | round mean | min | max | stdev | per round |" in md
 
 
 def test_service_usage_from_each_service_process_metrics() -> None:
