@@ -585,6 +585,7 @@ def run(args: argparse.Namespace) -> int:
 class _Round:
     """One round: every policy once, on a fresh cluster each."""
 
+    order: list[str]  # the order the policies ran in
     summaries: dict[str, dict[str, Any]]  # in --policies order
     records: dict[str, list[RequestRecord]]
     samples: dict[str, list[StatusSample]]
@@ -616,7 +617,7 @@ def _run_round(
         KeyboardInterrupt: SIGINT or SIGTERM arrived; the running cluster is already stopped.
     """
     done: dict[str, dict[str, Any]] = {}
-    rnd = _Round({}, {}, {}, [])
+    rnd = _Round(list(order), {}, {}, {}, [])
     for policy in order:
         label = f"{tag}{policy}"
         print(f"[{label}] starting a fresh cluster ({args.workers} workers)", flush=True)
@@ -688,10 +689,7 @@ def _combine_rounds(
     per_round = [r.report.get("comparison") for r in rounds]
     repeats = {
         "rounds": len(rounds),
-        "order": [
-            list(args.policies) if i % 2 == 0 else list(reversed(args.policies))
-            for i in range(len(rounds))
-        ],
+        "order": [r.order for r in rounds],
         "comparison_per_round": per_round,
         "spread": comparison_spread([c for c in per_round if c is not None]),
     }
