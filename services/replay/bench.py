@@ -557,6 +557,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             rnd = _run_round(args, order, round_dir, tag, paths, requests, pool_bytes, adapters_dir)
         except KeyboardInterrupt:
+            if rounds:
+                print(
+                    f"the {len(rounds)} finished round(s) are reported in "
+                    + ", ".join(str(out / f"round-{j + 1}") for j in range(len(rounds))),
+                    file=sys.stderr,
+                    flush=True,
+                )
             return 130
         rnd.report = build_report(
             _settings(args, ranks, sizes, pool_bytes, started, round_index=i + 1),
