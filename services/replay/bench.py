@@ -580,7 +580,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"means over the {args.repeats} rounds:", flush=True)
         _write_report(
             out,
-            _combine_rounds(args, rounds, info, compare_pair, ranks, sizes, pool_bytes, started),
+            _combine_rounds(
+                args, rounds, info, compare_pair, _settings(args, ranks, sizes, pool_bytes, started)
+            ),
             {f"{p} r{i + 1}": recs for i, r in enumerate(rounds) for p, recs in r.records.items()},
             {f"{p} r{i + 1}": ss for i, r in enumerate(rounds) for p, ss in r.samples.items()},
         )
@@ -673,10 +675,7 @@ def _combine_rounds(
     rounds: Sequence[_Round],
     info: dict[str, Any],
     compare_pair: tuple[str, str],
-    ranks: Sequence[int],
-    sizes: Sequence[int],
-    pool_bytes: int,
-    started: float,
+    settings: dict[str, Any],
 ) -> dict[str, Any]:
     """report.json over ``--repeats`` rounds: each policy's figures are the means of its
     rounds' (:func:`mean_of_rounds`; a policy that failed in any round is an error, the
@@ -701,7 +700,7 @@ def _combine_rounds(
         "spread": comparison_spread([c for c in per_round if c is not None]),
     }
     return build_report(
-        _settings(args, ranks, sizes, pool_bytes, started),
+        settings,
         info,
         summaries,
         compare_pair=compare_pair,
