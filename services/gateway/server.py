@@ -95,6 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._round_robin = RoundRobinRouter()
+        self._routes = 0  # requests routed rank-aware: rotates the order ties are broken in
         self._placement_cache = _TTLCache(config.worker_cache_s)
         self._inflight: collections.Counter[str] = collections.Counter()
         # requests in flight that have not had their first token yet, per worker
@@ -185,9 +186,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 chosen = self._round_robin.route(views)
                 reason = "round_robin"
             else:
+                # Equally loaded workers take turns: ties go to the first in the order given.
+                turn = self._routes % len(views)
+                self._routes += 1
                 chosen, reason = route_rank_aware(
                     adapter.adapter_id if adapter else "",
-                    views,
+                    views[turn:] + views[:turn],
                     placement,
                     size_bytes=adapter.size_bytes if adapter else 0,
                 )

@@ -74,6 +74,8 @@ class WorkerView:
         prefill_s: The worker's recent mean prefill time per request, seconds (0 = unknown).
         cold_wait_s: The worker's recent mean adapter wait of a cold request, seconds
             (0 = unknown).
+        decode_row_s: The worker's marginal step time of one more decoding sequence, seconds
+            (0 = unknown).
     """
 
     worker_id: str
@@ -86,6 +88,7 @@ class WorkerView:
     cold_wait_s: float = 0.0
     loading: Collection[str] = field(default_factory=frozenset)
     room_bytes: int = -1
+    decode_row_s: float = 0.0
 
 
 def worker_view(
@@ -118,6 +121,7 @@ def worker_view(
         cold_wait_s=record.cold_wait_s,
         loading=frozenset(record.loading) if loading is None else loading,
         room_bytes=record.room_bytes if room_bytes is None else room_bytes,
+        decode_row_s=record.decode_row_s,
     )
 
 
@@ -246,10 +250,17 @@ def route_rank_aware(
 ) -> tuple[str, str]:
     """Choose a worker for one request (LoRAServe-style routing, expected-delay rule).
 
-    Load order: fewest requests awaiting their first token (``pending``), then shortest queue
-    (queued + running), then worker id. A request's TTFT waits behind the prefills ahead of it
-    far more than behind sequences already decoding (continuous batching adds one row to a
-    step for each of those; a prefill is a whole prompt's worth of work).
+    Load order, where every worker has measured its ``prefill_s`` and ``decode_row_s``: the
+    expected delay before a new request's first token there,
+    ``pending * prefill_s + decoding * decode_row_s * (pending + 1)`` with
+    ``decoding = queue_length - pending`` (the prefills ahead of it, and each decoding
+    sequence's row in every step until its first token: the steps of those prefills and its
+    own; continuous batching, Orca/vLLM), then ``pending``, then ``queue_length``. Until then:
+    fewest requests awaiting their first token (``pending``), then shortest queue (queued +
+    running). Ties go to the earlier worker in ``workers``: the gateway rotates that order
+    request by request, so equally loaded workers take turns (always the first would load one
+    worker more than the others whenever the cluster is idle, which on a CPU host costs every
+    one of its requests time in each decode step).
 
     Size-aware: with ``size_bytes`` given, a worker whose pool has no room for the adapter now
     (``room_bytes``: every resident adapter it could evict is leased) is not chosen for a cold
@@ -266,15 +277,20 @@ def route_rank_aware(
     worker ``w`` is passed over for the least-loaded worker ``l`` when its queue is more than
     ``queue_slack`` longer, or when the prefills it has pending beyond ``l``'s would delay the
     first token longer than a cold start on ``l``:
-    ``(w.pending - l.pending) * w.prefill_s > l.cold_wait_s``. A placed, not resident, ``w``
-    is passed over only for its queue: the request is cold on either worker, and loading the
-    adapter where the placement put it keeps one copy that later requests find, instead of
-    copies on every worker that happened to be idle. Where a worker has not measured those
-    yet (0), ``pending_slack`` extra pending requests are tolerated. Staying saves a load (a
-    cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the
-    rule takes whichever is expected to be shorter, using each worker's own recent figures,
-    so the same code is right where loads are slow against prefill (remote adapter storage)
-    and where they are fast (host memory to GPU).
+    ``delay(w) - delay(l) > l.cold_wait_s`` with ``delay`` the expected first-token delay
+    above (where every worker has measured ``prefill_s`` and ``decode_row_s``; this holds for a
+    placed, not resident, ``w`` too: the request is cold on either worker, and loading the
+    adapter where the placement put it keeps one copy that later requests find, which is
+    worth about one cold start). Where those figures are not all known yet, the decoding
+    sequences are not weighed: ``w`` is passed over when
+    ``(w.pending - l.pending) * w.prefill_s > l.cold_wait_s``, a placed ``w`` only for its
+    queue, and where ``prefill_s`` or ``cold_wait_s`` is unknown (0), ``pending_slack`` extra
+    pending requests are tolerated. Staying saves a load (a cold start on ``l``), leaving
+    saves waiting behind ``w``'s prefills and decode rows: the rule takes whichever is
+    expected to be shorter, using each worker's own recent figures, so the same code is right
+    where loads are slow against a step (remote adapter storage), where decode rows are
+    nearly free (a GPU) and where a decode row costs about as much as a load from host memory
+    (a CPU: there it keeps the workers evenly busy).
 
     Args:
         adapter_id: Requested adapter ("" = base model).
@@ -294,7 +310,9 @@ def route_rank_aware(
     """
     if not workers:
         raise ValueError("no workers to route to")
-    least = min(workers, key=_load_key)
+    timed = all(w.prefill_s > 0.0 and w.decode_row_s > 0.0 for w in workers)
+    key = _delay_key if timed else _load_key
+    least = min(workers, key=key)
     roomy = workers
     if adapter_id and size_bytes > 0:
         # A load where every resident adapter is leased waits for a lease to drop: while
@@ -302,14 +320,20 @@ def route_rank_aware(
         # the resident worker is weighed against a cold start there.
         roomy = [w for w in workers if w.room_bytes < 0 or w.room_bytes >= size_bytes]
         if roomy and len(roomy) < len(workers):
-            least = min(roomy, key=_load_key)
+            least = min(roomy, key=key)
         else:
             roomy = workers
     if adapter_id:
+
+        def stay(w: WorkerView, saves_load: bool) -> bool:
+            return _worth_staying(
+                w, least, pending_slack, queue_slack, saves_load=saves_load, timed=timed
+            )
+
         resident = [w for w in workers if adapter_id in w.resident]
         if resident:
-            best = min(resident, key=_load_key)
-            if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
+            best = min(resident, key=key)
+            if stay(best, True):
                 return best.worker_id, "resident"
         placed_ids = set(placement.get(adapter_id, ()))
         loading = [
@@ -320,28 +344,50 @@ def route_rank_aware(
             and (not placed_ids or w.worker_id in placed_ids)
         ]
         if loading:
-            best = min(loading, key=_load_key)
-            if _worth_staying(best, least, pending_slack, queue_slack, saves_load=True):
+            best = min(loading, key=key)
+            if stay(best, True):
                 return best.worker_id, "loading"
         placed = [w for w in roomy if w.worker_id in placed_ids and adapter_id not in w.resident]
         if placed:
-            best = min(placed, key=_load_key)
-            if _worth_staying(best, least, pending_slack, queue_slack, saves_load=False):
+            best = min(placed, key=key)
+            if stay(best, False):
                 return best.worker_id, "placed"
     return least.worker_id, "least_loaded"
 
 
-def _load_key(w: WorkerView) -> tuple[int, int, str]:
-    return (w.pending, w.queue_length, w.worker_id)
+def first_token_delay_s(w: WorkerView) -> float:
+    """Expected seconds before a request sent to ``w`` now gets its first token, from ``w``'s
+    own figures (0 where they are unknown): its pending prefills, ``pending * prefill_s``,
+    plus one ``decode_row_s`` per decoding sequence (``queue_length - pending``) in each of
+    the ``pending + 1`` steps until then. Waiting for an adapter is not included."""
+    decoding = max(0, w.queue_length - w.pending)
+    return w.pending * w.prefill_s + decoding * w.decode_row_s * (w.pending + 1)
+
+
+def _load_key(w: WorkerView) -> tuple[int, int]:
+    return (w.pending, w.queue_length)
+
+
+def _delay_key(w: WorkerView) -> tuple[float, int, int]:
+    return (first_token_delay_s(w), w.pending, w.queue_length)
 
 
 def _worth_staying(
-    w: WorkerView, least: WorkerView, pending_slack: int, queue_slack: int, *, saves_load: bool
+    w: WorkerView,
+    least: WorkerView,
+    pending_slack: int,
+    queue_slack: int,
+    *,
+    saves_load: bool,
+    timed: bool,
 ) -> bool:
     """Whether a request should go to ``w`` rather than the least-loaded worker (see
-    :func:`route_rank_aware`)."""
+    :func:`route_rank_aware`); ``timed``: every worker has measured the figures of
+    :func:`first_token_delay_s`."""
     if w.queue_length > least.queue_length + queue_slack:
         return False
+    if timed and least.cold_wait_s > 0.0:
+        return first_token_delay_s(w) - first_token_delay_s(least) <= least.cold_wait_s
     extra = w.pending - least.pending
     if extra <= 0 or not saves_load:
         return True

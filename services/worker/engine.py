@@ -255,12 +255,25 @@ class ServiceEstimates:
             over its rows by tokens, summed until the request's first token): the delay one
             more pending request adds before a new request's first token.
         cold_wait_s: Time a cold request waited for its adapter to become resident.
+        decode_row_s: Marginal step time of one more decoding sequence, seconds: the slope of
+            decode-only steps' wall time against their rows (exponentially weighted least
+            squares, weight ``decode_decay`` kept per step), so what each running sequence
+            adds to every step a new request waits through. It stays 0.0 until the steps
+            seen span at least two batch sizes; clipped to ``[0, mean step time per row]``.
+            On a CPU a decode row with its own adapter costs a large share of a step
+            (SmolLM2-135M, one thread: ~25 ms against a ~70 ms one-row step), about one
+            host-to-pool adapter load; on a GPU it is a small share.
         alpha: Weight of the newest observation, in (0, 1].
+        decode_decay: Weight a decode step's observation keeps at each later one, in (0, 1).
     """
 
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
+    decode_row_s: float = 0.0
     alpha: float = 0.1
+    decode_decay: float = 0.99
+    # exponentially weighted sums over decode-only steps: weight, rows, rows^2, s, rows*s
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)
 
     def observe_prefill(self, seconds: float) -> None:
         """Fold in one request's prefill share (seconds)."""
@@ -269,6 +282,22 @@ class ServiceEstimates:
     def observe_cold_wait(self, seconds: float) -> None:
         """Fold in one cold request's adapter wait (seconds)."""
         self.cold_wait_s = _ewma(self.cold_wait_s, seconds, self.alpha)
+
+    def observe_decode_step(self, rows: int, seconds: float) -> None:
+        """Fold in one decode-only step: ``rows`` sequences (one token each) in ``seconds``
+        of wall time, and refit :attr:`decode_row_s`."""
+        if rows <= 0:
+            return
+        d = self.decode_decay
+        s = self._sums
+        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            s[i] = s[i] * d + v
+        w, x, xx, y, xy = s
+        spread = w * xx - x * x  # w^2 times the weighted variance of rows
+        if spread <= 0.05 * w * w:  # (about) one batch size seen: slope unknown
+            return
+        slope = (w * xy - x * y) / spread
+        self.decode_row_s = min(max(0.0, slope), y / x)
 
 
 def _ewma(mean: float, x: float, alpha: float) -> float:
@@ -655,7 +684,10 @@ class Engine:
             logits, [s.params for s in samplers], [s.generator for s in samplers]
         )
         # Each prompt's share of the step (by tokens), summed until its first token.
-        per_token = (time.perf_counter() - started) / len(ids)
+        elapsed = time.perf_counter() - started
+        per_token = elapsed / len(ids)
+        if len(ids) == len(work):  # decode only: one token per sequence
+            self.estimates.observe_decode_step(len(work), elapsed)
         for s, n in work:
             if s.ttft is None:
                 s.prefill_work += per_token * n

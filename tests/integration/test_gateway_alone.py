@@ -164,3 +164,23 @@ def test_loads_the_gateway_started_take_their_bytes_from_the_workers_room(
         assert gw._choose(b, set()).worker_id == "w1"
     finally:
         gw.close()
+
+
+def test_equally_loaded_workers_take_turns(redis_url: str) -> None:
+    """Ties in rank-aware routing rotate over the workers: requests that each finish before
+    the next arrives (every worker idle each time) are spread evenly, not all sent to the
+    first worker by id."""
+    registry = Registry(connect(redis_url))
+    for wid in ("w0", "w1", "w2"):
+        registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
+    config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    gw = GatewayServicer(config, registry, GatewayMetrics())
+    try:
+        chosen = []
+        for _ in range(6):
+            w = gw._choose(None, set()).worker_id
+            gw._done(w, pending=True)
+            chosen.append(w)
+        assert chosen == ["w0", "w1", "w2"] * 2
+    finally:
+        gw.close()

@@ -549,3 +549,42 @@ def test_submit_after_stop_is_unavailable(model: LlamaModel, tok: Tokenizer) -> 
     e.stop()
     with pytest.raises(NoHealthyWorkerError):
         e.submit(EngineRequest("late", [5], max_new_tokens=2))
+
+
+def test_decode_row_cost_is_the_slope_of_decode_steps() -> None:
+    est = ServiceEstimates()
+    for _ in range(20):  # one batch size only: the slope is unknown
+        est.observe_decode_step(2, 0.12)
+    assert est.decode_row_s == 0.0
+    for rows in (1, 2, 3, 4, 5, 6) * 10:  # 70 ms + 25 ms per row
+        est.observe_decode_step(rows, 0.070 + 0.025 * rows)
+    assert est.decode_row_s == pytest.approx(0.025, rel=0.05)
+    for rows in (1, 8) * 200:  # later steps outweigh older ones: now 40 ms per row
+        est.observe_decode_step(rows, 0.070 + 0.040 * rows)
+    assert est.decode_row_s == pytest.approx(0.040, rel=0.02)
+    slower_with_fewer = ServiceEstimates()
+    for rows in (1, 4) * 10:  # noise that makes bigger steps faster: clipped at 0, not < 0
+        slower_with_fewer.observe_decode_step(rows, 0.2 - 0.01 * rows)
+    assert slower_with_fewer.decode_row_s == 0.0
+    est.observe_decode_step(0, 1.0)  # an empty step is ignored
+    assert est.decode_row_s == pytest.approx(0.040, rel=0.02)
+
+
+def test_engine_measures_the_decode_row_cost(model: LlamaModel, tok: Tokenizer) -> None:
+    """Three requests of different lengths decode together, then two, then one: the engine
+    folds every decode-only step into ``estimates`` and, having seen three batch sizes,
+    publishes a per-row step cost (a CPU decode row is a large share of a step)."""
+    e = make_engine(model, tok)
+    try:
+        streams = [
+            e.submit(EngineRequest(f"r{n}", chat(tok, "Count."), max_new_tokens=n, ignore_eos=True))
+            for n in (6, 14, 22)
+        ]
+        for s in streams:
+            collect(s)
+    finally:
+        e.stop()
+    est = e.estimates
+    w, x, _, y, _ = est._sums
+    assert w > 10 and 1.0 < x / w < 3.0  # decode-only steps of 1..3 rows were observed
+    assert 0.0 < est.decode_row_s <= y / x

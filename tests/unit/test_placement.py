@@ -77,6 +77,12 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
     assert plan_placement({"a": AdapterDemand(8, MB, 1.0)}, []) == ({}, 0)
 
 
+# measured service figures (s): a CPU worker, where a decode row costs about a load from host
+# memory, and a GPU one, where it is nearly free
+CPU = {"prefill_s": 0.05, "decode_row_s": 0.03}
+GPU = {"prefill_s": 0.01, "decode_row_s": 0.005}
+
+
 @pytest.mark.parametrize(
     ("adapter", "workers", "placement", "expected"),
     [
@@ -117,11 +123,72 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {"a": ["w1"]},
             ("w1", "placed"),
         ),
-        # unknown adapter -> least loaded, ties on id
+        # unknown adapter -> least loaded, ties to the first given (the gateway rotates them)
         (
             "a",
             [WorkerView("w1", queue_length=0), WorkerView("w0", queue_length=0)],
             {},
+            ("w1", "least_loaded"),
+        ),
+        # measured decode rows (a CPU: 30 ms each, loads 50 ms): three sequences decoding on
+        # the resident worker delay a first token more than a cold start on the idle one
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=3, resident=frozenset({"a"}), **CPU),
+                WorkerView("w1", queue_length=0, cold_wait_s=0.05, **CPU),
+            ],
+            {},
+            ("w1", "least_loaded"),
+        ),
+        # ... one does not (30 ms < 50 ms)
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=1, resident=frozenset({"a"}), **CPU),
+                WorkerView("w1", queue_length=0, cold_wait_s=0.05, **CPU),
+            ],
+            {},
+            ("w0", "resident"),
+        ),
+        # ... nor do three where a row is nearly free (a GPU: 5 ms)
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=3, resident=frozenset({"a"}), **GPU),
+                WorkerView("w1", queue_length=0, cold_wait_s=0.05, **GPU),
+            ],
+            {},
+            ("w0", "resident"),
+        ),
+        # least loaded by expected delay: one 50 ms prefill pending on w0 beats four decode
+        # rows of 30 ms on w1
+        (
+            "",
+            [
+                WorkerView("w0", queue_length=1, pending=1, **CPU),
+                WorkerView("w1", queue_length=4, **CPU),
+            ],
+            {},
+            ("w0", "least_loaded"),
+        ),
+        # placed, not resident: kept unless its delay exceeds a cold start elsewhere
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, cold_wait_s=0.05, **CPU),
+                WorkerView("w1", queue_length=1, **CPU),
+            ],
+            {"a": ["w1"]},
+            ("w1", "placed"),
+        ),
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, cold_wait_s=0.05, **CPU),
+                WorkerView("w1", queue_length=2, **CPU),
+            ],
+            {"a": ["w1"]},
             ("w0", "least_loaded"),
         ),
         # base model -> least loaded
