@@ -131,7 +131,9 @@ GPU = {"prefill_s": 0.01, "decode_row_s": 0.005}
             ("w1", "least_loaded"),
         ),
         # measured decode rows (a CPU: 30 ms each, loads 50 ms): three sequences decoding on
-        # the resident worker delay a first token more than a cold start on the idle one
+        # the resident worker would delay a first token more than a cold start on the idle
+        # one, but within the queue slack the request stays (weighing decode rows against
+        # residency cost the CPU replay more cold starts than the balance won)
         (
             "a",
             [
@@ -139,24 +141,25 @@ GPU = {"prefill_s": 0.01, "decode_row_s": 0.005}
                 WorkerView("w1", queue_length=0, cold_wait_s=0.05, **CPU),
             ],
             {},
-            ("w1", "least_loaded"),
-        ),
-        # ... one does not (30 ms < 50 ms)
-        (
-            "a",
-            [
-                WorkerView("w0", queue_length=1, resident=frozenset({"a"}), **CPU),
-                WorkerView("w1", queue_length=0, cold_wait_s=0.05, **CPU),
-            ],
-            {},
             ("w0", "resident"),
         ),
-        # ... nor do three where a row is nearly free (a GPU: 5 ms)
+        # decode rows choose among resident workers: w1's one pending 50 ms prefill is
+        # sooner than w0's four decoding rows of 30 ms
         (
             "a",
             [
-                WorkerView("w0", queue_length=3, resident=frozenset({"a"}), **GPU),
-                WorkerView("w1", queue_length=0, cold_wait_s=0.05, **GPU),
+                WorkerView("w0", queue_length=4, resident=frozenset({"a"}), **CPU),
+                WorkerView("w1", queue_length=1, pending=1, resident=frozenset({"a"}), **CPU),
+            ],
+            {},
+            ("w1", "resident"),
+        ),
+        # ... but on a GPU (rows of 5 ms, prefills of 10 ms) w0's rows are the sooner
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=1, resident=frozenset({"a"}), **GPU),
+                WorkerView("w1", queue_length=1, pending=1, resident=frozenset({"a"}), **GPU),
             ],
             {},
             ("w0", "resident"),
@@ -172,23 +175,14 @@ GPU = {"prefill_s": 0.01, "decode_row_s": 0.005}
             {},
             ("w0", "least_loaded"),
         ),
-        # placed, not resident: kept unless its delay exceeds a cold start elsewhere
+        # ... and a cold start goes there too
         (
             "a",
             [
-                WorkerView("w0", queue_length=0, cold_wait_s=0.05, **CPU),
-                WorkerView("w1", queue_length=1, **CPU),
+                WorkerView("w0", queue_length=1, pending=1, **CPU),
+                WorkerView("w1", queue_length=4, **CPU),
             ],
-            {"a": ["w1"]},
-            ("w1", "placed"),
-        ),
-        (
-            "a",
-            [
-                WorkerView("w0", queue_length=0, cold_wait_s=0.05, **CPU),
-                WorkerView("w1", queue_length=2, **CPU),
-            ],
-            {"a": ["w1"]},
+            {},
             ("w0", "least_loaded"),
         ),
         # base model -> least loaded
