@@ -6,6 +6,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS, service_registry
 
+#: Decode inter-token latency buckets (seconds): GPU steps are 10-50 ms, CPU ones 50-500 ms.
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
 
 class WorkerMetrics:
     """Every series the worker exports; names ``plora_worker_*``."""
@@ -23,6 +26,22 @@ class WorkerMetrics:
             "plora_worker_ttft_seconds",
             "Worker receipt to first token",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "plora_worker_time_per_output_token_seconds",
+            "Mean time between a request's output tokens after its first (decode), one "
+            "observation per finished request of 2+ tokens",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.service_estimate = Gauge(
+            "plora_worker_service_estimate_seconds",
+            "The figures this worker publishes for expected-delay routing: prefill (a "
+            "request's share of the steps until its first token), cold_wait (a cold "
+            "request's adapter wait), decode_row (what one more decoding sequence adds to a "
+            "step); 0 until measured",
+            ["figure"],
             registry=r,
         )
         self.tokens = Counter(

@@ -121,13 +121,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
             stream = self.engine.submit(engine_request)
             context.add_callback(stream.cancel)
-            first = True
+            first_at = None
             for event in stream:
                 if event.error is not None:
                     raise event.error
-                if first and event.token_ids:
-                    first = False
-                    self.metrics.ttft.observe(time.monotonic() - received)
+                if first_at is None and event.token_ids:
+                    first_at = time.monotonic()
+                    self.metrics.ttft.observe(first_at - received)
                 response = gateway_pb2.GenerateResponse(
                     text=event.text, token_ids=event.token_ids, request_id=req.request_id
                 )
@@ -142,6 +142,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     response.adapter_wait_seconds = event.adapter_wait_seconds
                     response.worker_ttft_seconds = event.ttft_seconds or 0.0
                     self.metrics.prompt_tokens.inc(event.prompt_tokens)
+                    if first_at is not None and event.completion_tokens >= 2:
+                        self.metrics.tpot.observe(
+                            (time.monotonic() - first_at) / (event.completion_tokens - 1)
+                        )
                     if event.adapter_cold:
                         self.metrics.cold_starts.inc()
                         self.metrics.cold_start_wait.observe(event.adapter_wait_seconds)
@@ -404,6 +408,10 @@ class WorkerService:
         m.queue_length.set(self.engine.queue_length)
         m.running.set(self.engine.running)
         m.resident.set(resident)
+        est = self.engine.estimates
+        m.service_estimate.labels("prefill").set(est.prefill_s)
+        m.service_estimate.labels("cold_wait").set(est.cold_wait_s)
+        m.service_estimate.labels("decode_row").set(est.decode_row_s)
         m.pool_pages.labels("total").set(s.pages_total)
         m.pool_pages.labels("used").set(s.pages_used)
         m.pool_pages.labels("free").set(s.pages_free)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -277,8 +278,14 @@ def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
         "plora_worker_pool_utilization_ratio",
         'plora_worker_pool_bytes{kind="room"}',
         "plora_worker_adapter_loads_waiting_for_room",
+        'plora_worker_service_estimate_seconds{figure="decode_row"}',
     ):
         assert name in worker_text
+    # the 4-token request's decode inter-token time, on the worker that served it
+    tpot = re.findall(
+        r"^plora_worker_time_per_output_token_seconds_count (\S+)$", worker_text, re.M
+    )
+    assert len(tpot) == 2 and sum(float(v) for v in tpot) >= 1
     assert "plora_predictor_events_received_total" in texts["predictor"]
 
 
