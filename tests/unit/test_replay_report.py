@@ -38,6 +38,7 @@ from services.replay.report import (
     ttft_cdf,
     write_plots,
 )
+from tests.helpers import replay_args
 
 
 def rec(
@@ -512,3 +513,23 @@ def test_trace_info_floor_uses_adapters_and_keys() -> None:
     assert info["compulsory_cold_rate_keys"] == pytest.approx(3 / 5)
     assert info["peak_req_per_s"] == 2 and info["prompt_tokens_median"] == 30
     assert math.isclose(info["mean_rate_req_s"], 5 / 3.0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--policies", "plora,fastest"], "unknown policies ['fastest']"),
+    ],
+)
+def test_bad_replay_flags_exit_2_before_any_cluster_starts(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.replay import bench  # noqa: PLC0415
+
+    out = tmp_path / "out"
+    trace = ["--trace", str(tmp_path / "none.csv"), "--format", "alibaba"]
+    args = replay_args([*trace, "--out", str(out), *flags])
+    assert bench.run(args) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # nothing written, no trace read
