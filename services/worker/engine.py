@@ -273,7 +273,7 @@ class ServiceEstimates:
     alpha: float = 0.1
     decode_decay: float = 0.99
     # exponentially weighted sums over decode-only steps: weight, rows, rows^2, s, rows*s
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, repr=False)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, init=False, repr=False)
 
     def observe_prefill(self, seconds: float) -> None:
         """Fold in one request's prefill share (seconds)."""
