@@ -226,13 +226,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     ad = sub.add_parser("adapters", help="register, list, get or delete adapters")
     ad.add_argument("--gateway")
     ad.add_argument("--tenant")
+    # the same flags after the verb too (`plora adapters list --gateway ...`); SUPPRESS keeps
+    # a value given before the verb when they are not repeated after it
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--gateway", default=argparse.SUPPRESS)
+    shared.add_argument("--tenant", default=argparse.SUPPRESS)
     ad_sub = ad.add_subparsers(dest="adapters_cmd", required=True)
-    reg = ad_sub.add_parser("register")
+    reg = ad_sub.add_parser("register", parents=[shared])
     reg.add_argument("adapter_id")
     reg.add_argument("source", help="directory in PEFT layout")
-    ad_sub.add_parser("list")
+    ad_sub.add_parser("list", parents=[shared])
     for name in ("get", "delete"):
-        ad_sub.add_parser(name).add_argument("adapter_id")
+        ad_sub.add_parser(name, parents=[shared]).add_argument("adapter_id")
     ad.set_defaults(func=cmd_adapters)
 
     st = sub.add_parser("status", help="workers, residency, pools and queues")
@@ -269,7 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("generate", "adapters", "status"):
         try:
-            return int(args.func(args))
+            code = int(args.func(args))
+            sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+            return code
+        except BrokenPipeError:
+            # The reader went away (`plora adapters list | head`): stop quietly, as Unix
+            # tools do, with the status of a process ended by SIGPIPE.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + 13
         except grpc.RpcError as exc:
             hint = ""
             if exc.code() is grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):

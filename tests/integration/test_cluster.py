@@ -73,6 +73,21 @@ def test_cli_generate_streams_paris(cluster: dict) -> None:
     assert "worker=worker-" in out.stderr
 
 
+def test_cli_output_into_a_closed_pipe_stops_quietly(cluster: dict) -> None:
+    """`plora adapters list | head -1`: the reader leaves early; no traceback, SIGPIPE status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "adapters", "list", "--gateway", cluster["gateway"]],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
 def test_adapter_changes_output_deterministically_and_is_resident(
     stub: gateway_pb2_grpc.GatewayStub, cluster: dict
 ) -> None:
