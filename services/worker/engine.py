@@ -686,7 +686,9 @@ class Engine:
         # Each prompt's share of the step (by tokens), summed until its first token.
         elapsed = time.perf_counter() - started
         per_token = elapsed / len(ids)
-        if len(ids) == len(work):  # decode only: one token per sequence
+        if len(ids) == len(work):
+            # one token per sequence: decode rows (or a prompt's last token left over from a
+            # chunk, which costs a step the same)
             self.estimates.observe_decode_step(len(work), elapsed)
         for s, n in work:
             if s.ttft is None:
