@@ -26,6 +26,10 @@ Model of one worker (the engine of :mod:`services.worker.engine`):
 * Steps with an unchanged batch are merged: a worker schedules one event at the next
   completion, and an arrival that can join the batch moves that event to the next step
   boundary. Per-request work is O(log n), independent of the number of steps.
+* Routing inputs: the workers publish the live ones' service figures that routing weighs
+  (``ServiceEstimates``: each prefill's share of its step, each cold start's adapter wait), and
+  the simulated gateway rotates the order ties are broken in request by request, as
+  ``GatewayServicer._choose`` does.
 * Loads: ``loader_threads`` at once, demand before prefetch (by expected demand): the source
   tier (a draw from the real Alibaba load latencies, or a fixed cost plus bytes / bandwidth)
   unless the host cache holds the adapter, then the allocation (first fit; compaction of the
@@ -964,6 +968,7 @@ class ClusterSimulation:
         self.workers = [SimWorker(w, self) for w in range(config.workers)]
         self.by_name = {w.name: w for w in self.workers}
         self.router = RoundRobinRouter()
+        self.n_routes = 0  # requests routed rank-aware: rotates the order ties are broken in
         self.placement: dict[str, list[str]] = {}
         self.placement_moves = 0
         self.routed: dict[str, int] = {}
@@ -1103,6 +1108,11 @@ class ClusterSimulation:
         rank_aware = self.policy.routing == "rank_aware"
         # round robin reads only the worker ids: the heartbeat views do
         views = self.gateway_views(t) if rank_aware else self.views(t)
+        if rank_aware and len(views) > 1:
+            # equally loaded workers take turns, as the gateway breaks ties
+            turn = self.n_routes % len(views)
+            self.n_routes += 1
+            views = views[turn:] + views[:turn]
         name = self.adapters.names[a]
         size = int(self.adapters.nbytes[a])
         by_name = self.by_name

@@ -128,6 +128,15 @@ def test_mixed_ranks_cost_more_under_padding() -> None:
     assert m.step_s(32, 0, 2, 0, 64) > m.step_s(32, 0, 2, 0, 8)
 
 
+def test_idle_workers_take_turns_as_the_gateway_routes() -> None:
+    """Requests for new adapters arriving at an idle cluster: every worker ties, and the
+    simulated gateway rotates the order ties are broken in per request (as
+    ``GatewayServicer._choose`` does), so they alternate instead of all going to worker-0."""
+    tr = _trace([0.0, 10.0, 20.0, 30.0], ["a", "b", "c", "d"])
+    _, res = _run(tr, SIMPLE, "plora-no-predictor", workers=2)
+    assert res.worker.tolist() == [0, 1, 0, 1]
+
+
 def test_adapter_sizes_follow_the_model() -> None:
     # SmolLM2: 30 layers x (q 1152 + k 768 + v 768 + o 1152 + 3 x 2112) x 4 bytes per rank
     assert CPU_PRESET.adapter_bytes(8) == 8 * 30 * 10176 * 4
