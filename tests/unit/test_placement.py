@@ -77,12 +77,6 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
     assert plan_placement({"a": AdapterDemand(8, MB, 1.0)}, []) == ({}, 0)
 
 
-# measured service figures (s): a CPU worker, where a decode row costs about a load from host
-# memory, and a GPU one, where it is nearly free
-CPU = {"prefill_s": 0.05, "decode_row_s": 0.03}
-GPU = {"prefill_s": 0.01, "decode_row_s": 0.005}
-
-
 @pytest.mark.parametrize(
     ("adapter", "workers", "placement", "expected"),
     [
@@ -130,60 +124,34 @@ GPU = {"prefill_s": 0.01, "decode_row_s": 0.005}
             {},
             ("w1", "least_loaded"),
         ),
-        # measured decode rows (a CPU: 30 ms each, loads 50 ms): three sequences decoding on
-        # the resident worker would delay a first token more than a cold start on the idle
-        # one, but within the queue slack the request stays (weighing decode rows against
-        # residency cost the CPU replay more cold starts than the balance won)
+        # sequences decoding on the resident worker do not move a request off it within the
+        # queue slack, even where a decode row costs about a load (a CPU: prefill 50 ms, loads
+        # 50 ms)
         (
             "a",
             [
-                WorkerView("w0", queue_length=3, resident=frozenset({"a"}), **CPU),
-                WorkerView("w1", queue_length=0, cold_wait_s=0.05, **CPU),
+                WorkerView("w0", queue_length=3, resident=frozenset({"a"}), prefill_s=0.05),
+                WorkerView("w1", queue_length=0, cold_wait_s=0.05, prefill_s=0.05),
             ],
             {},
             ("w0", "resident"),
         ),
-        # decode rows choose among resident workers: w1's one pending 50 ms prefill is
-        # sooner than w0's four decoding rows of 30 ms
+        # fewest pending prefills first, however many sequences decode: among resident workers
         (
             "a",
             [
-                WorkerView("w0", queue_length=4, resident=frozenset({"a"}), **CPU),
-                WorkerView("w1", queue_length=1, pending=1, resident=frozenset({"a"}), **CPU),
+                WorkerView("w0", queue_length=1, pending=1, resident=frozenset({"a"})),
+                WorkerView("w1", queue_length=4, resident=frozenset({"a"})),
             ],
             {},
             ("w1", "resident"),
         ),
-        # ... but on a GPU (rows of 5 ms, prefills of 10 ms) w0's rows are the sooner
-        (
-            "a",
-            [
-                WorkerView("w0", queue_length=1, resident=frozenset({"a"}), **GPU),
-                WorkerView("w1", queue_length=1, pending=1, resident=frozenset({"a"}), **GPU),
-            ],
-            {},
-            ("w0", "resident"),
-        ),
-        # least loaded by expected delay: one 50 ms prefill pending on w0 beats four decode
-        # rows of 30 ms on w1
+        # ... and for the least-loaded worker
         (
             "",
-            [
-                WorkerView("w0", queue_length=1, pending=1, **CPU),
-                WorkerView("w1", queue_length=4, **CPU),
-            ],
+            [WorkerView("w0", queue_length=1, pending=1), WorkerView("w1", queue_length=4)],
             {},
-            ("w0", "least_loaded"),
-        ),
-        # ... and a cold start goes there too
-        (
-            "a",
-            [
-                WorkerView("w0", queue_length=1, pending=1, **CPU),
-                WorkerView("w1", queue_length=4, **CPU),
-            ],
-            {},
-            ("w0", "least_loaded"),
+            ("w1", "least_loaded"),
         ),
         # base model -> least loaded
         (
