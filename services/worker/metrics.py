@@ -37,10 +37,10 @@ class WorkerMetrics:
         )
         self.service_estimate = Gauge(
             "plora_worker_service_estimate_seconds",
-            "The figures this worker publishes for expected-delay routing: prefill (a "
-            "request's share of the steps until its first token), cold_wait (a cold "
-            "request's adapter wait), decode_row (what one more decoding sequence adds to a "
-            "step); 0 until measured",
+            "The service figures this worker publishes with its heartbeat: prefill (a "
+            "request's share of the steps until its first token) and cold_wait (a cold "
+            "request's adapter wait), which routing weighs, and decode_row (what one more "
+            "decoding sequence adds to a step); 0 until measured",
             ["figure"],
             registry=r,
         )
