@@ -258,7 +258,8 @@ def route_rank_aware(
     published ``ServiceEstimates``) measured no better on the live CPU replay (TTFT -19.0 and
     -19.5 % against the baseline, -19.4 % with this order) and worse in the GPU-scale
     simulations (Alibaba hour 5.04 s mean TTFT against 4.97 s, Azure 4 h 47 timeouts against
-    26; with each worker's own figures rather than their means, 6.4 s): README, "Results".
+    26; with each worker's own figures rather than their means, 6.4 s): README, "How a
+    request finds its worker".
 
     Size-aware: with ``size_bytes`` given, a worker whose pool has no room for the adapter now
     (``room_bytes``: every resident adapter it could evict is leased) is not chosen for a cold

@@ -260,12 +260,11 @@ class ServiceEstimates:
             squares, weight ``decode_decay`` kept per step), so what each running sequence
             adds to every step a new request waits through. It stays 0.0 until the steps
             seen span at least two batch sizes; clipped to ``[0, mean step time per row]``.
-            Published for operators (metrics, heartbeat); routing does not weigh it (an
-            expected-delay order that did measured no better: README, "How a request finds
-            its worker").
             On a CPU a decode row with its own adapter costs a large share of a step
             (SmolLM2-135M, one thread: ~25 ms against a ~70 ms one-row step), about one
-            host-to-pool adapter load; on a GPU it is a small share.
+            host-to-pool adapter load; on a GPU it is a small share. Published for operators
+            (metrics, heartbeat); routing does not weigh it: ordering workers by an expected
+            delay that did measured no better (README, "How a request finds its worker").
         alpha: Weight of the newest observation, in (0, 1].
         decode_decay: Weight a decode step's observation keeps at each later one, in (0, 1).
     """
