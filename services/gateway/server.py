@@ -186,14 +186,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 chosen = self._round_robin.route(views)
                 reason = "round_robin"
             else:
-                # Equally loaded workers take turns: ties go to the first in the order given.
-                turn = self._routes % len(views)
+                # Equally loaded workers take turns: the count of requests routed rotates
+                # the order ties are broken in.
+                turn = self._routes
                 self._routes += 1
                 chosen, reason = route_rank_aware(
                     adapter.adapter_id if adapter else "",
-                    views[turn:] + views[:turn],
+                    views,
                     placement,
                     size_bytes=adapter.size_bytes if adapter else 0,
+                    turn=turn,
                 )
             self._inflight[chosen] += 1
             self._add_pending(chosen, 1)

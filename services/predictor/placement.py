@@ -243,6 +243,7 @@ def route_rank_aware(
     size_bytes: int = 0,
     pending_slack: int = 1,
     queue_slack: int = 4,
+    turn: int = 0,
 ) -> tuple[str, str]:
     """Choose a worker for one request (LoRAServe-style routing, expected-delay rule).
 
@@ -250,10 +251,11 @@ def route_rank_aware(
     (queued + running). A request's TTFT waits behind the prefills ahead of it more than
     behind sequences already decoding (continuous batching adds one row to a step for each of
     those; a prefill is a whole prompt's worth of work). Ties go to the earlier worker in
-    ``workers``: the gateway rotates that order request by request, so equally loaded workers
-    take turns (always the first would load one worker more than the others whenever the
-    cluster is idle, which on a CPU host costs every one of its requests time in each decode
-    step). Ordering by an expected first-token delay that also weighs each decoding sequence
+    ``workers`` rotated by ``turn``: the gateway (and the simulator) pass a count of the
+    requests routed, so equally loaded workers take turns (always the first would load one
+    worker more than the others whenever the cluster is idle, which on a CPU host costs every
+    one of its requests time in each decode step). Ordering by an expected first-token delay
+    that also weighs each decoding sequence
     (``pending * prefill_s + decoding * decode_row_s * (pending + 1)``, from the workers'
     published ``ServiceEstimates``) measured no better on the live CPU replay (TTFT -19.0 and
     -19.5 % against the baseline, -19.4 % with this order) and worse in the GPU-scale
@@ -298,6 +300,8 @@ def route_rank_aware(
         pending_slack: Extra pending requests tolerated on a resident worker while either
             worker's figures are unknown.
         queue_slack: Queue difference tolerated to stay on a resident/placed worker.
+        turn: Ties are broken in the order of ``workers`` starting at
+            ``workers[turn % len(workers)]``.
 
     Returns:
         ``(worker_id, reason)`` with reason ``"resident"``, ``"loading"``, ``"placed"``,
@@ -308,6 +312,9 @@ def route_rank_aware(
     """
     if not workers:
         raise ValueError("no workers to route to")
+    k = turn % len(workers)
+    if k:
+        workers = [*workers[k:], *workers[:k]]
     least = min(workers, key=_load_key)
     roomy = workers
     if adapter_id and size_bytes > 0:

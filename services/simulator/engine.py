@@ -1108,17 +1108,16 @@ class ClusterSimulation:
         rank_aware = self.policy.routing == "rank_aware"
         # round robin reads only the worker ids: the heartbeat views do
         views = self.gateway_views(t) if rank_aware else self.views(t)
-        if rank_aware and len(views) > 1:
-            # equally loaded workers take turns, as the gateway breaks ties
-            turn = self.n_routes % len(views)
-            self.n_routes += 1
-            views = views[turn:] + views[:turn]
         name = self.adapters.names[a]
         size = int(self.adapters.nbytes[a])
         by_name = self.by_name
         while views:
             if rank_aware:
-                chosen, reason = route_rank_aware(name, views, self.placement, size_bytes=size)
+                # equally loaded workers take turns, as the gateway breaks ties
+                chosen, reason = route_rank_aware(
+                    name, views, self.placement, size_bytes=size, turn=self.n_routes
+                )
+                self.n_routes += 1
             else:
                 chosen, reason = self.router.route(views), "round_robin"
             self.routed[reason] = self.routed.get(reason, 0) + 1

@@ -294,6 +294,15 @@ def test_pending_slack_applies_until_the_workers_have_figures() -> None:
     assert route_rank_aware("a", one, {}, pending_slack=0) == ("w1", "least_loaded")
 
 
+def test_turn_rotates_the_order_ties_are_broken_in() -> None:
+    idle = [WorkerView(f"w{i}") for i in range(3)]
+    chosen = [route_rank_aware("", idle, {}, turn=t)[0] for t in range(7)]
+    assert chosen == ["w0", "w1", "w2", "w0", "w1", "w2", "w0"]
+    # a turn rotates ties only: the least loaded still wins
+    busy = [WorkerView("w0"), WorkerView("w1", pending=1), WorkerView("w2")]
+    assert [route_rank_aware("", busy, {}, turn=t)[0] for t in range(3)] == ["w0", "w2", "w2"]
+
+
 def test_round_robin_ignores_residency_and_cycles() -> None:
     router = RoundRobinRouter()
     ws = [WorkerView("w1", resident=frozenset({"a"})), WorkerView("w0")]
