@@ -97,8 +97,6 @@ class WorkerRecord:
         prefill_s: Recent mean prefill time per request, seconds
             (``services.worker.engine.ServiceEstimates``; 0 = not measured yet).
         cold_wait_s: Recent mean adapter wait of a cold request, seconds (0 = none yet).
-        decode_row_s: Marginal step time of one more decoding sequence, seconds
-            (``ServiceEstimates.decode_row_s``; 0 = not measured yet).
         healthy: Filled in by :meth:`Registry.list_workers` from the liveness key.
     """
 
@@ -115,7 +113,6 @@ class WorkerRecord:
     pool: dict[str, Any] = field(default_factory=dict)
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
-    decode_row_s: float = 0.0
     healthy: bool = False
 
     @property

@@ -262,9 +262,10 @@ class ServiceEstimates:
             seen span at least two batch sizes; clipped to ``[0, mean step time per row]``.
             On a CPU a decode row with its own adapter costs a large share of a step
             (SmolLM2-135M, one thread: ~25 ms against a ~70 ms one-row step), about one
-            host-to-pool adapter load; on a GPU it is a small share. Published for operators
-            (metrics, heartbeat); routing does not weigh it: ordering workers by an expected
-            delay that did measured no better (README, "How a request finds its worker").
+            host-to-pool adapter load; on a GPU it is a small share. Exported for operators
+            (``plora_worker_service_estimate_seconds{figure="decode_row"}``), not in the
+            heartbeat: routing does not weigh it, as ordering workers by an expected delay
+            that did measured no better (README, "How a request finds its worker").
         alpha: Weight of the newest observation, in (0, 1].
         decode_decay: Weight a decode step's observation keeps at each later one, in (0, 1).
     """

@@ -37,9 +37,9 @@ class WorkerMetrics:
         )
         self.service_estimate = Gauge(
             "plora_worker_service_estimate_seconds",
-            "The service figures this worker publishes with its heartbeat: prefill (a "
-            "request's share of the steps until its first token) and cold_wait (a cold "
-            "request's adapter wait), which routing weighs, and decode_row (what one more "
+            "This worker's service figures: prefill (a request's share of the steps until "
+            "its first token) and cold_wait (a cold request's adapter wait), which it "
+            "publishes with its heartbeat for routing, and decode_row (what one more "
             "decoding sequence adds to a step); 0 until measured",
             ["figure"],
             registry=r,

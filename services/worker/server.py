@@ -385,7 +385,6 @@ class WorkerService:
             pool=pool_stats_dict(snapshot, self.config),
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
-            decode_row_s=self.engine.estimates.decode_row_s,
         )
         self.registry.heartbeat(record, self.config.heartbeat_ttl_s)
         forecast = self.registry.get_forecast()
