@@ -5,7 +5,10 @@ One background thread runs *steps*. Before each step the scheduler
 1. drops cancelled requests (freeing their KV slot and releasing their adapter lease);
 2. admits waiting requests whose adapter lease is ready (a request whose adapter is still
    loading stays in the queue while everything else runs; it never blocks a step), up to
-   ``max_batch_size`` running sequences;
+   ``max_batch_size`` running sequences. The lease is taken when the request is submitted,
+   so a cold adapter's load starts on arrival and overlaps the step in progress: taken at
+   the next step boundary instead, the load would still be running when the step after it
+   starts, and every cold request would wait out one more whole step;
 3. builds a flat token batch: one decode token for every running sequence whose prompt is
    in the cache, plus prompt chunks of prefilling sequences under the
    ``max_num_batched_tokens`` budget (chunked prefill, as in vLLM/Sarathi);
@@ -238,6 +241,7 @@ class _Seq:
     cold: bool = False
     wait_s: float = 0.0
     prefill_work: float = 0.0  # seconds of steps attributed to its prompt so far
+    acquire_error: Exception | None = None  # the provider refused the lease (failed at admit)
     adapter_key: tuple[str, int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
@@ -338,6 +342,8 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._inflight: set[str] = set()
         self._cancels: set[str] = set()
+        self._submitting: set[str] = set()  # ids whose submit() is taking the lease
+        self._cancelled_early: set[str] = set()  # cancelled while submit() took the lease
         self._running: list[_Seq] = []  # index == KV slot
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -409,19 +415,46 @@ class Engine:
                 raise NoHealthyWorkerError("the engine is stopped; retry on another worker")
             if req.request_id in self._inflight:
                 raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
-            if len(self._waiting) >= self.config.max_queue:
+            if len(self._waiting) + len(self._submitting) >= self.config.max_queue:
                 raise OverloadedError(
                     f"the worker queue is full ({self.config.max_queue} waiting); retry later"
                 )
             self._inflight.add(req.request_id)
-            self._waiting.append(seq)
-            self._cond.notify_all()
+            self._submitting.add(req.request_id)
+        if req.adapter is not None:
+            # On the caller's thread, outside the engine lock: the store starts a cold
+            # adapter's load now, while the step in progress runs (see the module doc).
+            assert self.provider is not None  # _validate
+            try:
+                seq.lease = self.provider.acquire(req.adapter)
+                seq.cold = bool(seq.lease.cold)
+            except Exception as exc:  # noqa: BLE001 - reported on the stream at admission
+                seq.acquire_error = exc
+        with self._cond:
+            self._submitting.discard(req.request_id)
+            stopped = self._stop
+            if stopped:
+                self._inflight.discard(req.request_id)
+                self._cancelled_early.discard(req.request_id)
+            else:
+                self._waiting.append(seq)
+                if req.request_id in self._cancelled_early:
+                    # cancel() came while the lease was being taken: the loop finishes it
+                    self._cancelled_early.discard(req.request_id)
+                    self._cancels.add(req.request_id)
+                self._cond.notify_all()
+        if stopped:
+            if seq.lease is not None:
+                seq.lease.release()  # outside the engine lock, as _finish does
+            raise NoHealthyWorkerError("the engine is stopped; retry on another worker")
         return stream
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request by id (no-op when it is not in flight). Thread-safe."""
         with self._cond:
-            if request_id in self._inflight:
+            if request_id in self._submitting:  # submit() hands the cancel on
+                self._cancelled_early.add(request_id)
+            elif request_id in self._inflight:
                 self._cancels.add(request_id)
                 self._cond.notify_all()
 
@@ -523,14 +556,10 @@ class Engine:
         for s in waiting:
             ref = s.req.adapter
             if ref is not None:
-                if s.lease is None:
-                    try:
-                        assert self.provider is not None
-                        s.lease = self.provider.acquire(ref)
-                        s.cold = bool(s.lease.cold)
-                    except Exception as exc:  # noqa: BLE001 - provider raises domain errors
-                        failed.append((s, exc))
-                        continue
+                if s.acquire_error is not None:
+                    failed.append((s, s.acquire_error))
+                    continue
+                assert s.lease is not None  # taken in submit()
                 if not s.lease.ready():
                     if now - s.arrival > self.config.adapter_wait_timeout_s:
                         failed.append(

@@ -332,6 +332,38 @@ def test_request_waiting_for_adapter_does_not_block_others(
     assert 0.0 < est.prefill_s <= max(fast_last.ttft_seconds or 0.0, slow_last.ttft_seconds or 0.0)
 
 
+def test_cold_load_starts_on_submit_while_a_step_runs(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    """The lease (and so a cold adapter's load) is taken when the request arrives, not at
+    the next step boundary: with the step thread held inside a step, the load has already
+    started when submit() returns, and the request still runs once the step ends."""
+    provider.delay["r4-attn"] = 0.05
+    e = make_engine(model, tok, provider)
+    try:
+        busy = e.submit(EngineRequest("busy", chat(tok, "Count to ten."), max_new_tokens=64))
+        assert busy.get(timeout=120) is not None  # steps are running
+        with provider._guard:  # the next step blocks on the compute guard
+            time.sleep(0.2)  # ... which the step thread has reached by now
+            before = len(provider.leases)
+            cold = e.submit(
+                EngineRequest("cold", chat(tok, "Hi"), max_new_tokens=2, adapter=ref("r4-attn"))
+            )
+            assert len(provider.leases) == before + 1, "the load waits for the step to end"
+            assert provider.leases[-1].ref.adapter_id == "r4-attn"
+            time.sleep(0.1)  # the load completes while the step is still held
+        _, _, last = collect(cold)
+        busy.cancel()
+        list(busy)
+    finally:
+        provider.delay.clear()
+        e.stop()
+    assert last.error is None and last.adapter_cold
+    # measured from arrival: the load ran while the step was held
+    assert 0.05 <= last.adapter_wait_seconds < 0.3
+    assert provider.live == 0
+
+
 def test_service_estimates_are_exponential_means() -> None:
     est = ServiceEstimates(alpha=0.5)
     assert (est.prefill_s, est.cold_wait_s) == (0.0, 0.0)  # unknown until observed
