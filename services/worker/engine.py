@@ -387,6 +387,11 @@ class Engine:
     def submit(self, req: EngineRequest) -> RequestStream:
         """Queue a request; returns its event stream. Thread-safe.
 
+        A request with an adapter takes its lease here, on the caller's thread: a cold
+        adapter's load starts now, not at the next step boundary. A lease the provider
+        refuses (e.g. ``PoolExhaustedError``, ``AdapterNotFoundError``) ends the request
+        with that error on its stream at admission, as a failed load does.
+
         Raises:
             InvalidRequestError: empty or too long prompt, token ids out of range,
                 ``max_new_tokens`` out of range, bad sampling values, an adapter without a
