@@ -364,6 +364,61 @@ def test_cold_load_starts_on_submit_while_a_step_runs(
     assert provider.live == 0
 
 
+class _GatedProvider(TinyProvider):
+    """acquire() blocks until the test opens the gate (a store busy taking its lock)."""
+
+    def __init__(self, base: TinyProvider) -> None:
+        super().__init__()
+        self.adapters = base.adapters
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def acquire(self, ref: AdapterRef) -> _Lease:
+        self.entered.set()
+        assert self.gate.wait(30)
+        return super().acquire(ref)
+
+
+@pytest.mark.parametrize("action", ["cancel", "stop"])
+def test_cancel_or_stop_while_submit_takes_the_lease(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider, action: str
+) -> None:
+    """A cancel that arrives while submit() is taking the lease ends the request once it is
+    queued; a stop then makes submit() raise UNAVAILABLE. Either way the lease is released
+    and nothing stays in flight."""
+    gated = _GatedProvider(provider)
+    e = make_engine(model, tok, gated)
+    out: dict[str, object] = {}
+
+    def submit() -> None:
+        try:
+            out["stream"] = e.submit(
+                EngineRequest("r", chat(tok, "Hi"), max_new_tokens=4, adapter=ref("r16-all"))
+            )
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out["error"] = exc
+
+    t = threading.Thread(target=submit)
+    t.start()
+    try:
+        assert gated.entered.wait(30)
+        if action == "cancel":
+            e.cancel("r")
+        else:
+            e.stop()
+        gated.gate.set()
+        t.join(30)
+        if action == "cancel":
+            events = list(out["stream"])  # type: ignore[call-overload]
+            assert isinstance(events[-1].error, RequestCancelledError)
+        else:
+            assert isinstance(out.get("error"), NoHealthyWorkerError)
+    finally:
+        gated.gate.set()
+        e.stop()
+    assert gated.live == 0 and not e._inflight and not e._submitting
+
+
 def test_service_estimates_are_exponential_means() -> None:
     est = ServiceEstimates(alpha=0.5)
     assert (est.prefill_s, est.cold_wait_s) == (0.0, 0.0)  # unknown until observed
