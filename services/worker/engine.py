@@ -342,8 +342,8 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._inflight: set[str] = set()
         self._cancels: set[str] = set()
-        self._submitting: set[str] = set()  # ids whose submit() is taking the lease
-        self._cancelled_early: set[str] = set()  # cancelled while submit() took the lease
+        # ids whose submit() is taking the lease -> whether cancel() came meanwhile
+        self._submitting: dict[str, bool] = {}
         self._running: list[_Seq] = []  # index == KV slot
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -425,7 +425,7 @@ class Engine:
                     f"the worker queue is full ({self.config.max_queue} waiting); retry later"
                 )
             self._inflight.add(req.request_id)
-            self._submitting.add(req.request_id)
+            self._submitting[req.request_id] = False
         if req.adapter is not None:
             # On the caller's thread, outside the engine lock: the store starts a cold
             # adapter's load now, while the step in progress runs (see the module doc).
@@ -436,16 +436,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - reported on the stream at admission
                 seq.acquire_error = exc
         with self._cond:
-            self._submitting.discard(req.request_id)
+            cancelled = self._submitting.pop(req.request_id)
             stopped = self._stop
             if stopped:
                 self._inflight.discard(req.request_id)
-                self._cancelled_early.discard(req.request_id)
             else:
                 self._waiting.append(seq)
-                if req.request_id in self._cancelled_early:
-                    # cancel() came while the lease was being taken: the loop finishes it
-                    self._cancelled_early.discard(req.request_id)
+                if cancelled:  # cancel() came while the lease was being taken
                     self._cancels.add(req.request_id)
                 self._cond.notify_all()
         if stopped:
@@ -458,7 +455,7 @@ class Engine:
         """Cancel a request by id (no-op when it is not in flight). Thread-safe."""
         with self._cond:
             if request_id in self._submitting:  # submit() hands the cancel on
-                self._cancelled_early.add(request_id)
+                self._submitting[request_id] = True
             elif request_id in self._inflight:
                 self._cancels.add(request_id)
                 self._cond.notify_all()
