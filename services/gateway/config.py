@@ -10,6 +10,9 @@ from services.common.errors import ConfigError
 
 ROUTING_POLICIES = ("rank_aware", "round_robin")
 
+#: ``max_new_tokens`` of a request that leaves it unset, unless configured or above the limit.
+DEFAULT_MAX_NEW_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -25,7 +28,8 @@ class GatewayConfig:
         routing: ``rank_aware`` (residency-, placement- and queue-aware) or ``round_robin``
             (the rank-oblivious baseline) (``PLORA_ROUTING``).
         max_new_tokens_limit: Largest ``max_new_tokens`` accepted (``PLORA_MAX_NEW_TOKENS_LIMIT``).
-        default_max_new_tokens: Used when a request leaves it unset.
+        default_max_new_tokens: Used when a request leaves it unset
+            (``PLORA_DEFAULT_MAX_NEW_TOKENS``; unset: 64, or the limit when that is lower).
         event_queue_size: Bound of the queue of request events to the predictor; events beyond
             it are dropped and counted, never waited for.
         request_timeout_s: Deadline applied to a worker call when the client set none.
@@ -42,7 +46,7 @@ class GatewayConfig:
     predictor_address: str = ""
     routing: str = "rank_aware"
     max_new_tokens_limit: int = 512
-    default_max_new_tokens: int = 64
+    default_max_new_tokens: int = 0  # 0 = min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_limit)
     event_queue_size: int = 10_000
     request_timeout_s: float = 600.0
     worker_cache_s: float = 0.25
@@ -53,8 +57,23 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.max_new_tokens_limit < 1:
+            raise ConfigError(
+                f"--max-new-tokens-limit / PLORA_MAX_NEW_TOKENS_LIMIT must be >= 1, "
+                f"got {self.max_new_tokens_limit}"
+            )
+        if self.default_max_new_tokens == 0:
+            object.__setattr__(
+                self,
+                "default_max_new_tokens",
+                min(DEFAULT_MAX_NEW_TOKENS, self.max_new_tokens_limit),
+            )
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens_limit:
-            raise ConfigError("default_max_new_tokens must be in [1, max_new_tokens_limit]")
+            raise ConfigError(
+                f"--default-max-new-tokens / PLORA_DEFAULT_MAX_NEW_TOKENS must be in "
+                f"1..{self.max_new_tokens_limit} (the max-new-tokens limit), "
+                f"got {self.default_max_new_tokens}"
+            )
         if self.event_queue_size < 1:
             raise ConfigError("event_queue_size must be >= 1")
 
@@ -68,6 +87,7 @@ class GatewayConfig:
         parser.add_argument("--predictor-address")
         parser.add_argument("--routing", choices=ROUTING_POLICIES)
         parser.add_argument("--max-new-tokens-limit", type=int)
+        parser.add_argument("--default-max-new-tokens", type=int)
         parser.add_argument("--ready-file")
 
     @classmethod
@@ -87,6 +107,8 @@ class GatewayConfig:
             routing=args.routing or env_or("PLORA_ROUTING", d.routing) or d.routing,
             max_new_tokens_limit=args.max_new_tokens_limit
             or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
+            default_max_new_tokens=args.default_max_new_tokens
+            or env_int("PLORA_DEFAULT_MAX_NEW_TOKENS", 0),
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             ready_file=args.ready_file or "",
         )

@@ -60,6 +60,27 @@ def test_gateway_rejects_unknown_routing() -> None:
         GatewayConfig(routing="random")
 
 
+def test_gateway_default_max_new_tokens_follows_a_lower_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A limit below the default of 64 lowers the default with it (it used to stop the
+    gateway from starting); an explicit default above the limit is refused by name."""
+    assert config_from_flags(GatewayConfig).default_max_new_tokens == 64
+    monkeypatch.setenv("PLORA_MAX_NEW_TOKENS_LIMIT", "16")
+    cfg = config_from_flags(GatewayConfig)
+    assert (cfg.max_new_tokens_limit, cfg.default_max_new_tokens) == (16, 16)
+    monkeypatch.setenv("PLORA_DEFAULT_MAX_NEW_TOKENS", "8")
+    assert config_from_flags(GatewayConfig).default_max_new_tokens == 8
+    assert (
+        config_from_flags(GatewayConfig, "--default-max-new-tokens", "12").default_max_new_tokens
+        == 12
+    )
+    with pytest.raises(ConfigError, match="PLORA_DEFAULT_MAX_NEW_TOKENS must be in 1..16"):
+        config_from_flags(GatewayConfig, "--default-max-new-tokens", "32")
+    with pytest.raises(ConfigError, match="PLORA_MAX_NEW_TOKENS_LIMIT must be >= 1"):
+        GatewayConfig(max_new_tokens_limit=-3)
+
+
 def test_predictor_prefetch_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config_from_flags(PredictorConfig).prefetch == "on"
     monkeypatch.setenv("PLORA_PREDICTOR_PREFETCH", "off")
