@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,27 +36,55 @@ from services.common.registry import connect
 logger = logging.getLogger(__name__)
 
 
-def policy_flags(spec: PolicySpec) -> dict[str, list[str]]:
+#: The environment variable each policy flag falls back to in its service's configuration.
+POLICY_FLAG_ENV = {
+    "--allocator": "PLORA_ALLOCATOR",
+    "--eviction": "PLORA_EVICTION",
+    "--host-staging": "PLORA_HOST_STAGING",
+    "--routing": "PLORA_ROUTING",
+    "--prefetch": "PLORA_PREDICTOR_PREFETCH",
+}
+
+
+def policy_flags(
+    spec: PolicySpec, keep_env: Mapping[str, str] | None = None
+) -> dict[str, list[str]]:
     """The flags that make each service run ``spec``.
+
+    Args:
+        spec: The policy.
+        keep_env: When given (``plora up`` without ``--policy``), a flag whose environment
+            variable (:data:`POLICY_FLAG_ENV`) is set there is left out, so the service reads
+            the variable as its configuration says (flags, then ``PLORA_*``, then defaults).
+            Without it (an explicit ``--policy``, every benchmark cluster) the policy's flags
+            win over the environment.
 
     Returns:
         ``{"worker": [...], "gateway": [...], "predictor": [...]}``; no ``"predictor"`` key
         when the policy runs without one.
     """
-    flags = {
+    pairs = {
         "worker": [
-            "--allocator",
-            spec.allocator,
-            "--eviction",
-            spec.eviction,
-            "--host-staging",
-            "on" if spec.host_staging else "off",
+            ("--allocator", spec.allocator),
+            ("--eviction", spec.eviction),
+            ("--host-staging", "on" if spec.host_staging else "off"),
         ],
-        "gateway": ["--routing", spec.routing],
+        "gateway": [("--routing", spec.routing)],
     }
     if spec.predictor:
-        flags["predictor"] = ["--prefetch", "on" if spec.prefetch else "off"]
-    return flags
+        pairs["predictor"] = [("--prefetch", "on" if spec.prefetch else "off")]
+    env = keep_env if keep_env is not None else {}
+    return {
+        service: [
+            x for flag, value in items if not env.get(POLICY_FLAG_ENV[flag]) for x in (flag, value)
+        ]
+        for service, items in pairs.items()
+    }
+
+
+def overridden_policy_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The policy settings ``env`` sets (:data:`POLICY_FLAG_ENV` names -> values)."""
+    return {name: env[name] for name in POLICY_FLAG_ENV.values() if env.get(name)}
 
 
 @dataclass
@@ -127,8 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy",
         choices=sorted(POLICIES),
-        default="plora",
-        help="serving policy (services/common/policies.py; default plora)",
+        default=None,
+        help="serving policy (services/common/policies.py); its settings win over PLORA_* "
+        "variables. Default: plora, where PLORA_ALLOCATOR, PLORA_EVICTION, PLORA_HOST_STAGING, "
+        "PLORA_ROUTING and PLORA_PREDICTOR_PREFETCH, if set, replace its settings",
     )
     parser.add_argument(
         "--demo-adapters",
@@ -230,7 +261,17 @@ class Cluster:
     def start(self) -> dict[str, object]:
         """Start everything; returns the state written to the state file."""
         a = self.args
-        policy = policy_flags(POLICIES[a.policy])
+        policy_name = a.policy or "plora"
+        set_in_env = overridden_policy_env(os.environ)
+        policy = policy_flags(POLICIES[policy_name], keep_env=None if a.policy else os.environ)
+        if set_in_env:
+            shown = ", ".join(f"{k}={v}" for k, v in set_in_env.items())
+            self._say(
+                f"--policy {a.policy} overrides {shown}"
+                if a.policy
+                else f"policy plora with {shown} from the environment"
+            )
+        env_policy = {} if a.policy else set_in_env
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_file.unlink(missing_ok=True)
         env = dict(os.environ)
@@ -267,12 +308,13 @@ class Cluster:
         workers = []
         # Workers on one host split the cores: OpenMP threads beyond the cores spin-wait on
         # each other and decode several times slower.
+        # PLORA_WORKER_THREADS, when set, is the user's choice and the workers read it.
         threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
+        thread_flags = [] if env.get("PLORA_WORKER_THREADS") else ["--threads", str(threads)]
         for i in range(a.workers):
             flags = [
                 *common,
-                "--threads",
-                str(threads),
+                *thread_flags,
                 "--worker-id",
                 f"worker-{i}",
                 "--port",
@@ -318,7 +360,8 @@ class Cluster:
                 c.name: f"http://{a.host}:{c.ports['metrics_port']}/metrics" for c in self.children
             },
             "redis_url": self.redis_url,
-            "policy": a.policy,
+            "policy": policy_name,
+            "policy_env": env_policy,
             "workers": {w.name: f"{a.host}:{w.ports['grpc_port']}" for w in workers},
             "predictor": f"{a.host}:{predictor.ports['grpc_port']}" if predictor else "",
             "adapters": registered,

@@ -12,7 +12,7 @@ import pytest
 
 from services.common.policies import POLICIES, PolicySpec, get_policy
 from services.gateway.config import GatewayConfig
-from services.launcher import _cli_command, policy_flags
+from services.launcher import _cli_command, overridden_policy_env, policy_flags
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO
@@ -82,6 +82,29 @@ def test_policy_flags_make_every_service_run_the_policy(name: str) -> None:
     if spec.predictor:
         predictor = config_from_flags(PredictorConfig, *flags["predictor"])
         assert predictor.prefetch == ("on" if spec.prefetch else "off")
+
+
+def test_plora_up_without_policy_leaves_policy_settings_to_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``plora up`` without ``--policy`` runs plora, but a ``PLORA_*`` policy variable the user
+    set reaches its service (the README's "flags, then environment"); an explicit policy (and
+    every benchmark cluster) passes all its flags, which win over the environment."""
+    env = {"PLORA_ALLOCATOR": "contiguous", "PLORA_ROUTING": "round_robin"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plora = POLICIES["plora"]
+
+    kept = policy_flags(plora, keep_env=env)
+    assert "--allocator" not in kept["worker"] and "--routing" not in kept["gateway"]
+    worker = config_from_flags(WorkerConfig, *kept["worker"])
+    assert (worker.allocator, worker.eviction) == ("contiguous", plora.eviction)
+    assert config_from_flags(GatewayConfig, *kept["gateway"]).routing == "round_robin"
+    assert overridden_policy_env(env) == env
+
+    forced = policy_flags(plora)
+    assert config_from_flags(WorkerConfig, *forced["worker"]).allocator == plora.allocator
+    assert config_from_flags(GatewayConfig, *forced["gateway"]).routing == plora.routing
 
 
 def test_an_inconsistent_policy_is_refused() -> None:
