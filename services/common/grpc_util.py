@@ -86,6 +86,23 @@ def remaining_or(context: grpc.ServicerContext, default: float) -> float:
     return max(0.001, remaining)
 
 
+#: A stream ended this close to its deadline (seconds) ended by the deadline: the client's
+#: cancellation at its deadline can reach a server (and the gateway's, a worker) a little
+#: before the server's own clock passes it.
+DEADLINE_SLACK_S = 0.1
+
+
+def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """Status to count for a stream the client ended before it finished:
+    ``DEADLINE_EXCEEDED`` when the client's deadline has passed (within
+    :data:`DEADLINE_SLACK_S`), else ``CANCELLED`` (the client cancelled or went away), the
+    code the client saw."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
+
+
 def already_aborted(context: grpc.ServicerContext) -> bool:
     """True once ``context.abort`` ran: it raises a bare ``Exception`` that must propagate."""
     code = context.code()

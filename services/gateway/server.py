@@ -35,6 +35,7 @@ from services.common.grpc_util import (
     abort,
     already_aborted,
     create_server,
+    ended_by_client,
     map_errors,
     remaining_or,
     set_serving,
@@ -271,7 +272,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             abort(context, exc, request_id)
         finally:
             if not context.is_active() and code is grpc.StatusCode.OK:
-                code = grpc.StatusCode.CANCELLED
+                code = ended_by_client(context)
             self.metrics.requests.labels(code.name).inc()
             self.metrics.in_flight.dec()
 

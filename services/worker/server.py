@@ -26,6 +26,7 @@ from services.common.grpc_util import (
     abort,
     already_aborted,
     create_server,
+    ended_by_client,
     map_errors,
     remaining_or,
     set_serving,
@@ -162,7 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if stream is not None:
                 stream.cancel()  # no-op when finished; frees KV and the lease otherwise
             if code is grpc.StatusCode.OK and not context.is_active():
-                code = grpc.StatusCode.CANCELLED
+                code = ended_by_client(context)
             self.metrics.requests.labels(code.name).inc()
 
     @map_errors

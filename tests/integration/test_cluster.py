@@ -273,6 +273,44 @@ def test_client_cancel_stops_generation_on_the_worker(stub, cluster: dict) -> No
     # The cluster keeps serving.
     text, _ = collect(stub, chat(max_new_tokens=12))
     assert "Paris" in text
+    wait_for_request_codes(cluster, "CANCELLED")
+
+
+def wait_for_request_codes(cluster: dict, code: str, timeout: float = 10.0) -> None:
+    """Wait until the gateway and some worker have counted a request ended with ``code``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        texts = {
+            name: urllib.request.urlopen(url, timeout=10).read().decode()
+            for name, url in cluster["metrics"].items()
+        }
+        gateway = f'plora_gateway_requests_total{{code="{code}"}}' in texts["gateway"]
+        worker = any(
+            f'plora_worker_requests_total{{code="{code}"}}' in t
+            for name, t in texts.items()
+            if name.startswith("worker")
+        )
+        if gateway and worker:
+            return
+        assert time.monotonic() < deadline, (
+            f"{code} not counted (gateway {gateway}, worker {worker})"
+        )
+        time.sleep(0.2)
+
+
+def test_client_deadline_is_counted_as_deadline_exceeded(stub, cluster: dict) -> None:
+    """A stream ended by the client's deadline is counted ``DEADLINE_EXCEEDED`` by the gateway
+    and the worker, the code the client saw (both counted it ``CANCELLED`` before)."""
+    call = stub.Generate(
+        chat("Tell me a very long story about dragons.", max_new_tokens=400), timeout=2.0
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for_request_codes(cluster, "DEADLINE_EXCEEDED")
+    text, _ = collect(stub, chat(max_new_tokens=12))
+    assert "Paris" in text
 
 
 def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
