@@ -97,15 +97,31 @@ class Child:
     ready_file: Path
     proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
+    log_offset: int = 0  # where this start's lines begin in the (appended) log
 
     def start(self, env: dict[str, str]) -> None:
         self.ready_file.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write(f"==== {stamp} plora up: starting {self.name} ====\n".encode())
+        log.flush()
+        self.log_offset = log.tell()
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
         log.close()
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The last ``lines`` lines this start wrote to its log (the logs are appended to
+        across runs; an earlier run's lines are not this failure's)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:]) or "(nothing logged)"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -122,15 +138,15 @@ class Child:
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """SIGTERM, wait up to ``timeout`` seconds, then SIGKILL; then drop the ready file."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.ready_file.unlink(missing_ok=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,7 +252,7 @@ class Cluster:
                 elif not c.alive():
                     raise RuntimeError(
                         f"{c.name} exited with code {c.proc.returncode if c.proc else '?'} "
-                        f"during start-up; see {c.log_path}:\n{_tail(c.log_path)}"
+                        f"during start-up; see {c.log_path}:\n{c.log_tail()}"
                     )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"start-up timed out waiting for {[c.name for c in pending]}")
@@ -424,7 +440,7 @@ class Cluster:
                 if len(recent) >= max_restarts:
                     self._say(
                         f"{c.name} exited (code {code}) {len(recent) + 1} times within "
-                        f"{window_s:.0f}s; stopping. Last log lines:\n{_tail(c.log_path)}"
+                        f"{window_s:.0f}s; stopping. Last log lines:\n{c.log_tail()}"
                     )
                     return 1
                 restarts[c.name] = [*recent, now]
@@ -481,13 +497,6 @@ def _pin_ports(cmd: list[str], ports: dict[str, int]) -> list[str]:
         if flag in out and key in ports:
             out[out.index(flag) + 1] = str(ports[key])
     return out
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 def _cli_command() -> str:

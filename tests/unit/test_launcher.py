@@ -3,16 +3,18 @@ the flags that make each service run a policy."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from services.common.policies import POLICIES, PolicySpec, get_policy
 from services.gateway.config import GatewayConfig
-from services.launcher import _cli_command, overridden_policy_env, policy_flags
+from services.launcher import Child, _cli_command, overridden_policy_env, policy_flags
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO
@@ -132,3 +134,31 @@ def test_ready_hint_names_a_plora_the_shell_can_run(
     assert _cli_command() == "venv/bin/plora"
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     assert _cli_command() == "plora"
+
+
+def test_a_child_shows_only_its_own_log_lines_and_leaves_no_ready_file(tmp_path: Path) -> None:
+    """The logs under ``.plora/logs`` are appended to across runs: a start-up failure shows
+    the lines of this start, not an earlier run's; a stopped child's ready file is removed."""
+    log = tmp_path / "logs" / "worker-0.log"
+    log.parent.mkdir()
+    log.write_text("ERROR an earlier run's failure\n")
+    ready = tmp_path / "run" / "worker-0.ready.json"
+    ready.parent.mkdir()
+    code = (
+        f"import pathlib, time; print('INFO this run', flush=True); "
+        f"pathlib.Path({str(ready)!r}).write_text('{{}}'); time.sleep(60)"
+    )
+    child = Child("worker-0", [sys.executable, "-c", code], log, ready)
+    child.start(dict(os.environ))
+    try:
+        for _ in range(200):
+            if child.poll_ready() and "this run" in child.log_tail():
+                break
+            time.sleep(0.05)
+        tail = child.log_tail()
+        assert "INFO this run" in tail and "earlier run" not in tail
+        assert "earlier run" in log.read_text()  # kept in the file, marked off by a header
+        assert "plora up: starting worker-0" in log.read_text()
+    finally:
+        child.stop(timeout=5)
+    assert not ready.exists()
