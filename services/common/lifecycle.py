@@ -68,8 +68,16 @@ def run_service(
     """
     parser = argparse.ArgumentParser(prog=f"plora serve {name}")
     config_cls.add_arguments(parser)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-json", action="store_true")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR (no env variable; default INFO)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        help="one JSON object per log line, for log collectors (default: plain text)",
+    )
     args = parser.parse_args(argv)
     try:
         config = config_cls.from_args(args)

@@ -79,16 +79,57 @@ class GatewayConfig:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the gateway's flags (defaults None: the env fallback applies)."""
-        parser.add_argument("--host")
-        parser.add_argument("--port", type=int)
-        parser.add_argument("--metrics-port", type=int)
-        parser.add_argument("--redis-url")
-        parser.add_argument("--predictor-address")
-        parser.add_argument("--routing", choices=ROUTING_POLICIES)
-        parser.add_argument("--max-new-tokens-limit", type=int)
-        parser.add_argument("--default-max-new-tokens", type=int)
-        parser.add_argument("--ready-file")
+        """Add the gateway's flags (defaults None: the env fallback applies).
+
+        Each help ends ``(env PLORA_X; default D)``, D being the field default above
+        (tests/unit/test_config.py checks both against ``from_args`` and the dataclass).
+        """
+        parser.add_argument(
+            "--host",
+            help="interface the gRPC server binds (env PLORA_GATEWAY_HOST; default 127.0.0.1)",
+        )
+        parser.add_argument(
+            "--port",
+            type=int,
+            help="gRPC port, 0 = any free port (env PLORA_GATEWAY_PORT; default 50051)",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            help="Prometheus metrics port, 0 = any free port "
+            "(env PLORA_GATEWAY_METRICS_PORT; default 9100)",
+        )
+        parser.add_argument(
+            "--redis-url",
+            help="metadata store (env PLORA_REDIS_URL; default redis://127.0.0.1:6379/0)",
+        )
+        parser.add_argument(
+            "--predictor-address",
+            help="host:port of the predictor that gets the request events; empty = none "
+            "(env PLORA_PREDICTOR_ADDRESS; default none)",
+        )
+        parser.add_argument(
+            "--routing",
+            choices=ROUTING_POLICIES,
+            help="rank_aware (residency-, placement- and queue-aware) or round_robin, the "
+            "baseline (env PLORA_ROUTING; default rank_aware)",
+        )
+        parser.add_argument(
+            "--max-new-tokens-limit",
+            type=int,
+            help="largest max_new_tokens accepted (env PLORA_MAX_NEW_TOKENS_LIMIT; default 512)",
+        )
+        parser.add_argument(
+            "--default-max-new-tokens",
+            type=int,
+            help="max_new_tokens of a request that leaves it unset "
+            "(env PLORA_DEFAULT_MAX_NEW_TOKENS; default 64, or the limit if lower)",
+        )
+        parser.add_argument(
+            "--ready-file",
+            help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
+            "(no env variable; default none)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:

@@ -56,18 +56,58 @@ class PredictorConfig:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the predictor's flags (defaults None: the env fallback applies)."""
-        parser.add_argument("--host")
-        parser.add_argument("--port", type=int)
-        parser.add_argument("--metrics-port", type=int)
-        parser.add_argument("--redis-url")
-        parser.add_argument("--forecaster", choices=FORECASTER_NAMES)
-        parser.add_argument("--tick-s", type=float)
-        parser.add_argument("--horizon-s", type=float)
+        """Add the predictor's flags (defaults None: the env fallback applies).
+
+        Each help ends ``(env PLORA_X; default D)``, D being the field default above
+        (tests/unit/test_config.py checks both against ``from_args`` and the dataclass).
+        """
         parser.add_argument(
-            "--prefetch", choices=("on", "off"), help="send prefetch RPCs to the workers (on)"
+            "--host",
+            help="interface the gRPC server binds (env PLORA_PREDICTOR_HOST; default 127.0.0.1)",
         )
-        parser.add_argument("--ready-file")
+        parser.add_argument(
+            "--port",
+            type=int,
+            help="gRPC port, 0 = any free port (env PLORA_PREDICTOR_PORT; default 50071)",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            help="Prometheus metrics port, 0 = any free port "
+            "(env PLORA_PREDICTOR_METRICS_PORT; default 9102)",
+        )
+        parser.add_argument(
+            "--redis-url",
+            help="metadata store (env PLORA_REDIS_URL; default redis://127.0.0.1:6379/0)",
+        )
+        parser.add_argument(
+            "--forecaster",
+            choices=FORECASTER_NAMES,
+            help="demand forecaster (env PLORA_FORECASTER; default ensemble)",
+        )
+        parser.add_argument(
+            "--tick-s",
+            type=float,
+            help="seconds between forecast / prefetch rounds "
+            "(env PLORA_PREDICTOR_TICK_S; default 1)",
+        )
+        parser.add_argument(
+            "--horizon-s",
+            type=float,
+            help="forecast horizon in seconds (env PLORA_PREDICTOR_HORIZON_S; default 5)",
+        )
+        parser.add_argument(
+            "--prefetch",
+            choices=("on", "off"),
+            help="on: send each tick's prefetch choice to the workers; off: forecast, place and "
+            "publish only, the plora-no-prefetch ablation "
+            "(env PLORA_PREDICTOR_PREFETCH; default on)",
+        )
+        parser.add_argument(
+            "--ready-file",
+            help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
+            "(no env variable; default none)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PredictorConfig:

@@ -110,30 +110,132 @@ class WorkerConfig:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
-        """Add the worker's flags (defaults None: the env fallback applies)."""
-        parser.add_argument("--worker-id")
-        parser.add_argument("--host")
-        parser.add_argument("--port", type=int)
-        parser.add_argument("--advertise-host")
-        parser.add_argument("--metrics-port", type=int)
-        parser.add_argument("--redis-url")
-        parser.add_argument("--model")
-        parser.add_argument("--cache-dir")
-        parser.add_argument("--device")
-        parser.add_argument("--dtype", choices=DTYPES)
-        parser.add_argument("--max-batch-size", type=int)
-        parser.add_argument("--max-num-batched-tokens", type=int)
-        parser.add_argument("--max-model-len", type=int)
-        parser.add_argument("--max-new-tokens-limit", type=int)
-        parser.add_argument("--pool-bytes")
-        parser.add_argument("--page-bytes")
-        parser.add_argument("--host-cache-bytes")
-        parser.add_argument("--allocator", choices=ALLOCATORS)
-        parser.add_argument("--eviction", choices=EVICTIONS)
-        parser.add_argument("--load-wait-timeout-s", type=float)
-        parser.add_argument("--host-staging", choices=("on", "off"))
-        parser.add_argument("--threads", type=int)
-        parser.add_argument("--ready-file")
+        """Add the worker's flags (defaults None: the env fallback applies).
+
+        Each help ends ``(env PLORA_X; default D)``, D being the field default above
+        (tests/unit/test_config.py checks both against ``from_args`` and the dataclass).
+        """
+        parser.add_argument(
+            "--worker-id",
+            help="stable id of this worker in the registry (env PLORA_WORKER_ID; default worker-0)",
+        )
+        parser.add_argument(
+            "--host",
+            help="interface the gRPC server binds (env PLORA_WORKER_HOST; default 127.0.0.1)",
+        )
+        parser.add_argument(
+            "--port",
+            type=int,
+            help="gRPC port, 0 = any free port (env PLORA_WORKER_PORT; default 50061)",
+        )
+        parser.add_argument(
+            "--advertise-host",
+            help="host the gateway dials instead of --host, e.g. the container name under "
+            "docker compose (env PLORA_WORKER_ADVERTISE_HOST; default none)",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            help="Prometheus metrics port, 0 = any free port "
+            "(env PLORA_WORKER_METRICS_PORT; default 9101)",
+        )
+        parser.add_argument(
+            "--redis-url",
+            help="metadata store (env PLORA_REDIS_URL; default redis://127.0.0.1:6379/0)",
+        )
+        parser.add_argument(
+            "--model",
+            help="base model: smollm2, a .gguf file or a Hugging Face Llama-family directory "
+            "(env PLORA_MODEL; default smollm2)",
+        )
+        parser.add_argument(
+            "--cache-dir",
+            help="where converted models are cached "
+            "(env PLORA_CACHE_DIR; default none = ~/.cache/plora)",
+        )
+        parser.add_argument(
+            "--device",
+            help="cpu, cuda, cuda:1, ...: auto = CUDA when present "
+            "(env PLORA_DEVICE; default auto)",
+        )
+        parser.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            help="serving dtype: auto = float32 on CPU, bfloat16 on CUDA "
+            "(env PLORA_DTYPE; default auto)",
+        )
+        parser.add_argument(
+            "--max-batch-size",
+            type=int,
+            help="most sequences in the running batch (env PLORA_MAX_BATCH_SIZE; default 32)",
+        )
+        parser.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            help="tokens per engine step, decode rows + prefill chunks "
+            "(env PLORA_MAX_NUM_BATCHED_TOKENS; default 512)",
+        )
+        parser.add_argument(
+            "--max-model-len",
+            type=int,
+            help="context served, prompt + completion, capped by the model's "
+            "(env PLORA_MAX_MODEL_LEN; default 2048)",
+        )
+        parser.add_argument(
+            "--max-new-tokens-limit",
+            type=int,
+            help="largest max_new_tokens accepted (env PLORA_MAX_NEW_TOKENS_LIMIT; default 512)",
+        )
+        parser.add_argument(
+            "--pool-bytes",
+            help="device adapter pool per worker, e.g. 512MiB "
+            "(env PLORA_POOL_BYTES; default 512MiB)",
+        )
+        parser.add_argument(
+            "--page-bytes",
+            help="page size of the paged allocator, e.g. 64KiB "
+            "(env PLORA_PAGE_BYTES; default 64KiB)",
+        )
+        parser.add_argument(
+            "--host-cache-bytes",
+            help="host adapter cache, at least the pool, e.g. 2GiB "
+            "(env PLORA_HOST_CACHE_BYTES; default 2GiB, or the pool if larger)",
+        )
+        parser.add_argument(
+            "--allocator",
+            choices=ALLOCATORS,
+            help="pool allocator: paged (first-fit pages + compaction) or contiguous, the "
+            "baseline (env PLORA_ALLOCATOR; default paged)",
+        )
+        parser.add_argument(
+            "--eviction",
+            choices=EVICTIONS,
+            help="pool eviction: predictive (lowest forecast demand per byte) or lru, the "
+            "baseline (env PLORA_EVICTION; default predictive)",
+        )
+        parser.add_argument(
+            "--load-wait-timeout-s",
+            type=float,
+            help="seconds a load may wait for pool space before its request fails "
+            "(env PLORA_LOAD_WAIT_TIMEOUT_S; default 30)",
+        )
+        parser.add_argument(
+            "--host-staging",
+            choices=("on", "off"),
+            help="on: read registered adapters into free host-cache space ahead of demand; "
+            "off, the baseline: read on demand only (env PLORA_HOST_STAGING; default on)",
+        )
+        parser.add_argument(
+            "--threads",
+            type=int,
+            help="CPU threads of the engine; workers sharing a host should split the cores "
+            "(env PLORA_WORKER_THREADS; default 0 = all cores)",
+        )
+        parser.add_argument(
+            "--ready-file",
+            help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
+            "(no env variable; default none)",
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkerConfig:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import inspect
 import itertools
+import os
 import re
+from typing import Any
 
 import pytest
 
 from services.common.config import parse_bytes
 from services.common.errors import ConfigError
-from services.gateway.config import GatewayConfig
+from services.gateway.config import DEFAULT_MAX_NEW_TOKENS, GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO
@@ -116,3 +121,110 @@ def test_every_variable_the_services_read_is_documented() -> None:
     assert len(read) > 30
     missing = read - _readme_variables()
     assert not missing, f"not in README.md: {sorted(missing)}"
+
+
+SERVICE_CONFIGS = [GatewayConfig, WorkerConfig, PredictorConfig]
+
+#: How every service flag's help reads: what it does, then the variable it falls back to (or
+#: "no env variable") and its default - "512MiB", "64, or the limit if lower", "none".
+FLAG_HELP = re.compile(
+    r"(?P<what>\S.*) \((?:env (?P<env>PLORA_[A-Z0-9_]+)|no env variable); "
+    r"default (?P<default>[^()]+)\)"
+)
+
+#: Fields whose dataclass default is a placeholder resolved in ``__post_init__``: the default
+#: their help states instead.
+RESOLVED_DEFAULTS = {"default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+
+#: Variables a ``from_args`` reads that no flag falls back to.
+ENV_ONLY = {GatewayConfig: {"PLORA_REQUEST_TIMEOUT_S"}}
+
+
+def _without_plora_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("PLORA_"):
+            monkeypatch.delenv(name)
+
+
+def _flag_helps(config: Any) -> dict[str, tuple[argparse.Action, str | None, str]]:
+    """``dest -> (option, env variable its help names or None, default its help states)`` for
+    every option ``config.add_arguments`` adds but ``-h``; fails on a help not in that form."""
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    helps = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        flag = action.option_strings[0]
+        assert action.default is None, f"{flag}: its default must stay None (the env fallback)"
+        match = FLAG_HELP.fullmatch(action.help or "")
+        assert match, (
+            f"{flag}: help should read '... (env PLORA_X; default D)' or "
+            f"'... (no env variable; default D)', got {action.help!r}"
+        )
+        helps[action.dest] = (action, match["env"], match["default"])
+    return helps
+
+
+def _stated_value(stated: str, field: dataclasses.Field) -> object:
+    """The value a help's ``default D`` means, as ``field`` holds it ("none" = empty)."""
+    word = re.match(r"[^\s,]+", stated).group(0)
+    if word == "none":
+        return ""
+    if field.name.endswith("_bytes"):
+        return parse_bytes(word)
+    return type(field.default)(word)
+
+
+def _other_value(action: argparse.Action, default: Any) -> tuple[str, object]:
+    """A valid value for ``action``'s field other than ``default``: (as env text, as the
+    config holds it)."""
+    if action.choices:
+        other = next(c for c in action.choices if c != default)
+        return other, other
+    if action.dest.endswith("_bytes"):
+        return f"{2 * default >> 10}KiB", 2 * default
+    if isinstance(default, (int, float)):
+        return str(default + 1), default + 1
+    return f"{action.dest}-from-env", f"{action.dest}-from-env"
+
+
+@pytest.mark.parametrize("config", SERVICE_CONFIGS, ids=lambda c: c.__name__)
+def test_every_flag_has_help_stating_its_default(
+    config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plora serve <service> --help`` explains every flag (a new user found most of them
+    bare), and the default it states is the dataclass's - and what the service gets unset."""
+    _without_plora_env(monkeypatch)
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    unset = config_from_flags(config)
+    for dest, (action, _env, stated) in _flag_helps(config).items():
+        flag = action.option_strings[0]
+        expected = RESOLVED_DEFAULTS.get(dest, fields[dest].default)
+        assert _stated_value(stated, fields[dest]) == expected, (
+            f"{flag}: help says default {stated!r}, the dataclass {expected!r}"
+        )
+        assert getattr(unset, dest) == expected, f"{flag}: unset, it is not {expected!r}"
+
+
+@pytest.mark.parametrize("config", SERVICE_CONFIGS, ids=lambda c: c.__name__)
+def test_the_env_variable_in_a_flags_help_is_the_one_it_falls_back_to(
+    config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variable a flag's help names, set alone, lands in that flag's field; and every
+    ``PLORA_*`` variable ``from_args`` reads is named by a flag's help (or is env-only)."""
+    _without_plora_env(monkeypatch)
+    named = set()
+    for dest, (action, env, _stated) in _flag_helps(config).items():
+        if env is None:
+            continue
+        named.add(env)
+        flag = action.option_strings[0]
+        text, value = _other_value(action, getattr(config(), dest))
+        with monkeypatch.context() as m:
+            m.setenv(env, text)
+            assert getattr(config_from_flags(config), dest) == value, (
+                f"{flag}: help names {env}, but {env}={text} does not set {dest} to {value!r}"
+            )
+    read = set(re.findall(r'"(PLORA_[A-Z0-9_]+)"', inspect.getsource(config.from_args)))
+    assert read - ENV_ONLY.get(config, set()) == named
