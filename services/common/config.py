@@ -7,6 +7,7 @@ module is the only place that reads ``os.environ`` for configuration (STYLE.md "
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 
@@ -14,6 +15,30 @@ from services.common.errors import ConfigError
 
 #: Default Redis URL when neither --redis-url nor PLORA_REDIS_URL is given.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def add_server_arguments(
+    parser: argparse.ArgumentParser, service: str, port: int, metrics_port: int
+) -> None:
+    """``--host``, ``--port``, ``--metrics-port`` and ``--redis-url`` of one service, whose
+    config reads ``PLORA_<SERVICE>_HOST`` / ``_PORT`` / ``_METRICS_PORT`` and
+    ``PLORA_REDIS_URL`` (parser defaults None: flags, then environment, then defaults)."""
+    env = f"PLORA_{service.upper()}"
+    parser.add_argument(
+        "--host", help=f"interface the gRPC server binds (env {env}_HOST; default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, help=f"gRPC port, 0 = any free port (env {env}_PORT; default {port})"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help=f"Prometheus metrics port, 0 = any free port (env {env}_METRICS_PORT; "
+        f"default {metrics_port})",
+    )
+    parser.add_argument(
+        "--redis-url", help=f"metadata store (env PLORA_REDIS_URL; default {DEFAULT_REDIS_URL})"
+    )
 
 
 def env_or(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.config import DEFAULT_REDIS_URL, env_float, env_int, env_or
+from services.common.config import (
+    DEFAULT_REDIS_URL,
+    add_server_arguments,
+    env_float,
+    env_int,
+    env_or,
+)
 from services.common.errors import ConfigError
 
 ROUTING_POLICIES = ("rank_aware", "round_robin")
@@ -84,25 +90,7 @@ class GatewayConfig:
         Each help ends ``(env PLORA_X; default D)``, D being the field default above
         (tests/unit/test_config.py checks both against ``from_args`` and the dataclass).
         """
-        parser.add_argument(
-            "--host",
-            help="interface the gRPC server binds (env PLORA_GATEWAY_HOST; default 127.0.0.1)",
-        )
-        parser.add_argument(
-            "--port",
-            type=int,
-            help="gRPC port, 0 = any free port (env PLORA_GATEWAY_PORT; default 50051)",
-        )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            help="Prometheus metrics port, 0 = any free port "
-            "(env PLORA_GATEWAY_METRICS_PORT; default 9100)",
-        )
-        parser.add_argument(
-            "--redis-url",
-            help="metadata store (env PLORA_REDIS_URL; default redis://127.0.0.1:6379/0)",
-        )
+        add_server_arguments(parser, "gateway", GatewayConfig.port, GatewayConfig.metrics_port)
         parser.add_argument(
             "--predictor-address",
             help="host:port of the predictor that gets the request events; empty = none "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.common.config import (
     DEFAULT_REDIS_URL,
+    add_server_arguments,
     env_float,
     env_int,
     env_or,
@@ -115,33 +116,15 @@ class WorkerConfig:
         Each help ends ``(env PLORA_X; default D)``, D being the field default above
         (tests/unit/test_config.py checks both against ``from_args`` and the dataclass).
         """
+        add_server_arguments(parser, "worker", WorkerConfig.port, WorkerConfig.metrics_port)
         parser.add_argument(
             "--worker-id",
             help="stable id of this worker in the registry (env PLORA_WORKER_ID; default worker-0)",
         )
         parser.add_argument(
-            "--host",
-            help="interface the gRPC server binds (env PLORA_WORKER_HOST; default 127.0.0.1)",
-        )
-        parser.add_argument(
-            "--port",
-            type=int,
-            help="gRPC port, 0 = any free port (env PLORA_WORKER_PORT; default 50061)",
-        )
-        parser.add_argument(
             "--advertise-host",
             help="host the gateway dials instead of --host, e.g. the container name under "
             "docker compose (env PLORA_WORKER_ADVERTISE_HOST; default none)",
-        )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            help="Prometheus metrics port, 0 = any free port "
-            "(env PLORA_WORKER_METRICS_PORT; default 9101)",
-        )
-        parser.add_argument(
-            "--redis-url",
-            help="metadata store (env PLORA_REDIS_URL; default redis://127.0.0.1:6379/0)",
         )
         parser.add_argument(
             "--model",
