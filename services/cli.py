@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -71,8 +72,37 @@ def _finish_name(value: int) -> str:
     return gateway_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
+def _unary(method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float) -> Any:
+    """Make a unary call that Ctrl-C cancels (the gateway then stops waiting on it).
+
+    Raises:
+        grpc.RpcError: the call failed.
+        KeyboardInterrupt: Ctrl-C, after cancelling the call.
+    """
+    future = method.future(request, timeout=timeout)
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        future.cancel()
+        raise
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Stream one completion to stdout; usage and timing to stderr."""
+    """Stream one completion to stdout; usage and timing to stderr.
+
+    Returns 2 without calling the gateway when the prompt is empty.
+
+    Raises:
+        grpc.RpcError: the call failed (after ending a line of streamed text on stdout).
+        KeyboardInterrupt: Ctrl-C, after cancelling the call and ending the streamed line.
+    """
+    if not args.prompt:
+        # The gateway cannot tell an empty prompt from none (a plain proto3 string).
+        print(
+            'plora: the prompt is empty: give the text to send, e.g. plora generate "Say hello."',
+            file=sys.stderr,
+        )
+        return 2
     request = gateway_pb2.GenerateRequest(
         adapter_id=args.adapter or "",
         temperature=args.temperature,
@@ -94,25 +124,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     ttft = None
+    line_open = False  # streamed text not yet ended by a newline
     with channel:
-        for response in stub.Generate(request, timeout=args.timeout):
-            if ttft is None and response.token_ids:
-                ttft = time.monotonic() - start
-            sys.stdout.write(response.text)
-            sys.stdout.flush()
-            if response.finish_reason:
-                elapsed = time.monotonic() - start
-                n = response.usage.completion_tokens
-                decode = elapsed - (ttft or 0.0)
-                print(file=sys.stdout)
-                print(
-                    f"[{_finish_name(response.finish_reason)}] worker={response.worker_id} "
-                    f"adapter_cold={response.adapter_cold} prompt_tokens="
-                    f"{response.usage.prompt_tokens} completion_tokens={n} "
-                    f"ttft={ttft or 0:.3f}s total={elapsed:.3f}s "
-                    f"decode_tok_s={(n - 1) / decode if n > 1 and decode > 0 else 0:.1f}",
-                    file=sys.stderr,
-                )
+        responses = stub.Generate(request, timeout=args.timeout)
+        try:
+            for response in responses:
+                if ttft is None and response.token_ids:
+                    ttft = time.monotonic() - start
+                if response.text:
+                    line_open = True  # before writing: Ctrl-C may come during the write
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                    line_open = not response.text.endswith("\n")
+                if response.finish_reason:
+                    elapsed = time.monotonic() - start
+                    n = response.usage.completion_tokens
+                    decode = elapsed - (ttft or 0.0)
+                    print(file=sys.stdout)
+                    line_open = False
+                    print(
+                        f"[{_finish_name(response.finish_reason)}] worker={response.worker_id} "
+                        f"adapter_cold={response.adapter_cold} prompt_tokens="
+                        f"{response.usage.prompt_tokens} completion_tokens={n} "
+                        f"ttft={ttft or 0:.3f}s total={elapsed:.3f}s "
+                        f"decode_tok_s={(n - 1) / decode if n > 1 and decode > 0 else 0:.1f}",
+                        file=sys.stderr,
+                    )
+        except (grpc.RpcError, KeyboardInterrupt):
+            # a no-op when the call has ended; on Ctrl-C the gateway and the worker drop it
+            responses.cancel()
+            if line_open:
+                # end the partial text's line, so the message on stderr starts on its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            raise
     return 0
 
 
@@ -125,11 +170,17 @@ def _print_adapter(info: gateway_pb2.AdapterInfo) -> None:
 
 
 def cmd_adapters(args: argparse.Namespace) -> int:
-    """``plora adapters {register,list,get,delete}``."""
+    """``plora adapters {register,list,get,delete}``.
+
+    Raises:
+        grpc.RpcError: the call failed.
+        KeyboardInterrupt: Ctrl-C, after cancelling the call.
+    """
     channel, stub = _stub(args)
     with channel:
         if args.adapters_cmd == "register":
-            resp = stub.RegisterAdapter(
+            resp = _unary(
+                stub.RegisterAdapter,
                 gateway_pb2.RegisterAdapterRequest(
                     adapter_id=args.adapter_id,
                     source=str(Path(args.source).resolve()),
@@ -139,14 +190,17 @@ def cmd_adapters(args: argparse.Namespace) -> int:
             )
             _print_adapter(resp.adapter)
         elif args.adapters_cmd == "list":
-            resp = stub.ListAdapters(
-                gateway_pb2.ListAdaptersRequest(tenant_id=args.tenant or ""), timeout=30
+            resp = _unary(
+                stub.ListAdapters,
+                gateway_pb2.ListAdaptersRequest(tenant_id=args.tenant or ""),
+                timeout=30,
             )
             for info in resp.adapters:
                 _print_adapter(info)
             print(f"{len(resp.adapters)} adapters")
         elif args.adapters_cmd == "get":
-            resp = stub.GetAdapter(
+            resp = _unary(
+                stub.GetAdapter,
                 gateway_pb2.GetAdapterRequest(
                     adapter_id=args.adapter_id, tenant_id=args.tenant or ""
                 ),
@@ -157,7 +211,8 @@ def cmd_adapters(args: argparse.Namespace) -> int:
             print(f"resident on: {', '.join(resp.resident_on_workers) or '-'}")
             print(f"placed on: {', '.join(resp.placed_on_workers) or '-'}")
         elif args.adapters_cmd == "delete":
-            resp = stub.DeleteAdapter(
+            resp = _unary(
+                stub.DeleteAdapter,
                 gateway_pb2.DeleteAdapterRequest(
                     adapter_id=args.adapter_id, tenant_id=args.tenant or ""
                 ),
@@ -168,10 +223,18 @@ def cmd_adapters(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print workers, residency, pool statistics and queues."""
+    """Print workers, residency, pool statistics and queues.
+
+    A worker's figures are those of its last heartbeat (one a second by default), so each
+    line says how old that heartbeat is.
+
+    Raises:
+        grpc.RpcError: the call failed.
+        KeyboardInterrupt: Ctrl-C, after cancelling the call.
+    """
     channel, stub = _stub(args)
     with channel:
-        resp = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=30)
+        resp = _unary(stub.GetClusterStatus, gateway_pb2.GetClusterStatusRequest(), timeout=30)
     if args.json:
         from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
 
@@ -185,7 +248,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         p = w.pool
         print(
             f"{w.worker_id:10} {w.address:21} {'healthy' if w.healthy else 'DOWN':8} "
-            f"hb={w.heartbeat_age_seconds:4.1f}s queue={w.queue_length} running={w.running} "
+            f"as of heartbeat {w.heartbeat_age_seconds:.1f}s ago: "
+            f"queue={w.queue_length} running={w.running} "
             f"pool={p.allocator}/{p.eviction} util={p.utilization:.2f} "
             f"pages={p.pages_used}/{p.pages_total} frag={p.external_fragmentation:.3f}"
         )
@@ -219,7 +283,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--tenant")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
-    gen.add_argument("--timeout", type=float, default=600.0)
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds the whole generation may take (default 600)",
+    )
     gen.add_argument("--gateway", help="host:port (default: from .plora/cluster.json)")
     gen.set_defaults(func=cmd_generate)
 
@@ -258,6 +327,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, delegated
 
 
+def _interrupted_note(args: argparse.Namespace) -> str:
+    """What an interrupted client verb may have left done (after ``plora: interrupted``)."""
+    if args.command == "generate":
+        return "; the request was cancelled"
+    if getattr(args, "adapters_cmd", None) in ("register", "delete"):
+        # The gateway may have finished before it saw the cancel.
+        tenant = f" --tenant {args.tenant}" if getattr(args, "tenant", None) else ""
+        return (
+            f"; the gateway may still {args.adapters_cmd} {args.adapter_id}: check with "
+            f"`plora adapters get {args.adapter_id}{tenant}`"
+        )
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``plora`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -282,12 +365,23 @@ def main(argv: list[str] | None = None) -> int:
             # tools do, with the status of a process ended by SIGPIPE.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + 13
+        except KeyboardInterrupt:
+            # Ctrl-C: the call is cancelled (the gateway drops the request); no traceback,
+            # and the status `plora up` uses for SIGINT.
+            print(f"plora: interrupted{_interrupted_note(args)}", file=sys.stderr)
+            return 130
         except grpc.RpcError as exc:
             hint = ""
             if exc.code() is grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
                 hint = (
                     f" (is the cluster running? `make up` starts it; gateway "
                     f"{gateway_address(getattr(args, 'gateway', None))})"
+                )
+            elif exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and args.command == "generate":
+                hint = (
+                    f" (the generation did not end within --timeout {args.timeout:g} s; "
+                    "give it more time with --timeout or ask for fewer tokens with "
+                    "--max-new-tokens)"
                 )
             print(f"plora: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
             return 1

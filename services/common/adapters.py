@@ -686,17 +686,16 @@ def plan_modules(
             )
         if layer >= spec.num_layers:
             raise IncompatibleAdapterError(
-                f"{prefix}{name}: layer index {layer} does not exist in base model {spec.name!r}, "
-                f"which has {spec.num_layers} layers; this adapter was trained for another model"
+                f"{prefix}{name}: layer index {layer} does not exist in the base model, which has "
+                f"{spec.num_layers} layers: {_does_not_fit(cfg, spec)}"
             )
         exp_in, exp_out = spec.module_shape(proj)
         if (in_features, out_features) != (exp_in, exp_out):
             raise IncompatibleAdapterError(
                 f"{prefix}{name}: adapter shapes lora_A {list(a.shape)} / lora_B {list(b.shape)} "
-                f"mean in={in_features}, out={out_features}, but base model {spec.name!r} has "
-                f"in={exp_in}, out={exp_out} (lora_A [r, {exp_in}], lora_B [{exp_out}, r]); "
-                f"this adapter was trained for another model "
-                f"({cfg.base_model_name_or_path or 'unknown base'})"
+                f"mean in={in_features}, out={out_features}, where the base model has "
+                f"in={exp_in}, out={exp_out} (lora_A [r, {exp_in}], lora_B [{exp_out}, r]): "
+                f"{_does_not_fit(cfg, spec)}"
             )
         r_cfg, _ = cfg.resolve(name)
         if r_cfg != r:
@@ -709,6 +708,26 @@ def plan_modules(
             layer, proj, a.key, b.key, r, in_features, out_features, cfg.scaling(name, r)
         )
     return plans
+
+
+def _does_not_fit(cfg: LoraAdapterConfig, spec: ModelSpec) -> str:
+    """The end of an :class:`IncompatibleAdapterError` message: the served model is named as
+    the one the adapter does not fit, and the config's ``base_model_name_or_path`` (only
+    informational) as what the adapter itself claims."""
+    claimed = cfg.base_model_name_or_path
+    if not claimed:
+        note = ""
+    elif claimed == spec.name:
+        note = (
+            f"; its {CONFIG_NAME} names base_model_name_or_path={claimed!r}, but the tensor "
+            "shapes decide"
+        )
+    else:
+        note = f"; its {CONFIG_NAME} names base_model_name_or_path={claimed!r}"
+    return (
+        f"this adapter does not fit the served model {spec.name!r} (it was probably trained "
+        f"for another base model{note})"
+    )
 
 
 def _fmt_targets(t: tuple[str, ...] | str) -> str:

@@ -21,6 +21,14 @@ class InvalidRequestError(PLoRAError):
     status_code_name = "INVALID_ARGUMENT"
 
 
+#: The refusal of a generate request with neither a prompt nor messages (gateway and worker).
+#: ``prompt`` is a plain proto3 string: an empty prompt and none look the same to a server.
+EMPTY_REQUEST = (
+    "empty request: the prompt is empty and no messages were given; set prompt (raw text) or "
+    "messages (chat turns)"
+)
+
+
 class InvalidAdapterError(PLoRAError):
     """An adapter directory is malformed or uses a feature we refuse (INVALID_ARGUMENT)."""
 

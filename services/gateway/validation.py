@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from plora.v1 import gateway_pb2
-from services.common.errors import InvalidRequestError
+from services.common.errors import EMPTY_REQUEST, InvalidRequestError
 from services.gateway.config import GatewayConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -26,7 +26,7 @@ def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfi
     has_prompt = bool(request.prompt)
     has_messages = len(request.messages) > 0
     if not has_prompt and not has_messages:
-        raise InvalidRequestError("empty request: set prompt or messages")
+        raise InvalidRequestError(EMPTY_REQUEST)  # ``plora generate`` refuses "" before sending
     if has_prompt and has_messages:
         raise InvalidRequestError("set either prompt or messages, not both")
     for i, message in enumerate(request.messages):

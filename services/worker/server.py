@@ -21,7 +21,7 @@ import torch
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common import convert
 from services.common.adapters import load_lora_weights
-from services.common.errors import InvalidRequestError, PLoRAError
+from services.common.errors import EMPTY_REQUEST, InvalidRequestError, PLoRAError
 from services.common.grpc_util import (
     abort,
     already_aborted,
@@ -97,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             return self.tokenizer.apply_chat_template(messages)
         if not request.prompt:
-            raise InvalidRequestError("empty request: set prompt or messages")
+            raise InvalidRequestError(EMPTY_REQUEST)
         return self.tokenizer.encode(request.prompt)
 
     def Generate(  # noqa: N802 - gRPC method name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -86,6 +87,80 @@ def test_cli_output_into_a_closed_pipe_stops_quietly(cluster: dict) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def _cli(cluster: dict, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args, "--gateway", cluster["gateway"]],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _workers_running(cluster: dict) -> int:
+    total = 0
+    for address in cluster["workers"].values():
+        with grpc.insecure_channel(address) as channel:
+            total += (
+                worker_pb2_grpc.WorkerStub(channel)
+                .GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5)
+                .running
+            )
+    return total
+
+
+def test_cli_deadline_ends_the_streamed_line_and_names_the_timeout(cluster: dict) -> None:
+    """`plora generate --timeout 1.5 ...` on a long generation: the error goes to stderr on
+    its own line (stdout's partial text is ended first) and names --timeout and its value."""
+    proc = _cli(
+        cluster, "generate", "--timeout", "1.5", "--max-new-tokens", "400", "Write a long story."
+    )
+    out, err = (b.decode() for b in proc.communicate(timeout=120))
+    assert proc.returncode == 1, err
+    assert not out or out.endswith("\n"), repr(out)  # the partial text's line is ended
+    assert err.startswith("plora: DEADLINE_EXCEEDED: "), err
+    assert "--timeout 1.5 s" in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_ctrl_c_cancels_generation_and_exits_130(cluster: dict) -> None:
+    """Ctrl-C during `plora generate`: no traceback, exit 130, and the worker drops the
+    request (the CLI cancels the call)."""
+    proc = _cli(
+        cluster, "generate", "--max-new-tokens", "400", "Tell me a very long story about dragons."
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.read1(64)  # type: ignore[attr-defined]
+    assert first, "nothing streamed"
+    proc.send_signal(signal.SIGINT)
+    out, err = (b.decode() for b in proc.communicate(timeout=60))
+    assert proc.returncode == 130, err
+    assert err == "plora: interrupted; the request was cancelled\n", err
+    assert (first.decode(errors="replace") + out).endswith("\n"), repr(out)
+    deadline = time.monotonic() + 10
+    while _workers_running(cluster):
+        assert time.monotonic() < deadline, "worker kept generating after Ctrl-C"
+        time.sleep(0.1)
+
+
+def test_cli_status_says_how_old_each_workers_figures_are(cluster: dict) -> None:
+    proc = _cli(cluster, "status")
+    out, err = (b.decode() for b in proc.communicate(timeout=60))
+    assert proc.returncode == 0, err
+    lines = [line for line in out.splitlines() if line.startswith("worker-")]
+    assert len(lines) == 2, out
+    for line in lines:
+        assert re.search(r" as of heartbeat \d+\.\ds ago: queue=\d+ running=\d+ ", line), line
+
+
+def test_empty_prompt_is_named_in_the_refusal(stub, cluster: dict) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, gateway_pb2.GenerateRequest(prompt="", max_new_tokens=4))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the prompt is empty" in err.value.details()
+    proc = _cli(cluster, "generate", "--raw", "")
+    _out, stderr = (b.decode() for b in proc.communicate(timeout=60))
+    assert proc.returncode == 2 and "the prompt is empty" in stderr, stderr
 
 
 def test_adapter_changes_output_deterministically_and_is_resident(
@@ -239,6 +314,9 @@ def test_bad_adapter_registration_leaves_nothing_behind(stub, tmp_path, make_sou
         )
     assert err.value.code() == code
     assert err.value.details() and "Traceback" not in err.value.details()
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        # the served model is named as the one the adapter does not fit, not as its origin
+        assert "does not fit the served model 'SmolLM2-135M-Instruct'" in err.value.details()
     after = {
         a.adapter_id
         for a in stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters

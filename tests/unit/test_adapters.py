@@ -450,6 +450,8 @@ def test_llama32_1b_adapter_refused_on_smollm2():
         inspect_adapter(d, SMOLLM2)
     msg = str(e.value)
     assert "self_attn.q_proj" in msg and "2048" in msg and "576" in msg, msg
+    assert "does not fit the served model 'SmolLM2-135M-Instruct'" in msg, msg
+    assert "base_model_name_or_path='meta-llama/Llama-3.2-1B'" in msg, msg
     with pytest.raises(IncompatibleAdapterError):
         load_lora_weights(d, SMOLLM2, adapter_id="x", version=1)
 
@@ -643,8 +645,42 @@ def test_refuse_incompatible_shapes(tmp_path):
     d = write_peft_adapter(
         tmp_path / "o", other, rank=4, alpha=8, seed=0, target_modules=["k_proj"]
     )
-    with pytest.raises(IncompatibleAdapterError, match=r"k_proj.*\[4, 48\].*in=64"):
+    with pytest.raises(IncompatibleAdapterError, match=r"k_proj.*\[4, 48\].*in=64") as e:
         inspect_adapter(d, TINY)
+    msg = str(e.value)
+    # the served model is named as the one the adapter does not fit, never as the one it was
+    # trained for; the config's own claim is quoted as such
+    assert "does not fit the served model 'tiny-llama'" in msg, msg
+    assert "probably trained for another base model" in msg, msg
+    assert "base_model_name_or_path='other'" in msg, msg
+    assert "trained for another model (tiny-llama)" not in msg
+
+
+def test_refuse_incompatible_shapes_whose_config_names_the_served_model(tmp_path):
+    """A config naming the served model does not make the message say it was trained for it."""
+    other = ModelSpec(**{**TINY.to_dict(), "hidden_size": 48, "name": TINY.name})  # type: ignore[arg-type]
+    d = write_peft_adapter(
+        tmp_path / "o", other, rank=4, alpha=8, seed=0, target_modules=["k_proj"]
+    )
+    with pytest.raises(IncompatibleAdapterError) as e:
+        inspect_adapter(d, TINY)
+    msg = str(e.value)
+    assert "does not fit the served model 'tiny-llama'" in msg, msg
+    assert "lora_A [4, 48]" in msg and "in=64" in msg, msg  # the shape details stay
+    assert "trained for another model (tiny-llama)" not in msg, msg
+    assert "the tensor shapes decide" in msg, msg
+
+
+def test_refuse_incompatible_shapes_without_a_base_name(tmp_path):
+    other = ModelSpec(**{**TINY.to_dict(), "hidden_size": 48, "name": "other"})  # type: ignore[arg-type]
+    d = write_peft_adapter(
+        tmp_path / "o", other, rank=4, alpha=8, seed=0, target_modules=["k_proj"]
+    )
+    _write_config(d, base_model_name_or_path=None)
+    with pytest.raises(IncompatibleAdapterError) as e:
+        inspect_adapter(d, TINY)
+    msg = str(e.value)
+    assert msg.endswith("(it was probably trained for another base model)"), msg
 
 
 def test_refuse_layer_out_of_range(tmp_path):
@@ -652,8 +688,9 @@ def test_refuse_layer_out_of_range(tmp_path):
     d = write_peft_adapter(
         tmp_path / "b", bigger, rank=4, alpha=8, seed=0, layers=[4], target_modules=["q_proj"]
     )
-    with pytest.raises(IncompatibleAdapterError, match="layer index 4.*3 layers"):
+    with pytest.raises(IncompatibleAdapterError, match="layer index 4.*3 layers") as e:
         inspect_adapter(d, TINY)
+    assert "does not fit the served model 'tiny-llama'" in str(e.value)
 
 
 def test_refuse_foreign_module_names(good):

@@ -30,7 +30,8 @@ VALID = [
 ]
 
 INVALID = [
-    (gateway_pb2.GenerateRequest(), "set prompt or messages"),
+    (gateway_pb2.GenerateRequest(), "the prompt is empty and no messages were given"),
+    (gateway_pb2.GenerateRequest(prompt=""), "the prompt is empty and no messages were given"),
     (chat(prompt="x"), "not both"),
     (chat(max_new_tokens=0), "max_new_tokens=0"),
     (chat(max_new_tokens=-1), "max_new_tokens=-1"),
