@@ -14,7 +14,13 @@ import pytest
 
 from services.common.policies import POLICIES, PolicySpec, get_policy
 from services.gateway.config import GatewayConfig
-from services.launcher import Child, _cli_command, overridden_policy_env, policy_flags
+from services.launcher import (
+    POLICY_FLAG_ENV,
+    Child,
+    _cli_command,
+    overridden_policy_env,
+    policy_flags,
+)
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO
@@ -103,6 +109,24 @@ def test_plora_up_without_policy_leaves_policy_settings_to_the_environment(
     assert (worker.allocator, worker.eviction) == ("contiguous", plora.eviction)
     assert config_from_flags(GatewayConfig, *kept["gateway"]).routing == "round_robin"
     assert overridden_policy_env(env) == env
+
+    # every variable the launcher defers to is the one its service reads
+    every = {
+        "PLORA_ALLOCATOR": "contiguous",
+        "PLORA_EVICTION": "lru",
+        "PLORA_HOST_STAGING": "off",
+        "PLORA_ROUTING": "round_robin",
+        "PLORA_PREDICTOR_PREFETCH": "off",
+    }
+    assert set(every) == set(POLICY_FLAG_ENV.values())
+    for name, value in every.items():
+        monkeypatch.setenv(name, value)
+    kept = policy_flags(plora, keep_env=every)
+    assert kept == {"worker": [], "gateway": [], "predictor": []}
+    worker = config_from_flags(WorkerConfig)
+    assert (worker.allocator, worker.eviction, worker.host_staging) == ("contiguous", "lru", "off")
+    assert config_from_flags(GatewayConfig).routing == "round_robin"
+    assert config_from_flags(PredictorConfig).prefetch == "off"
 
     forced = policy_flags(plora)
     assert config_from_flags(WorkerConfig, *forced["worker"]).allocator == plora.allocator
