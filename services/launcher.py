@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -216,8 +217,41 @@ class Cluster:
         # thread between bytecodes, and taking a lock there (threading.Event.set) deadlocks if
         # the main thread already holds it inside Event.wait.
         self._stop_requested = False
+        self._wrote_state = False  # stop() removes only a state file this cluster wrote
 
     # -- start ------------------------------------------------------------------------------
+
+    def _refuse_a_running_cluster(self) -> None:
+        """Refuse to start over another ``plora up``: the same state file held by a live
+        launcher, or a gateway port something already listens on.
+
+        Raises:
+            RuntimeError: with what is running and how to stop it or start beside it.
+        """
+        try:
+            state = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            state = {}
+        pid = state.get("launcher_pid") if isinstance(state, dict) else None
+        if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+            raise RuntimeError(
+                f"a cluster started by plora up (pid {pid}, gateway {state.get('gateway')}) is "
+                f"running with {self.state_file}; stop it first (Ctrl-C in its terminal, or "
+                f"kill -TERM {pid}), or start this one with another --state-file and "
+                "--gateway-port"
+            )
+        a = self.args
+        if a.gateway_port:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((a.host, a.gateway_port))
+                except OSError as exc:
+                    raise RuntimeError(
+                        f"gateway port {a.host}:{a.gateway_port} is in use ({exc.strerror}): "
+                        "another cluster or service listens there; stop it, or pass "
+                        "--gateway-port (0 = any free port)"
+                    ) from None
 
     def _say(self, text: str) -> None:
         print(f"plora up: {text}", flush=True)
@@ -288,8 +322,9 @@ class Cluster:
                 else f"policy plora with {shown} from the environment"
             )
         env_policy = {} if a.policy else set_in_env
+        self._refuse_a_running_cluster()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.state_file.unlink(missing_ok=True)
+        self.state_file.unlink(missing_ok=True)  # a stale one: its launcher is gone
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
 
@@ -387,6 +422,7 @@ class Cluster:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         tmp.replace(self.state_file)
+        self._wrote_state = True
         return state
 
     def _register_demo_adapters(self, gateway: str, model_dir: str) -> list[str]:
@@ -487,7 +523,19 @@ class Cluster:
             c.stop()
         if self.redis is not None:
             self.redis.stop()
-        self.state_file.unlink(missing_ok=True)
+        if self._wrote_state:
+            self.state_file.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 def _pin_ports(cmd: list[str], ports: dict[str, int]) -> list[str]:

@@ -25,13 +25,44 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Options for every channel and server: large messages are not expected, keepalive is.
-CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", 16 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
+#: Seconds between keepalive pings on an idle channel (milliseconds).
+KEEPALIVE_TIME_MS = 30_000
+
+
+def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
+    """Options of every channel: 16 MiB messages, keepalive pings every
+    ``keepalive_time_ms`` even with no call in flight (so a dead peer is noticed before the
+    next request, not by it)."""
+    return [
+        ("grpc.max_send_message_length", 16 * 1024 * 1024),
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
+    """Options of every server: accept the channels' keepalive pings, and one listener per port.
+
+    A gRPC server by default accepts a ping on an idle connection only every 5 minutes and
+    answers a third early one with GOAWAY ``too_many_pings`` ("ENHANCE_YOUR_CALM"): the
+    gateway's idle worker channels were dropped that way after ~2 idle minutes, and a
+    request arriving then failed on every worker at once (UNAVAILABLE, "no healthy worker").
+    Pings at half the channels' interval are allowed here. ``SO_REUSEPORT`` (on by default
+    in gRPC) is off, so a second server on a taken port fails to bind instead of sharing the
+    port and receiving half of the first one's requests (two ``plora up`` on 50051).
+    """
+    return [
+        ("grpc.max_send_message_length", 16 * 1024 * 1024),
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+#: Options for every channel (:func:`channel_options`).
+CHANNEL_OPTIONS: list[tuple[str, Any]] = channel_options()
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -133,7 +164,7 @@ def create_server(
         OSError: the port could not be bound.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options()
     )
     names = list(register(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -148,9 +179,15 @@ def create_server(
         ],
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpcio >= 1.50 raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind gRPC port {host}:{port} (in use?)")
+        raise OSError(
+            f"could not bind gRPC port {host}:{port}: in use (another cluster or service on "
+            "it? stop it or choose another port)"
+        )
     return server, bound, health_servicer
 
 

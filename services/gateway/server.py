@@ -346,7 +346,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     continue
                 if not context.is_active():
                     return
-                context.abort(exc.code(), exc.details() or exc.code().name)
+                details = exc.details() or exc.code().name
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                    details = (
+                        f"worker {worker.worker_id} failed while streaming this request "
+                        f"({details}); send it again (requests not yet started there are "
+                        "retried on another worker)"
+                    )
+                context.abort(exc.code(), details)
             finally:
                 self._done(worker.worker_id, pending=ttft is None)
 

@@ -3,7 +3,10 @@ the flags that make each service run a policy."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +20,9 @@ from services.gateway.config import GatewayConfig
 from services.launcher import (
     POLICY_FLAG_ENV,
     Child,
+    Cluster,
     _cli_command,
+    add_arguments,
     overridden_policy_env,
     policy_flags,
 )
@@ -186,3 +191,36 @@ def test_a_child_shows_only_its_own_log_lines_and_leaves_no_ready_file(tmp_path:
     finally:
         child.stop(timeout=5)
     assert not ready.exists()
+
+
+def test_plora_up_refuses_to_start_over_a_running_cluster(tmp_path: Path) -> None:
+    """A second ``plora up`` used to start beside the first on the same gateway port (gRPC's
+    SO_REUSEPORT) and split its requests, then remove its state file when stopped. It is now
+    refused before anything starts, and the first cluster's state file is left alone."""
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state = tmp_path / "cluster.json"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state.write_text(json.dumps({"launcher_pid": other.pid, "gateway": "127.0.0.1:1"}))
+        cluster = Cluster(parser.parse_args(["--state-file", str(state), "--gateway-port", "0"]))
+        with pytest.raises(RuntimeError, match=f"running with .*kill -TERM {other.pid}"):
+            cluster.start()
+        cluster.stop()
+        assert json.loads(state.read_text())["launcher_pid"] == other.pid
+    finally:
+        other.kill()
+        other.wait()
+
+    with socket.socket() as listener:  # the gateway port is taken by something else
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        cluster = Cluster(
+            parser.parse_args(["--state-file", str(state), "--gateway-port", str(port)])
+        )
+        with pytest.raises(RuntimeError, match=f"gateway port 127.0.0.1:{port} is in use"):
+            cluster.start()
+        cluster.stop()
+    assert cluster.redis is None and not cluster.children
