@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,40 @@ def gateway_address(explicit: str | None) -> str:
     return "127.0.0.1:50051"
 
 
+_GATEWAY_HELP = (
+    "the gateway's address (default: $PLORA_GATEWAY, else the running `plora up`'s, "
+    "from .plora/cluster.json, else 127.0.0.1:50051)"
+)
+
+
+def _checked(
+    convert: Callable[[str], float], ok: Callable[[float], bool], expected: str
+) -> Callable[[str], Any]:
+    """An argparse ``type`` that converts a flag's value and refuses it (a usage error, exit 2,
+    naming the flag) unless ``ok(value)``, saying ``expected ..., got '<text>'``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+_timeout = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
+_max_new_tokens = _checked(int, lambda v: v >= 1, "a positive whole number of tokens")
+_temperature = _checked(
+    float, lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or a positive number"
+)
+_top_p = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_top_k = _checked(int, lambda v: v >= 0, "0 (off) or a positive whole number")
+_seed = _checked(int, lambda v: 0 <= v < 2**64, "a whole number from 0 to 2**64 - 1")
+
+
 def _stub(args: argparse.Namespace) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
     channel = grpc.insecure_channel(gateway_address(args.gateway), options=CHANNEL_OPTIONS)
     return channel, gateway_pb2_grpc.GatewayStub(channel)
@@ -87,6 +123,33 @@ def _unary(method: grpc.UnaryUnaryMultiCallable, request: object, timeout: float
         raise
 
 
+def generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
+    """The ``GenerateRequest`` that ``plora generate`` sends for these arguments.
+
+    A flag left out leaves its optional field unset (``max_new_tokens``, ``top_p``, ``seed``),
+    so the gateway's default applies: for ``max_new_tokens`` that is the gateway's own
+    (64, or its limit when lower), whatever the limit.
+    """
+    request = gateway_pb2.GenerateRequest(
+        adapter_id=args.adapter or "",
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+        tenant_id=args.tenant or "",
+    )
+    if args.raw:
+        request.prompt = args.prompt
+    else:
+        request.messages.add(role="user", content=args.prompt)
+    if args.max_new_tokens is not None:
+        request.max_new_tokens = args.max_new_tokens
+    if args.top_p is not None:
+        request.top_p = args.top_p
+    if args.seed is not None:
+        request.seed = args.seed
+    return request
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; usage and timing to stderr.
 
@@ -103,22 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    request = gateway_pb2.GenerateRequest(
-        adapter_id=args.adapter or "",
-        temperature=args.temperature,
-        top_k=args.top_k,
-        stop=args.stop,
-        tenant_id=args.tenant or "",
-        max_new_tokens=args.max_new_tokens,
-    )
-    if args.raw:
-        request.prompt = args.prompt
-    else:
-        request.messages.add(role="user", content=args.prompt)
-    if args.top_p is not None:
-        request.top_p = args.top_p
-    if args.seed is not None:
-        request.seed = args.seed
+    request = generate_request(args)
     channel, stub = _stub(args)
     import time  # noqa: PLC0415
 
@@ -273,45 +321,107 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("service", choices=sorted(_SERVICES))
 
     gen = sub.add_parser("generate", help="stream a completion from the cluster")
-    gen.add_argument("prompt")
-    gen.add_argument("--adapter", help="adapter id (default: the base model)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--tenant")
+    gen.add_argument(
+        "prompt", help="the text to send, as the user's chat message (as is with --raw)"
+    )
+    gen.add_argument("--adapter", metavar="ID", help="adapter id (default: the base model)")
+    gen.add_argument(
+        "--max-new-tokens",
+        type=_max_new_tokens,
+        metavar="N",
+        help="most tokens to generate (default: the gateway's default, 64 or its limit when "
+        "that is lower)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 = greedy decoding (default 0)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=_top_p,
+        metavar="P",
+        help="nucleus sampling: sample from the most likely tokens of total probability P, "
+        "in (0, 1] (default 1 = off)",
+    )
+    gen.add_argument(
+        "--top-k",
+        type=_top_k,
+        default=0,
+        metavar="K",
+        help="sample from the K most likely tokens; 0 = off (default 0)",
+    )
+    gen.add_argument(
+        "--seed",
+        type=_seed,
+        metavar="N",
+        help="seed of the request's sampling, for a reproducible sample (default: random)",
+    )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when the text ends with TEXT (not included); repeat for more (default: none)",
+    )
+    gen.add_argument(
+        "--tenant",
+        metavar="ID",
+        help="tenant the request runs as; another tenant's adapter is refused (default: none)",
+    )
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument(
         "--timeout",
-        type=float,
+        type=_timeout,
         default=600.0,
+        metavar="S",
         help="seconds the whole generation may take (default 600)",
     )
-    gen.add_argument("--gateway", help="host:port (default: from .plora/cluster.json)")
+    gen.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
     gen.set_defaults(func=cmd_generate)
 
+    tenant_help = (
+        "tenant id (default: none): for register, the adapter's owner (none = shared by every "
+        "tenant); for list, only its own and shared adapters (none = all); for get and "
+        "delete, the caller"
+    )
     ad = sub.add_parser("adapters", help="register, list, get or delete adapters")
-    ad.add_argument("--gateway")
-    ad.add_argument("--tenant")
+    ad.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
+    ad.add_argument("--tenant", metavar="ID", help=tenant_help)
     # the same flags after the verb too (`plora adapters list --gateway ...`); SUPPRESS keeps
     # a value given before the verb when they are not repeated after it
     shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("--gateway", default=argparse.SUPPRESS)
-    shared.add_argument("--tenant", default=argparse.SUPPRESS)
+    shared.add_argument(
+        "--gateway", default=argparse.SUPPRESS, metavar="HOST:PORT", help=_GATEWAY_HELP
+    )
+    shared.add_argument("--tenant", default=argparse.SUPPRESS, metavar="ID", help=tenant_help)
     ad_sub = ad.add_subparsers(dest="adapters_cmd", required=True)
-    reg = ad_sub.add_parser("register", parents=[shared])
-    reg.add_argument("adapter_id")
-    reg.add_argument("source", help="directory in PEFT layout")
-    ad_sub.add_parser("list", parents=[shared])
-    for name in ("get", "delete"):
-        ad_sub.add_parser(name, parents=[shared]).add_argument("adapter_id")
+    reg = ad_sub.add_parser(
+        "register",
+        parents=[shared],
+        help="register a PEFT adapter directory (an id registered again: a new version)",
+    )
+    reg.add_argument("adapter_id", help="id to serve the adapter under")
+    reg.add_argument(
+        "source",
+        help="directory in PEFT layout (adapter_config.json + adapter_model.safetensors), "
+        "readable by the workers; a relative path is stored as an absolute one",
+    )
+    ad_sub.add_parser("list", parents=[shared], help="list the registered adapters")
+    for name, verb_help in (
+        ("get", "show one adapter and the workers it is resident on and placed on"),
+        ("delete", "delete an adapter; the workers drop their copies"),
+    ):
+        ad_sub.add_parser(name, parents=[shared], help=verb_help).add_argument(
+            "adapter_id", help="the adapter's id"
+        )
     ad.set_defaults(func=cmd_adapters)
 
     st = sub.add_parser("status", help="workers, residency, pools and queues")
-    st.add_argument("--gateway")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
+    st.add_argument("--json", action="store_true", help="print the whole status as JSON")
     st.set_defaults(func=cmd_status)
 
     groups: dict[str, argparse._SubParsersAction] = {}  # type: ignore[type-arg]

@@ -31,8 +31,9 @@ import json
 import logging
 import math
 import os
+import secrets
+import stat
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -218,13 +219,30 @@ def write_peft_adapter(
 
 
 def _atomic_write(path: Path, write: object) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    """Write ``path`` through a temporary file in its directory, renamed into place.
+
+    The file gets the mode ``open()`` gives a new file (``0o666`` less the umask, e.g. 0644
+    under umask 022), so workers running as another user can read it. ``tempfile.mkstemp``
+    would leave it 0600, and so does safetensors' ``save_file`` since 0.8 (it writes through a
+    temporary file of its own: safetensors issue #782), so the mode is set after writing.
+    """
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
-        write(Path(tmp))  # type: ignore[operator]
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # 0o666 less the umask, set by the kernel
+    finally:
+        os.close(fd)
+    try:
+        write(tmp)  # type: ignore[operator]
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

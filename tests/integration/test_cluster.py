@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import signal
 import subprocess
@@ -14,6 +15,8 @@ import grpc
 import pytest
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services import cli
+from services.common import make_adapters
 from tests.conftest import REPO, shared_data
 
 pytestmark = pytest.mark.slow
@@ -151,6 +154,129 @@ def test_cli_status_says_how_old_each_workers_figures_are(cluster: dict) -> None
     assert len(lines) == 2, out
     for line in lines:
         assert re.search(r" as of heartbeat \d+\.\ds ago: queue=\d+ running=\d+ ", line), line
+
+
+def test_cli_generate_leaves_max_new_tokens_to_the_gateway(cluster: dict) -> None:
+    """Without --max-new-tokens, `plora generate` leaves the field unset, so the gateway's
+    default applies: 64, or the gateway's limit when lower (a limit of 16 used to refuse a
+    plain `plora generate` with "max_new_tokens=64 is out of range: use 1..16")."""
+    from services.gateway.config import GatewayConfig
+    from services.gateway.server import GatewayService
+
+    parser, _ = cli.build_parser()
+    unset = cli.generate_request(parser.parse_args(["generate", "hi"]))
+    assert not unset.HasField("max_new_tokens")
+    given = cli.generate_request(parser.parse_args(["generate", "--max-new-tokens", "5", "hi"]))
+    assert given.HasField("max_new_tokens") and given.max_new_tokens == 5
+    prompt = "Tell me a very long story about dragons."
+    # the cluster's gateway (limit 512): its default, 64
+    proc = _cli(cluster, "generate", prompt)
+    _out, err = (b.decode() for b in proc.communicate(timeout=120))
+    assert proc.returncode == 0, err
+    assert "[length]" in err and " completion_tokens=64 " in err, err
+    # a second gateway on the same cluster with a limit of 16: its default is 16
+    low = GatewayService(
+        GatewayConfig(
+            port=0, metrics_port=0, redis_url=cluster["redis_url"], max_new_tokens_limit=16
+        )
+    ).start()
+    try:
+        proc = _cli({"gateway": f"127.0.0.1:{low.port}"}, "generate", prompt)
+        _out, err = (b.decode() for b in proc.communicate(timeout=120))
+        assert proc.returncode == 0, err
+        assert "[length]" in err and " completion_tokens=16 " in err, err
+    finally:
+        low.stop(0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--timeout", "0"], "argument --timeout: expected a positive number of seconds, got '0'"),
+        (["--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
+        (["--timeout", "nan"], "argument --timeout: expected a positive number of seconds"),
+        (["--timeout", "inf"], "argument --timeout: expected a positive number of seconds"),
+        (["--timeout", "soon"], "argument --timeout: expected a positive number of seconds"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive whole"),
+        (["--max-new-tokens", "-3"], "argument --max-new-tokens: expected a positive whole"),
+        (["--max-new-tokens", "2.5"], "argument --max-new-tokens: expected a positive whole"),
+        (["--temperature", "-0.5"], "argument --temperature: expected 0 (greedy) or a positive"),
+        (["--temperature", "nan"], "argument --temperature: expected 0 (greedy) or a positive"),
+        (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
+        (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1]"),
+        (["--top-k", "-1"], "argument --top-k: expected 0 (off) or a positive whole number"),
+        (["--seed", "-1"], "argument --seed: expected a whole number from 0 to 2**64 - 1"),
+        (["--seed", str(2**64)], "argument --seed: expected a whole number from 0 to 2**64 - 1"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
+)
+def test_cli_generate_refuses_meaningless_numbers_as_usage_errors(flags, needle, capsys) -> None:
+    """`plora generate --timeout 0` used to be sent and fail at once with DEADLINE_EXCEEDED
+    (and `--seed -1` with a traceback): argparse refuses them (exit 2), before any call."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", *flags, "--gateway", "127.0.0.1:1", "hello"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: plora generate") and needle in err, err
+    assert "Traceback" not in err
+
+
+def test_cli_generate_accepts_the_edges_of_each_range() -> None:
+    parser, _ = cli.build_parser()
+    args = parser.parse_args(
+        [
+            "generate", "--timeout", "0.5", "--max-new-tokens", "1", "--temperature", "0",
+            "--top-p", "1", "--top-k", "0", "--seed", "0", "--stop", "a", "--stop", "b", "hi",
+        ]
+    )  # fmt: skip
+    request = cli.generate_request(args)
+    assert args.timeout == 0.5 and request.max_new_tokens == 1 and request.top_p == 1.0
+    assert request.HasField("seed") and request.seed == 0 and list(request.stop) == ["a", "b"]
+    args = parser.parse_args(["generate", "--seed", str(2**64 - 1), "hi"])
+    assert cli.generate_request(args).seed == 2**64 - 1
+    request = cli.generate_request(parser.parse_args(["generate", "hi"]))
+    assert not request.HasField("top_p") and not request.HasField("seed")
+    assert (request.temperature, request.top_k, list(request.stop)) == (0.0, 0, [])
+
+
+#: Verbs whose flags other modules own (their own tests check them).
+_NOT_CLIENT_VERBS = {"serve", "up", "bench", "simulate", "eval"}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def test_cli_client_verbs_have_help_for_every_option() -> None:
+    """`plora generate --help` and the other client verbs: every argument (and every
+    `adapters` verb) says what it is, and every optional flag with a value names its default."""
+    parser, delegated = cli.build_parser()
+    make_adapters.add_arguments(delegated["make-adapters"])  # what main() does for the verb
+    verbs = _subparsers(parser)
+    assert set(verbs.choices) - {"generate", "adapters", "status", "make-adapters"} == (
+        _NOT_CLIENT_VERBS
+    )
+    parsers = {name: p for name, p in verbs.choices.items() if name not in _NOT_CLIENT_VERBS}
+    adapter_verbs = _subparsers(parsers["adapters"])
+    parsers.update({f"adapters {name}": p for name, p in adapter_verbs.choices.items()})
+    assert {a.dest for a in adapter_verbs._choices_actions if a.help} == set(adapter_verbs.choices)
+    missing, no_default = [], []
+    for name, p in parsers.items():
+        for action in p._actions:
+            if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                continue
+            what = f"plora {name} {'/'.join(action.option_strings) or action.dest}"
+            if not action.help or action.help == argparse.SUPPRESS:
+                missing.append(what)
+            elif (
+                action.option_strings
+                and action.nargs != 0  # not a store_true switch
+                and not action.required
+                and "default" not in action.help
+            ):
+                no_default.append(what)
+    assert not missing, f"no help text: {missing}"
+    assert not no_default, f"help does not give the default: {no_default}"
 
 
 def test_empty_prompt_is_named_in_the_refusal(stub, cluster: dict) -> None:

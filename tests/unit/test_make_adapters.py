@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import stat
 
 import pytest
 import torch
@@ -176,3 +178,25 @@ def test_cli(tmp_path, capsys):
     assert "adapter-002-r4" in printed and "rank" in printed
     with pytest.raises(SystemExit):
         parser.parse_args(["--out", "x", "--ranks", "8,zero"])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002], ids=lambda u: f"umask-{u:03o}")
+def test_adapter_files_get_the_mode_open_gives_under_the_umask(tmp_path, umask):
+    """The workers may run as another user: both files get the mode ``open()`` gives a new
+    file (0644 under umask 022), not the 0600 that ``tempfile.mkstemp`` and safetensors'
+    ``save_file`` (0.8, through a temporary file of its own) leave."""
+    old = os.umask(umask)
+    try:
+        d = write_peft_adapter(tmp_path / "a", TINY, rank=4, alpha=8, seed=0)
+        (tmp_path / "by-open").write_text("x")
+        again = write_peft_adapter(d, TINY, rank=4, alpha=8, seed=1)  # overwrite in place
+    finally:
+        os.umask(old)
+    expected = 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "by-open").stat().st_mode) == expected
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert stat.S_IMODE((again / name).stat().st_mode) == expected, name
+    assert sorted(p.name for p in d.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]  # no temporary file left behind
