@@ -168,8 +168,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="external Redis (else PLORA_REDIS_URL, else an embedded Redis)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="interface every service binds")
-    parser.add_argument("--gateway-port", type=int, default=50051, help="0 = any free port")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface every service binds (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--gateway-port",
+        type=int,
+        default=50051,
+        help="gateway gRPC port; 0 = any free port (default 50051; the other services "
+        "always take free ports)",
+    )
     parser.add_argument(
         "--policy",
         choices=sorted(POLICIES),
@@ -184,7 +192,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="demo adapters to generate and register (0 = none)",
     )
-    parser.add_argument("--demo-ranks", default="8,16,32,64")
+    parser.add_argument(
+        "--demo-ranks",
+        default="8,16,32,64",
+        help="ranks of the demo adapters, cycled over them (default 8,16,32,64)",
+    )
     parser.add_argument(
         "--demo-relative-delta",
         type=float,
@@ -192,7 +204,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="strength of the demo adapters (||dW x|| / ||W x|| scale); strong "
         "enough that most of them visibly change the base model's answers",
     )
-    parser.add_argument("--adapters-dir", default=".plora/adapters")
+    parser.add_argument(
+        "--adapters-dir",
+        default=".plora/adapters",
+        help="where the demo adapters are written (default .plora/adapters)",
+    )
     parser.add_argument("--pool-bytes", default=None, help="device adapter pool per worker")
     parser.add_argument(
         "--worker-arg",
@@ -200,7 +216,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="extra flag passed to every worker (repeatable)",
     )
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds every service may take to become ready (default 600)",
+    )
 
 
 class Cluster:

@@ -41,6 +41,13 @@ class IncompatibleAdapterError(PLoRAError):
     status_code_name = "FAILED_PRECONDITION"
 
 
+class AdapterSourceError(PLoRAError):
+    """A registered adapter's files can no longer be loaded: removed, or changed since
+    registration (FAILED_PRECONDITION: the request is fine, the registered state is not)."""
+
+    status_code_name = "FAILED_PRECONDITION"
+
+
 class AdapterNotFoundError(PLoRAError):
     """No adapter with that id is registered (NOT_FOUND)."""
 

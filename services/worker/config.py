@@ -99,6 +99,12 @@ class WorkerConfig:
             )
         if self.threads < 0:
             raise ConfigError("threads must be >= 0 (0 = all cores)")
+        for name, value, env in (
+            ("max-new-tokens-limit", self.max_new_tokens_limit, "PLORA_MAX_NEW_TOKENS_LIMIT"),
+            ("max-batch-size", self.max_batch_size, "PLORA_MAX_BATCH_SIZE"),
+        ):
+            if value < 1:  # the engine would refuse it after the model loaded, less clearly
+                raise ConfigError(f"--{name} / {env} must be >= 1, got {value}")
         if self.host_staging not in ("on", "off"):
             raise ConfigError(f"host_staging must be 'on' or 'off', got {self.host_staging!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:

@@ -21,7 +21,13 @@ import torch
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common import convert
 from services.common.adapters import load_lora_weights
-from services.common.errors import EMPTY_REQUEST, InvalidRequestError, PLoRAError
+from services.common.errors import (
+    EMPTY_REQUEST,
+    AdapterSourceError,
+    InvalidAdapterError,
+    InvalidRequestError,
+    PLoRAError,
+)
 from services.common.grpc_util import (
     abort,
     already_aborted,
@@ -336,16 +342,29 @@ class WorkerService:
             m.host_stage_latency.observe(event.seconds)
 
     def _load_adapter(self, ref: AdapterRef) -> LoRAWeights:
-        # The registry's sha256 pins the bytes: a file replaced after registration is refused
-        # rather than served under the registered version.
-        return load_lora_weights(
-            ref.source,
-            self.spec,
-            adapter_id=ref.adapter_id,
-            version=ref.version,
-            dtype=self.dtype,
-            expected_sha256=ref.sha256 or None,
-        )
+        """Read a registered adapter's source.
+
+        Raises:
+            AdapterSourceError: its files are gone or no longer the registered bytes (the
+                registry's sha256 pins them: a file replaced after registration is refused
+                rather than served under the registered version); the request that needed it
+                gets FAILED_PRECONDITION, not INVALID_ARGUMENT, since the request is fine.
+            IncompatibleAdapterError: the files do not fit the served model.
+        """
+        try:
+            return load_lora_weights(
+                ref.source,
+                self.spec,
+                adapter_id=ref.adapter_id,
+                version=ref.version,
+                dtype=self.dtype,
+                expected_sha256=ref.sha256 or None,
+            )
+        except InvalidAdapterError as exc:
+            raise AdapterSourceError(
+                f"registered adapter {ref.adapter_id!r} (v{ref.version}) can no longer be "
+                f"loaded from {ref.source}: {exc}; restore its files or register it again"
+            ) from exc
 
     @property
     def address(self) -> str:

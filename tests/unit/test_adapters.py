@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,9 +29,15 @@ from services.common.adapters import (
     parse_tensor_key,
     sha256_file,
 )
-from services.common.errors import IncompatibleAdapterError, InvalidAdapterError
+from services.common.errors import (
+    AdapterSourceError,
+    IncompatibleAdapterError,
+    InvalidAdapterError,
+)
 from services.common.make_adapters import write_peft_adapter
 from services.common.types import PROJECTION_MODULES, SMOLLM2_135M, ModelSpec
+from services.worker.adapter_api import AdapterRef
+from services.worker.server import WorkerService
 from tests.helpers import TINY, tiny_llama
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
@@ -755,3 +763,22 @@ def test_refuse_no_lora_tensors(good):
     _rewrite_tensors(good, lambda t: {})
     with pytest.raises(InvalidAdapterError, match="holds no LoRA tensors"):
         inspect_adapter(good, TINY)
+
+
+def test_a_registered_adapter_whose_files_went_away_is_a_failed_precondition(good):
+    """At serve time the request is fine and the registered adapter is not: files removed or
+    changed after registration give FAILED_PRECONDITION naming the adapter and the fix (they
+    gave INVALID_ARGUMENT, which reads as a bad request field)."""
+    manifest = inspect_adapter(good, TINY)
+    worker = SimpleNamespace(spec=TINY, dtype=torch.float32)
+    ref = AdapterRef("mine", 3, str(good), manifest.size_bytes, manifest.sha256)
+    assert WorkerService._load_adapter(worker, ref).nbytes > 0  # type: ignore[arg-type]
+
+    _rewrite_tensors(good, lambda t: {k: v * 2 for k, v in t.items()})  # changed since
+    with pytest.raises(AdapterSourceError, match=r"'mine' \(v3\) can no longer be loaded") as e:
+        WorkerService._load_adapter(worker, ref)  # type: ignore[arg-type]
+    assert e.value.status_code_name == "FAILED_PRECONDITION" and "register it again" in str(e.value)
+
+    shutil.rmtree(good)  # removed
+    with pytest.raises(AdapterSourceError, match="does not exist"):
+        WorkerService._load_adapter(worker, ref)  # type: ignore[arg-type]
