@@ -228,3 +228,13 @@ def test_the_env_variable_in_a_flags_help_is_the_one_it_falls_back_to(
             )
     read = set(re.findall(r'"(PLORA_[A-Z0-9_]+)"', inspect.getsource(config.from_args)))
     assert read - ENV_ONLY.get(config, set()) == named
+
+
+def test_worker_refuses_sizes_below_one_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused at parse time, before the model loads, with the flag and variable named (the
+    engine's later refusal named an internal ``max_queue``)."""
+    monkeypatch.setenv("PLORA_MAX_NEW_TOKENS_LIMIT", "0")
+    with pytest.raises(ConfigError, match="--max-new-tokens-limit / PLORA_MAX_NEW_TOKENS_LIMIT"):
+        config_from_flags(WorkerConfig)
+    with pytest.raises(ConfigError, match="--max-batch-size / PLORA_MAX_BATCH_SIZE must be >= 1"):
+        WorkerConfig(max_batch_size=-1)
