@@ -92,12 +92,20 @@ def test_cli_output_into_a_closed_pipe_stops_quietly(cluster: dict) -> None:
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
+def _default_sigint() -> None:
+    # A shell without job control starts background jobs with SIGINT ignored, and children
+    # inherit that (then Python installs no KeyboardInterrupt handler): the CLI runs with Ctrl-C
+    # working, as in a terminal, whatever started the test suite.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(cluster: dict, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args, "--gateway", cluster["gateway"]],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 - only resets a signal disposition
     )
 
 
