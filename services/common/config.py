@@ -41,6 +41,16 @@ def add_server_arguments(
     )
 
 
+def require_at_least_one(value: int, flag: str, env: str) -> None:
+    """Refuse a count or limit below 1, naming the flag and the variable that set it.
+
+    Raises:
+        ConfigError: ``value < 1``.
+    """
+    if value < 1:
+        raise ConfigError(f"{flag} / {env} must be >= 1, got {value}")
+
+
 def env_or(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Return the environment variable ``name`` if set and non-empty, else ``default``."""
     value = (os.environ if env is None else env).get(name)

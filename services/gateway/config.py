@@ -11,6 +11,7 @@ from services.common.config import (
     env_float,
     env_int,
     env_or,
+    require_at_least_one,
 )
 from services.common.errors import ConfigError
 
@@ -63,11 +64,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
-        if self.max_new_tokens_limit < 1:
-            raise ConfigError(
-                f"--max-new-tokens-limit / PLORA_MAX_NEW_TOKENS_LIMIT must be >= 1, "
-                f"got {self.max_new_tokens_limit}"
-            )
+        require_at_least_one(
+            self.max_new_tokens_limit, "--max-new-tokens-limit", "PLORA_MAX_NEW_TOKENS_LIMIT"
+        )
         if self.default_max_new_tokens == 0:
             object.__setattr__(
                 self,

@@ -12,6 +12,7 @@ from services.common.config import (
     env_int,
     env_or,
     parse_bytes,
+    require_at_least_one,
 )
 from services.common.errors import ConfigError
 
@@ -99,12 +100,11 @@ class WorkerConfig:
             )
         if self.threads < 0:
             raise ConfigError("threads must be >= 0 (0 = all cores)")
-        for name, value, env in (
-            ("max-new-tokens-limit", self.max_new_tokens_limit, "PLORA_MAX_NEW_TOKENS_LIMIT"),
-            ("max-batch-size", self.max_batch_size, "PLORA_MAX_BATCH_SIZE"),
-        ):
-            if value < 1:  # the engine would refuse it after the model loaded, less clearly
-                raise ConfigError(f"--{name} / {env} must be >= 1, got {value}")
+        # the engine would refuse these after the model loaded, less clearly
+        require_at_least_one(
+            self.max_new_tokens_limit, "--max-new-tokens-limit", "PLORA_MAX_NEW_TOKENS_LIMIT"
+        )
+        require_at_least_one(self.max_batch_size, "--max-batch-size", "PLORA_MAX_BATCH_SIZE")
         if self.host_staging not in ("on", "off"):
             raise ConfigError(f"host_staging must be 'on' or 'off', got {self.host_staging!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
