@@ -29,13 +29,19 @@ T = TypeVar("T")
 KEEPALIVE_TIME_MS = 30_000
 
 
+#: Message size limits of every channel and server: large messages are not expected.
+_MESSAGE_LIMITS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", 16 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+
+
 def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
     """Options of every channel: 16 MiB messages, keepalive pings every
     ``keepalive_time_ms`` even with no call in flight (so a dead peer is noticed before the
     next request, not by it)."""
     return [
-        ("grpc.max_send_message_length", 16 * 1024 * 1024),
-        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        *_MESSAGE_LIMITS,
         ("grpc.keepalive_time_ms", keepalive_time_ms),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
@@ -53,8 +59,7 @@ def server_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str
     port and receiving half of the first one's requests (two ``plora up`` on 50051).
     """
     return [
-        ("grpc.max_send_message_length", 16 * 1024 * 1024),
-        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        *_MESSAGE_LIMITS,
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
         ("grpc.so_reuseport", 0),
