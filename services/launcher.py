@@ -28,7 +28,7 @@ import grpc
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import env_or
-from services.common.errors import PLoRAError
+from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
 from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
@@ -81,6 +81,40 @@ def policy_flags(
         ]
         for service, items in pairs.items()
     }
+
+
+def check_service_flags(service: str, flags: list[str]) -> None:
+    """Parse one service's flags and ``PLORA_*`` environment as that service will, so a bad
+    setting stops ``plora up`` before Redis starts and the model loads, naming the service.
+
+    Args:
+        service: ``worker``, ``gateway`` or ``predictor``.
+        flags: Its command-line flags known before start-up (policy, threads, pool size,
+            ``--worker-arg``); ports, Redis URL and model path are filled in later.
+
+    Raises:
+        ConfigError: an unknown flag, a value the flag or its variable does not accept, or a
+            setting the service's config refuses.
+    """
+    from services.gateway.config import GatewayConfig  # noqa: PLC0415
+    from services.predictor.config import PredictorConfig  # noqa: PLC0415
+    from services.worker.config import WorkerConfig  # noqa: PLC0415
+
+    config = {"worker": WorkerConfig, "gateway": GatewayConfig, "predictor": PredictorConfig}[
+        service
+    ]
+    parser = argparse.ArgumentParser(prog=f"plora serve {service}", exit_on_error=False)
+    config.add_arguments(parser)
+    try:
+        args, unknown = parser.parse_known_args(flags)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{service}: {exc}") from exc
+    if unknown:
+        raise ConfigError(f"{service}: unknown flag(s) {' '.join(unknown)}")
+    try:
+        config.from_args(args)
+    except ConfigError as exc:
+        raise ConfigError(f"{service}: {exc}") from exc
 
 
 def overridden_policy_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -343,6 +377,18 @@ class Cluster:
                 else f"policy plora with {shown} from the environment"
             )
         env_policy = {} if a.policy else set_in_env
+        # Workers on one host split the cores: OpenMP threads beyond the cores spin-wait on
+        # each other and decode several times slower.
+        # PLORA_WORKER_THREADS, when set, is the user's choice and the workers read it.
+        threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
+        thread_flags = [] if os.environ.get("PLORA_WORKER_THREADS") else ["--threads", str(threads)]
+        worker_flags = [*thread_flags, *policy["worker"]]
+        if a.pool_bytes:
+            worker_flags += ["--pool-bytes", a.pool_bytes]
+        for extra in a.worker_arg:
+            worker_flags += extra.split()
+        for service, flags in {**policy, "worker": worker_flags}.items():
+            check_service_flags(service, flags)
         self._refuse_a_running_cluster()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_file.unlink(missing_ok=True)  # a stale one: its launcher is gone
@@ -378,15 +424,9 @@ class Cluster:
             )
             predictor.start(env)
         workers = []
-        # Workers on one host split the cores: OpenMP threads beyond the cores spin-wait on
-        # each other and decode several times slower.
-        # PLORA_WORKER_THREADS, when set, is the user's choice and the workers read it.
-        threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
-        thread_flags = [] if env.get("PLORA_WORKER_THREADS") else ["--threads", str(threads)]
         for i in range(a.workers):
             flags = [
                 *common,
-                *thread_flags,
                 "--worker-id",
                 f"worker-{i}",
                 "--port",
@@ -395,12 +435,8 @@ class Cluster:
                 "0",
                 "--model",
                 str(model_dir),
-                *policy["worker"],
+                *worker_flags,
             ]
-            if a.pool_bytes:
-                flags += ["--pool-bytes", a.pool_bytes]
-            for extra in a.worker_arg:
-                flags += extra.split()
             w = self._child(f"worker-{i}", "worker", flags)
             w.start(env)
             workers.append(w)

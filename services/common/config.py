@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from services.common.errors import ConfigError
 
@@ -55,6 +55,35 @@ def env_or(name: str, default: str | None, env: Mapping[str, str] | None = None)
     """Return the environment variable ``name`` if set and non-empty, else ``default``."""
     value = (os.environ if env is None else env).get(name)
     return value if value not in (None, "") else default
+
+
+def choice_or_env(
+    flag_value: str | None,
+    flag: str,
+    name: str,
+    default: str,
+    choices: Sequence[str],
+    env: Mapping[str, str] | None = None,
+) -> str:
+    """The flag's value if given, else the environment variable ``name``, else ``default``.
+
+    argparse checks a flag against ``choices``; a variable bypasses it, so this checks the
+    variable's value here, where the message can name it (the config's own check, later,
+    could only name the field).
+
+    Raises:
+        ConfigError: the variable holds a value not in ``choices``.
+    """
+    if flag_value not in (None, ""):
+        return str(flag_value)
+    value = env_or(name, None, env)
+    if value is None:
+        return default
+    if value not in choices:
+        raise ConfigError(
+            f"{name}={value!r} is not one of {', '.join(choices)} (the variable sets {flag})"
+        )
+    return value
 
 
 def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.config import (
     DEFAULT_REDIS_URL,
     add_server_arguments,
+    choice_or_env,
     env_float,
     env_int,
     env_or,
@@ -132,7 +133,9 @@ class GatewayConfig:
             predictor_address=args.predictor_address
             if args.predictor_address is not None
             else env_or("PLORA_PREDICTOR_ADDRESS", "") or "",
-            routing=args.routing or env_or("PLORA_ROUTING", d.routing) or d.routing,
+            routing=choice_or_env(
+                args.routing, "--routing", "PLORA_ROUTING", d.routing, ROUTING_POLICIES
+            ),
             max_new_tokens_limit=args.max_new_tokens_limit
             or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
             default_max_new_tokens=args.default_max_new_tokens

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.config import (
     DEFAULT_REDIS_URL,
     add_server_arguments,
+    choice_or_env,
     env_float,
     env_int,
     env_or,
@@ -109,9 +110,13 @@ class PredictorConfig:
             if args.metrics_port is not None
             else env_int("PLORA_PREDICTOR_METRICS_PORT", d.metrics_port),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
-            forecaster=args.forecaster or env_or("PLORA_FORECASTER", d.forecaster) or d.forecaster,
+            forecaster=choice_or_env(
+                args.forecaster, "--forecaster", "PLORA_FORECASTER", d.forecaster, FORECASTER_NAMES
+            ),
             tick_s=args.tick_s or env_float("PLORA_PREDICTOR_TICK_S", d.tick_s),
             horizon_s=args.horizon_s or env_float("PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
-            prefetch=args.prefetch or env_or("PLORA_PREDICTOR_PREFETCH", d.prefetch) or d.prefetch,
+            prefetch=choice_or_env(
+                args.prefetch, "--prefetch", "PLORA_PREDICTOR_PREFETCH", d.prefetch, ("on", "off")
+            ),
             ready_file=args.ready_file or "",
         )

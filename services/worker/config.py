@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.config import (
     DEFAULT_REDIS_URL,
     add_server_arguments,
+    choice_or_env,
     env_float,
     env_int,
     env_or,
@@ -252,7 +253,7 @@ class WorkerConfig:
             model=pick(args.model, "PLORA_MODEL", d.model),
             cache_dir=pick(args.cache_dir, "PLORA_CACHE_DIR", ""),
             device=pick(args.device, "PLORA_DEVICE", d.device),
-            dtype=pick(args.dtype, "PLORA_DTYPE", d.dtype),
+            dtype=choice_or_env(args.dtype, "--dtype", "PLORA_DTYPE", d.dtype, DTYPES),
             max_batch_size=args.max_batch_size or env_int("PLORA_MAX_BATCH_SIZE", d.max_batch_size),
             max_num_batched_tokens=args.max_num_batched_tokens
             or env_int("PLORA_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
@@ -262,12 +263,22 @@ class WorkerConfig:
             pool_bytes=pool,
             page_bytes=parse_bytes(pick(args.page_bytes, "PLORA_PAGE_BYTES", str(d.page_bytes))),
             host_cache_bytes=host_cache,
-            allocator=pick(args.allocator, "PLORA_ALLOCATOR", d.allocator),
-            eviction=pick(args.eviction, "PLORA_EVICTION", d.eviction),
+            allocator=choice_or_env(
+                args.allocator, "--allocator", "PLORA_ALLOCATOR", d.allocator, ALLOCATORS
+            ),
+            eviction=choice_or_env(
+                args.eviction, "--eviction", "PLORA_EVICTION", d.eviction, EVICTIONS
+            ),
             load_wait_timeout_s=args.load_wait_timeout_s
             if args.load_wait_timeout_s is not None
             else env_float("PLORA_LOAD_WAIT_TIMEOUT_S", d.load_wait_timeout_s),
-            host_staging=pick(args.host_staging, "PLORA_HOST_STAGING", d.host_staging),
+            host_staging=choice_or_env(
+                args.host_staging,
+                "--host-staging",
+                "PLORA_HOST_STAGING",
+                d.host_staging,
+                ("on", "off"),
+            ),
             threads=args.threads
             if args.threads is not None
             else env_int("PLORA_WORKER_THREADS", d.threads),

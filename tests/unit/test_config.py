@@ -99,6 +99,41 @@ def test_predictor_prefetch_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> Non
         PredictorConfig(prefetch="maybe")
 
 
+@pytest.mark.parametrize(
+    ("config", "variable", "flag"),
+    [
+        (WorkerConfig, "PLORA_DTYPE", "--dtype"),
+        (WorkerConfig, "PLORA_ALLOCATOR", "--allocator"),
+        (WorkerConfig, "PLORA_EVICTION", "--eviction"),
+        (WorkerConfig, "PLORA_HOST_STAGING", "--host-staging"),
+        (GatewayConfig, "PLORA_ROUTING", "--routing"),
+        (PredictorConfig, "PLORA_FORECASTER", "--forecaster"),
+        (PredictorConfig, "PLORA_PREDICTOR_PREFETCH", "--prefetch"),
+    ],
+)
+def test_a_bad_choice_in_the_environment_is_refused_by_its_name(
+    monkeypatch: pytest.MonkeyPatch, config: Any, variable: str, flag: str
+) -> None:
+    """argparse checks a flag's choices but not the variable behind it; the refusal used to
+    name only the dataclass field (``allocator must be one of ...``), leaving the user to
+    guess where the value came from. A flag given on the command line still wins."""
+    monkeypatch.setenv(variable, "no-such-value")
+    with pytest.raises(ConfigError, match=rf"^{variable}='no-such-value' is not one of .*{flag}"):
+        config_from_flags(config)
+    choices = next(a.choices for a in _parser(config)._actions if flag in a.option_strings)
+    assert getattr(config_from_flags(config, flag, choices[-1]), _field(flag)) == choices[-1]
+
+
+def _parser(config: Any) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return parser
+
+
+def _field(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def _readme_variables() -> set[str]:
     """``PLORA_*`` names in the README, with ``PLORA_{A,B}_{X,Y}`` expanded."""
     names: set[str] = set()

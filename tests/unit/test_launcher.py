@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.errors import ConfigError
 from services.common.policies import POLICIES, PolicySpec, get_policy
 from services.gateway.config import GatewayConfig
 from services.launcher import (
@@ -224,3 +225,32 @@ def test_plora_up_refuses_to_start_over_a_running_cluster(tmp_path: Path) -> Non
             cluster.start()
         cluster.stop()
     assert cluster.redis is None and not cluster.children
+
+
+def test_plora_up_refuses_a_bad_setting_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad policy variable or ``--worker-arg`` used to surface only once Redis had started
+    and the model had loaded (~10 s), as a worker's start-up failure naming a dataclass field;
+    it is now refused up front, naming the service and the setting."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state = tmp_path / "cluster.json"
+    cases = [
+        ({"PLORA_ALLOCATOR": "foo"}, [], r"^worker: PLORA_ALLOCATOR='foo' is not one of"),
+        ({"PLORA_ROUTING": "random"}, [], r"^gateway: PLORA_ROUTING='random' is not one of"),
+        ({"PLORA_PREDICTOR_PREFETCH": "yes"}, [], r"^predictor: PLORA_PREDICTOR_PREFETCH="),
+        ({}, ["--worker-arg", "--max-batch-size x"], r"^worker: argument --max-batch-size"),
+        ({}, ["--worker-arg", "--no-such-flag 1"], r"^worker: unknown flag\(s\) --no-such-flag"),
+        ({}, ["--pool-bytes", "lots"], r"^worker: .*lots"),
+    ]
+    for env, argv, message in cases:
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            cluster = Cluster(parser.parse_args(["--state-file", str(state), *argv]))
+            with pytest.raises(ConfigError, match=message):
+                cluster.start()
+            cluster.stop()
+        assert cluster.redis is None and not cluster.children
+        assert not state.exists()
