@@ -30,6 +30,7 @@ from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import env_or
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
+from services.common.lifecycle import stop_with_parent
 from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect
@@ -143,7 +144,12 @@ class Child:
         log.flush()
         self.log_offset = log.tell()
         self.proc = subprocess.Popen(
-            self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=stop_with_parent(),  # noqa: PLW1509 - prctl only; see its docstring
         )
         log.close()
 
@@ -401,7 +407,7 @@ class Cluster:
             self.redis_url = external
             self._say(f"using Redis at {external}")
         else:
-            self.redis = EmbeddedRedis(host=a.host).start()
+            self.redis = EmbeddedRedis(host=a.host, stop_with_parent=True).start()
             self.redis_url = self.redis.url
             self._say(f"started embedded Redis at {self.redis_url}")
         env["PLORA_REDIS_URL"] = self.redis_url

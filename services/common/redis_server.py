@@ -17,6 +17,8 @@ from pathlib import Path
 
 import redis
 
+from services.common import lifecycle
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,15 +57,25 @@ class EmbeddedRedis:
         host: Interface to bind (loopback by default).
         port: TCP port; 0 picks a free one.
         workdir: Directory for its files; a temporary one when None.
+        stop_with_parent: Have the server stop when this process dies, even by SIGKILL
+            (:func:`services.common.lifecycle.stop_with_parent`; start it from a thread that
+            outlives it). ``plora up`` sets it; tests stop theirs themselves.
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        workdir: str | None = None,
+        stop_with_parent: bool = False,
+    ) -> None:
         self.host = host
         self.port = port
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.workdir = workdir
+        self.stop_with_parent = stop_with_parent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -100,7 +112,11 @@ class EmbeddedRedis:
                 "--protected-mode",
                 "no",
             ]
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=lifecycle.stop_with_parent() if self.stop_with_parent else None,  # noqa: PLW1509
+            )
             client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:

@@ -254,3 +254,52 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
             cluster.stop()
         assert cluster.redis is None and not cluster.children
         assert not state.exists()
+
+
+KILLED_PARENT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from services.common.redis_server import EmbeddedRedis
+    from services.launcher import Child
+
+    tmp = Path(sys.argv[1])
+    child = Child("worker-0", [sys.executable, "-c", "import time; time.sleep(120)"],
+                  tmp / "w.log", tmp / "w.ready")
+    child.start(dict(os.environ))
+    redis = EmbeddedRedis(stop_with_parent=True).start()
+    print(child.proc.pid, redis.proc.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_children_and_redis_stop_when_plora_up_is_killed(tmp_path: Path) -> None:
+    """``kill -9`` of ``plora up`` used to leave its services and Redis running, holding the
+    ports; its children now get SIGTERM when it dies (prctl PR_SET_PDEATHSIG)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", KILLED_PARENT, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"still running after their parent was killed: {left}"
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie awaiting its reaper)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
