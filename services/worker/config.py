@@ -235,11 +235,18 @@ class WorkerConfig:
         def pick(flag: object, env: str, default: str) -> str:
             return str(flag) if flag not in (None, "") else (env_or(env, default) or default)
 
-        pool = parse_bytes(pick(args.pool_bytes, "PLORA_POOL_BYTES", str(d.pool_bytes)))
-        host_cache = parse_bytes(
-            pick(
-                args.host_cache_bytes, "PLORA_HOST_CACHE_BYTES", str(max(d.host_cache_bytes, pool))
-            )
+        def size(flag_value: object, flag: str, env: str, default: int) -> int:
+            try:
+                return parse_bytes(pick(flag_value, env, str(default)))
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} / {env}: {exc}") from exc
+
+        pool = size(args.pool_bytes, "--pool-bytes", "PLORA_POOL_BYTES", d.pool_bytes)
+        host_cache = size(
+            args.host_cache_bytes,
+            "--host-cache-bytes",
+            "PLORA_HOST_CACHE_BYTES",
+            max(d.host_cache_bytes, pool),
         )
         return cls(
             worker_id=pick(args.worker_id, "PLORA_WORKER_ID", d.worker_id),
@@ -261,7 +268,7 @@ class WorkerConfig:
             max_new_tokens_limit=args.max_new_tokens_limit
             or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
             pool_bytes=pool,
-            page_bytes=parse_bytes(pick(args.page_bytes, "PLORA_PAGE_BYTES", str(d.page_bytes))),
+            page_bytes=size(args.page_bytes, "--page-bytes", "PLORA_PAGE_BYTES", d.page_bytes),
             host_cache_bytes=host_cache,
             allocator=choice_or_env(
                 args.allocator, "--allocator", "PLORA_ALLOCATOR", d.allocator, ALLOCATORS
