@@ -65,6 +65,35 @@ def stop_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+#: ``nice`` of speculative background threads (host staging, the predictor's tick): the CFS
+#: weight of nice 10 is ~1/9 of nice 0, so on a host whose cores the decode steps keep busy
+#: they take mostly idle time instead of stretching steps and queues.
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
+    """Raise the calling thread's ``nice`` to at least ``nice`` (Linux: a thread's priority
+    is its own; ``setpriority(PRIO_PROCESS, tid)`` changes only that thread and the threads
+    it starts later).
+
+    For speculative work that nothing waits on: raising nice needs no privilege, but a
+    thread can't lower it back without CAP_SYS_NICE, so never call this from a thread that
+    also does work a request waits for.
+
+    Returns:
+        Whether it was applied (False off Linux or when refused).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        # never below the nice the process was started with (that would need privilege)
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:
+        return False
+    return True
+
+
 def serve_until_signalled(stop: Callable[[], None]) -> None:
     """Block the main thread until SIGINT or SIGTERM, then call ``stop``."""
     done = threading.Event()

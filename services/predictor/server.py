@@ -24,7 +24,7 @@ from plora.v1 import predictor_pb2, predictor_pb2_grpc, worker_pb2, worker_pb2_g
 from services.common import convert
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
-from services.common.lifecycle import run_service, write_ready_file
+from services.common.lifecycle import lower_thread_priority, run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, connect
 from services.predictor.config import PredictorConfig
@@ -291,6 +291,10 @@ class PredictorService:
         self._thread = threading.Thread(target=self._loop, name="predictor-tick", daemon=True)
 
     def _loop(self) -> None:
+        # Forecasting, training and placement are ahead-of-demand work: at background
+        # priority they take idle CPU, not the cores the workers' decode steps need when the
+        # predictor shares a host with them (plora up, a CPU node).
+        lower_thread_priority()
         next_tick = time.monotonic()
         while True:
             next_tick += self.config.tick_s

@@ -72,6 +72,7 @@ from services.common.errors import (
     PLoRAError,
     PoolExhaustedError,
 )
+from services.common.lifecycle import lower_thread_priority
 from services.common.types import LoRAModuleWeights, LoRAWeights
 from services.worker.adapter_api import AdapterRef
 from services.worker.eviction import (
@@ -1408,8 +1409,11 @@ class AdapterStore:
     def _stager(self) -> None:
         """The host-staging thread: one read at a time, only while no device load (demand or
         prefetch) is queued for a loader thread. Its own thread, so a staging read (as slow
-        as any source read: seconds from remote storage) never holds a loader thread."""
+        as any source read: seconds from remote storage) never holds a loader thread.
+        Staging is speculative, so the thread runs at background priority: on a CPU host it
+        must not take cores from the decode steps (demand loads read the source themselves)."""
         torch.set_num_threads(1)
+        lower_thread_priority()
         while True:
             with self._cv:
                 while not self._closed and (self._jobs or not self._staging):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import cli
 from services.common import make_adapters
+from services.common.lifecycle import BACKGROUND_NICE
 from tests.conftest import REPO, shared_data
 
 pytestmark = pytest.mark.slow
@@ -645,3 +647,32 @@ def test_generate_without_a_client_deadline(stub) -> None:
     """A client that sets no deadline (the README's Python example, grpcurl) is served."""
     chunks = list(stub.Generate(chat(max_new_tokens=12)))
     assert "Paris" in "".join(c.text for c in chunks)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_speculative_work_runs_at_background_priority(cluster: dict) -> None:
+    """The predictor's tick (forecast, training, placement) and each worker's host-staging
+    thread run at nice BACKGROUND_NICE, so on a shared CPU host they take idle time rather
+    than the decode steps' cores; every other thread (serving, engine, demand loads) keeps
+    the process's priority."""
+
+    def nices(pid: int) -> list[int]:
+        out = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            # /proc/<pid>/task/<tid>/stat: "tid (comm) state ..."; nice is field 19
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out.append(int(fields[16]))
+        return out
+
+    for name, pid in cluster["pids"].items():
+        base = os.getpriority(os.PRIO_PROCESS, pid)  # the process's main thread
+        background = max(base, BACKGROUND_NICE)
+        if name == "gateway" or background == base:
+            assert set(nices(pid)) == {base}, name
+            continue
+        deadline = time.monotonic() + 30
+        while background not in nices(pid):
+            assert time.monotonic() < deadline, f"{name}: no thread at background priority"
+            time.sleep(0.2)
+        values = nices(pid)
+        assert values.count(background) == 1 and set(values) == {base, background}, name

@@ -7,6 +7,8 @@ values are a deterministic function of (adapter id, version), so integrity check
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -19,6 +21,7 @@ from services.common.errors import (
     InvalidAdapterError,
     PoolExhaustedError,
 )
+from services.common.lifecycle import BACKGROUND_NICE
 from services.common.types import LoRAModuleWeights, LoRAWeights
 from services.worker.adapter_api import AdapterProvider, AdapterRef
 from services.worker.store import (
@@ -432,6 +435,23 @@ def test_host_staging_reads_into_free_host_space_then_loads_come_from_host() -> 
         assert s.stats().loads_by_tier == {"source": 0, "host": 1}
         assert s.stage([ref("a", 4), ref("b", 4)]) == 0  # cached (or resident) already
         assert sorted(src.calls) == ["a", "b", "c"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_staging_runs_at_background_priority_and_loads_do_not() -> None:
+    """Staging is speculative: on a CPU host it must not take cores from decode steps, so
+    its thread runs at nice BACKGROUND_NICE; the loader threads (demand loads) keep ours."""
+    s, _ = store(host_staging=True)
+    with s:
+        threads = {t.name: t.native_id for t in threading.enumerate()}
+        ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        _wait_for(lambda: _nice(threads["adapter-stager"]) == max(ours, BACKGROUND_NICE))
+        assert _nice(threads["adapter-loader-0"]) == ours
+
+
+def _nice(tid: int | None) -> int:
+    assert tid is not None
+    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
