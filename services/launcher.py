@@ -30,7 +30,7 @@ from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import env_or
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
-from services.common.lifecycle import stop_with_parent
+from services.common.lifecycle import service_parser, stop_with_parent
 from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect
@@ -104,10 +104,8 @@ def check_service_flags(service: str, flags: list[str]) -> None:
     config = {"worker": WorkerConfig, "gateway": GatewayConfig, "predictor": PredictorConfig}[
         service
     ]
-    parser = argparse.ArgumentParser(prog=f"plora serve {service}", exit_on_error=False)
-    config.add_arguments(parser)
     try:
-        args, unknown = parser.parse_known_args(flags)
+        args, unknown = service_parser(service, config, exit_on_error=False).parse_known_args(flags)
     except argparse.ArgumentError as exc:
         raise ConfigError(f"{service}: {exc}") from exc
     if unknown:

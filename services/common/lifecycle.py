@@ -103,6 +103,26 @@ def serve_until_signalled(stop: Callable[[], None]) -> None:
     stop()
 
 
+def service_parser(
+    name: str, config_cls: type[_Config], exit_on_error: bool = True
+) -> argparse.ArgumentParser:
+    """The flags of ``plora serve <name>``: the config's own, then ``--log-level`` and
+    ``--log-json`` (the same parser checks ``plora up``'s flags before start-up)."""
+    parser = argparse.ArgumentParser(prog=f"plora serve {name}", exit_on_error=exit_on_error)
+    config_cls.add_arguments(parser)
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR (no env variable; default INFO)",
+    )
+    parser.add_argument(
+        "--log-json",
+        action="store_true",
+        help="one JSON object per log line, for log collectors (default: plain text)",
+    )
+    return parser
+
+
 def run_service(
     name: str,
     config_cls: type[_Config],
@@ -126,19 +146,7 @@ def run_service(
         0 after a clean stop; 2 when the service cannot start (bad config, Redis unreachable,
         model missing) - with a one-line reason in the log, not a stack trace.
     """
-    parser = argparse.ArgumentParser(prog=f"plora serve {name}")
-    config_cls.add_arguments(parser)
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        help="DEBUG, INFO, WARNING or ERROR (no env variable; default INFO)",
-    )
-    parser.add_argument(
-        "--log-json",
-        action="store_true",
-        help="one JSON object per log line, for log collectors (default: plain text)",
-    )
-    args = parser.parse_args(argv)
+    args = service_parser(name, config_cls).parse_args(argv)
     try:
         config = config_cls.from_args(args)
     except PLoRAError as exc:

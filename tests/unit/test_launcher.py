@@ -24,6 +24,7 @@ from services.launcher import (
     Cluster,
     _cli_command,
     add_arguments,
+    check_service_flags,
     overridden_policy_env,
     policy_flags,
 )
@@ -303,3 +304,5 @@ def _alive(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return False
+    # what `plora serve worker` accepts besides the config's flags is accepted here too
+    check_service_flags("worker", ["--log-level", "DEBUG", "--log-json", "--pool-bytes", "1GiB"])
