@@ -30,7 +30,7 @@ from services.launcher import (
 )
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
-from tests.conftest import REPO
+from tests.conftest import REPO, _pid_alive
 from tests.helpers import config_from_flags
 
 # Runs in a child interpreter so a deadlock fails the test by timeout instead of hanging it.
@@ -286,23 +286,16 @@ def test_children_and_redis_stop_when_plora_up_is_killed(tmp_path: Path) -> None
     )
     assert parent.stdout is not None
     pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(_pid_alive(p) for p in pids)
     parent.kill()
     parent.wait()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if _pid_alive(p)]
     for p in left:
         os.kill(p, 9)
     assert not left, f"still running after their parent was killed: {left}"
 
-
-def _alive(pid: int) -> bool:
-    """Running (not gone, not a zombie awaiting its reaper)."""
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
     # what `plora serve worker` accepts besides the config's flags is accepted here too
     check_service_flags("worker", ["--log-level", "DEBUG", "--log-json", "--pool-bytes", "1GiB"])
