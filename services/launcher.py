@@ -142,12 +142,11 @@ class Child:
         log.flush()
         self.log_offset = log.tell()
         self.proc = subprocess.Popen(
-            self.cmd,
+            stop_with_parent(self.cmd),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            preexec_fn=stop_with_parent(),  # noqa: PLW1509 - prctl only; see its docstring
         )
         log.close()
 

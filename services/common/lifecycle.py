@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -37,32 +36,35 @@ def write_ready_file(path: str, grpc_port: int, metrics_port: int) -> None:
     tmp.replace(target)
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Run as ``python -c _STOP_WITH_PARENT <parent pid> <command...>``: ask Linux to send SIGTERM
+#: when the parent dies (prctl(PR_SET_PDEATHSIG), which survives execve), stop at once if the
+#: parent is already gone, then exec the command. Standard library only, so it starts fast.
+_STOP_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def stop_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has Linux send the child SIGTERM when its parent dies, even by
-    SIGKILL (``prctl(PR_SET_PDEATHSIG)``), so a killed ``plora up`` leaves no services or Redis
-    behind holding ports; the services stop gracefully on SIGTERM.
+def stop_with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` wrapped so that Linux sends it SIGTERM when this process dies, even by SIGKILL,
+    so a killed ``plora up`` leaves no services or Redis behind holding ports; the services
+    stop gracefully on SIGTERM.
 
-    Linux tracks the *thread* that started the child: call ``Popen`` from a thread that lives
-    as long as the child (the launcher's main thread does). A parent that died before the
-    child ran this is caught by comparing ``getppid()``.
+    The child sets ``prctl(PR_SET_PDEATHSIG)`` itself in a short Python trampoline that then
+    execs ``cmd`` (not in a ``preexec_fn``: Python code between fork and exec in a process
+    with gRPC's threads can abort the child, and did in the test suite). Linux tracks the
+    *thread* that started the child: call ``Popen`` from a thread that lives as long as the
+    child (the launcher's main thread does).
 
     Returns:
-        The function to pass as ``subprocess.Popen(preexec_fn=...)``; None off Linux.
+        The command to run; ``cmd`` unchanged off Linux.
     """
     if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
+        return cmd
+    return [sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *cmd]
 
 
 #: ``nice`` of speculative background threads (host staging, the predictor's tick): the CFS

@@ -112,11 +112,9 @@ class EmbeddedRedis:
                 "--protected-mode",
                 "no",
             ]
-            self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=lifecycle.stop_with_parent() if self.stop_with_parent else None,  # noqa: PLW1509
-            )
+            if self.stop_with_parent:
+                cmd = lifecycle.stop_with_parent(cmd)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
             client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:

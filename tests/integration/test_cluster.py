@@ -94,20 +94,22 @@ def test_cli_output_into_a_closed_pipe_stops_quietly(cluster: dict) -> None:
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
-def _default_sigint() -> None:
-    # A shell without job control starts background jobs with SIGINT ignored, and children
-    # inherit that (then Python installs no KeyboardInterrupt handler): the CLI runs with Ctrl-C
-    # working, as in a terminal, whatever started the test suite.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# `python -m services.cli` with Ctrl-C working as in a terminal whatever started the suite: a
+# shell without job control starts background jobs with SIGINT ignored, children inherit
+# that, and Python then installs no KeyboardInterrupt handler. (Not a preexec_fn: Python code
+# between fork and exec in this process, which has gRPC's threads, aborted the child in CI.)
+_CLI_WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'plora'; runpy.run_module('services.cli', run_name='__main__')"
+)
 
 
 def _cli(cluster: dict, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args, "--gateway", cluster["gateway"]],
+        [sys.executable, "-c", _CLI_WITH_CTRL_C, *args, "--gateway", cluster["gateway"]],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=_default_sigint,  # noqa: PLW1509 - only resets a signal disposition
     )
 
 
