@@ -137,9 +137,11 @@ class GatewayConfig:
                 args.routing, "--routing", "PLORA_ROUTING", d.routing, ROUTING_POLICIES
             ),
             max_new_tokens_limit=args.max_new_tokens_limit
-            or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
+            if args.max_new_tokens_limit is not None
+            else env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
             default_max_new_tokens=args.default_max_new_tokens
-            or env_int("PLORA_DEFAULT_MAX_NEW_TOKENS", 0),
+            if args.default_max_new_tokens is not None
+            else env_int("PLORA_DEFAULT_MAX_NEW_TOKENS", 0),
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             ready_file=args.ready_file or "",
         )

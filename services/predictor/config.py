@@ -113,8 +113,12 @@ class PredictorConfig:
             forecaster=choice_or_env(
                 args.forecaster, "--forecaster", "PLORA_FORECASTER", d.forecaster, FORECASTER_NAMES
             ),
-            tick_s=args.tick_s or env_float("PLORA_PREDICTOR_TICK_S", d.tick_s),
-            horizon_s=args.horizon_s or env_float("PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
+            tick_s=args.tick_s
+            if args.tick_s is not None
+            else env_float("PLORA_PREDICTOR_TICK_S", d.tick_s),
+            horizon_s=args.horizon_s
+            if args.horizon_s is not None
+            else env_float("PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
             prefetch=choice_or_env(
                 args.prefetch, "--prefetch", "PLORA_PREDICTOR_PREFETCH", d.prefetch, ("on", "off")
             ),

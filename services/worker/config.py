@@ -261,12 +261,18 @@ class WorkerConfig:
             cache_dir=pick(args.cache_dir, "PLORA_CACHE_DIR", ""),
             device=pick(args.device, "PLORA_DEVICE", d.device),
             dtype=choice_or_env(args.dtype, "--dtype", "PLORA_DTYPE", d.dtype, DTYPES),
-            max_batch_size=args.max_batch_size or env_int("PLORA_MAX_BATCH_SIZE", d.max_batch_size),
+            max_batch_size=args.max_batch_size
+            if args.max_batch_size is not None
+            else env_int("PLORA_MAX_BATCH_SIZE", d.max_batch_size),
             max_num_batched_tokens=args.max_num_batched_tokens
-            or env_int("PLORA_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
-            max_model_len=args.max_model_len or env_int("PLORA_MAX_MODEL_LEN", d.max_model_len),
+            if args.max_num_batched_tokens is not None
+            else env_int("PLORA_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
+            max_model_len=args.max_model_len
+            if args.max_model_len is not None
+            else env_int("PLORA_MAX_MODEL_LEN", d.max_model_len),
             max_new_tokens_limit=args.max_new_tokens_limit
-            or env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
+            if args.max_new_tokens_limit is not None
+            else env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
             pool_bytes=pool,
             page_bytes=size(args.page_bytes, "--page-bytes", "PLORA_PAGE_BYTES", d.page_bytes),
             host_cache_bytes=host_cache,

@@ -273,3 +273,14 @@ def test_worker_refuses_sizes_below_one_naming_the_setting(monkeypatch: pytest.M
         config_from_flags(WorkerConfig)
     with pytest.raises(ConfigError, match="--max-batch-size / PLORA_MAX_BATCH_SIZE must be >= 1"):
         WorkerConfig(max_batch_size=-1)
+
+
+def test_a_flag_set_to_zero_is_not_taken_for_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--max-batch-size 0`` used to fall through to the variable or the default (``args.x or
+    env``), so a bad flag was served silently; a given flag is now the value, and refused."""
+    monkeypatch.setenv("PLORA_MAX_BATCH_SIZE", "8")
+    with pytest.raises(ConfigError, match="--max-batch-size / PLORA_MAX_BATCH_SIZE must be >= 1"):
+        config_from_flags(WorkerConfig, "--max-batch-size", "0")
+    assert config_from_flags(WorkerConfig).max_batch_size == 8
+    with pytest.raises(ConfigError, match="tick_s and horizon_s must be positive"):
+        config_from_flags(PredictorConfig, "--tick-s", "0")

@@ -243,6 +243,7 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         ({"PLORA_PREDICTOR_PREFETCH": "yes"}, [], r"^predictor: PLORA_PREDICTOR_PREFETCH="),
         ({}, ["--worker-arg", "--max-batch-size x"], r"^worker: argument --max-batch-size"),
         ({}, ["--worker-arg", "--no-such-flag 1"], r"^worker: unknown flag\(s\) --no-such-flag"),
+        ({}, ["--worker-arg=--max-batch-size=0"], r"^worker: --max-batch-size / PLORA_MAX"),
         ({}, ["--pool-bytes", "lots"], r"^worker: --pool-bytes / PLORA_POOL_BYTES: 'lots' is"),
     ]
     for env, argv, message in cases:
