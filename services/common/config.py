@@ -86,6 +86,21 @@ def choice_or_env(
     return value
 
 
+def int_flag_or_env(flag_value: int | None, name: str, default: int) -> int:
+    """A numeric flag's value when given (0 included: it is a value, not "unset"), else
+    :func:`env_int` of ``name``.
+
+    Raises:
+        ConfigError: the flag is unset and the variable is not an integer.
+    """
+    return flag_value if flag_value is not None else env_int(name, default)
+
+
+def float_flag_or_env(flag_value: float | None, name: str, default: float) -> float:
+    """As :func:`int_flag_or_env`, for a float flag (:func:`env_float`)."""
+    return flag_value if flag_value is not None else env_float(name, default)
+
+
 def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
     """Integer environment fallback.
 

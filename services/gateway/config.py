@@ -10,8 +10,8 @@ from services.common.config import (
     add_server_arguments,
     choice_or_env,
     env_float,
-    env_int,
     env_or,
+    int_flag_or_env,
     require_at_least_one,
 )
 from services.common.errors import ConfigError
@@ -125,10 +125,10 @@ class GatewayConfig:
         d = cls()
         return cls(
             host=args.host or env_or("PLORA_GATEWAY_HOST", d.host) or d.host,
-            port=args.port if args.port is not None else env_int("PLORA_GATEWAY_PORT", d.port),
-            metrics_port=args.metrics_port
-            if args.metrics_port is not None
-            else env_int("PLORA_GATEWAY_METRICS_PORT", d.metrics_port),
+            port=int_flag_or_env(args.port, "PLORA_GATEWAY_PORT", d.port),
+            metrics_port=int_flag_or_env(
+                args.metrics_port, "PLORA_GATEWAY_METRICS_PORT", d.metrics_port
+            ),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
             predictor_address=args.predictor_address
             if args.predictor_address is not None
@@ -136,12 +136,12 @@ class GatewayConfig:
             routing=choice_or_env(
                 args.routing, "--routing", "PLORA_ROUTING", d.routing, ROUTING_POLICIES
             ),
-            max_new_tokens_limit=args.max_new_tokens_limit
-            if args.max_new_tokens_limit is not None
-            else env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
-            default_max_new_tokens=args.default_max_new_tokens
-            if args.default_max_new_tokens is not None
-            else env_int("PLORA_DEFAULT_MAX_NEW_TOKENS", 0),
+            max_new_tokens_limit=int_flag_or_env(
+                args.max_new_tokens_limit, "PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit
+            ),
+            default_max_new_tokens=int_flag_or_env(
+                args.default_max_new_tokens, "PLORA_DEFAULT_MAX_NEW_TOKENS", 0
+            ),
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             ready_file=args.ready_file or "",
         )

@@ -9,9 +9,9 @@ from services.common.config import (
     DEFAULT_REDIS_URL,
     add_server_arguments,
     choice_or_env,
-    env_float,
-    env_int,
     env_or,
+    float_flag_or_env,
+    int_flag_or_env,
 )
 from services.common.errors import ConfigError
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
@@ -105,20 +105,16 @@ class PredictorConfig:
         d = cls()
         return cls(
             host=args.host or env_or("PLORA_PREDICTOR_HOST", d.host) or d.host,
-            port=args.port if args.port is not None else env_int("PLORA_PREDICTOR_PORT", d.port),
-            metrics_port=args.metrics_port
-            if args.metrics_port is not None
-            else env_int("PLORA_PREDICTOR_METRICS_PORT", d.metrics_port),
+            port=int_flag_or_env(args.port, "PLORA_PREDICTOR_PORT", d.port),
+            metrics_port=int_flag_or_env(
+                args.metrics_port, "PLORA_PREDICTOR_METRICS_PORT", d.metrics_port
+            ),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
             forecaster=choice_or_env(
                 args.forecaster, "--forecaster", "PLORA_FORECASTER", d.forecaster, FORECASTER_NAMES
             ),
-            tick_s=args.tick_s
-            if args.tick_s is not None
-            else env_float("PLORA_PREDICTOR_TICK_S", d.tick_s),
-            horizon_s=args.horizon_s
-            if args.horizon_s is not None
-            else env_float("PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
+            tick_s=float_flag_or_env(args.tick_s, "PLORA_PREDICTOR_TICK_S", d.tick_s),
+            horizon_s=float_flag_or_env(args.horizon_s, "PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
             prefetch=choice_or_env(
                 args.prefetch, "--prefetch", "PLORA_PREDICTOR_PREFETCH", d.prefetch, ("on", "off")
             ),

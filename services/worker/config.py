@@ -9,9 +9,9 @@ from services.common.config import (
     DEFAULT_REDIS_URL,
     add_server_arguments,
     choice_or_env,
-    env_float,
-    env_int,
     env_or,
+    float_flag_or_env,
+    int_flag_or_env,
     parse_bytes,
     require_at_least_one,
 )
@@ -251,28 +251,30 @@ class WorkerConfig:
         return cls(
             worker_id=pick(args.worker_id, "PLORA_WORKER_ID", d.worker_id),
             host=pick(args.host, "PLORA_WORKER_HOST", d.host),
-            port=args.port if args.port is not None else env_int("PLORA_WORKER_PORT", d.port),
+            port=int_flag_or_env(args.port, "PLORA_WORKER_PORT", d.port),
             advertise_host=pick(args.advertise_host, "PLORA_WORKER_ADVERTISE_HOST", ""),
-            metrics_port=args.metrics_port
-            if args.metrics_port is not None
-            else env_int("PLORA_WORKER_METRICS_PORT", d.metrics_port),
+            metrics_port=int_flag_or_env(
+                args.metrics_port, "PLORA_WORKER_METRICS_PORT", d.metrics_port
+            ),
             redis_url=pick(args.redis_url, "PLORA_REDIS_URL", d.redis_url),
             model=pick(args.model, "PLORA_MODEL", d.model),
             cache_dir=pick(args.cache_dir, "PLORA_CACHE_DIR", ""),
             device=pick(args.device, "PLORA_DEVICE", d.device),
             dtype=choice_or_env(args.dtype, "--dtype", "PLORA_DTYPE", d.dtype, DTYPES),
-            max_batch_size=args.max_batch_size
-            if args.max_batch_size is not None
-            else env_int("PLORA_MAX_BATCH_SIZE", d.max_batch_size),
-            max_num_batched_tokens=args.max_num_batched_tokens
-            if args.max_num_batched_tokens is not None
-            else env_int("PLORA_MAX_NUM_BATCHED_TOKENS", d.max_num_batched_tokens),
-            max_model_len=args.max_model_len
-            if args.max_model_len is not None
-            else env_int("PLORA_MAX_MODEL_LEN", d.max_model_len),
-            max_new_tokens_limit=args.max_new_tokens_limit
-            if args.max_new_tokens_limit is not None
-            else env_int("PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit),
+            max_batch_size=int_flag_or_env(
+                args.max_batch_size, "PLORA_MAX_BATCH_SIZE", d.max_batch_size
+            ),
+            max_num_batched_tokens=int_flag_or_env(
+                args.max_num_batched_tokens,
+                "PLORA_MAX_NUM_BATCHED_TOKENS",
+                d.max_num_batched_tokens,
+            ),
+            max_model_len=int_flag_or_env(
+                args.max_model_len, "PLORA_MAX_MODEL_LEN", d.max_model_len
+            ),
+            max_new_tokens_limit=int_flag_or_env(
+                args.max_new_tokens_limit, "PLORA_MAX_NEW_TOKENS_LIMIT", d.max_new_tokens_limit
+            ),
             pool_bytes=pool,
             page_bytes=size(args.page_bytes, "--page-bytes", "PLORA_PAGE_BYTES", d.page_bytes),
             host_cache_bytes=host_cache,
@@ -282,9 +284,9 @@ class WorkerConfig:
             eviction=choice_or_env(
                 args.eviction, "--eviction", "PLORA_EVICTION", d.eviction, EVICTIONS
             ),
-            load_wait_timeout_s=args.load_wait_timeout_s
-            if args.load_wait_timeout_s is not None
-            else env_float("PLORA_LOAD_WAIT_TIMEOUT_S", d.load_wait_timeout_s),
+            load_wait_timeout_s=float_flag_or_env(
+                args.load_wait_timeout_s, "PLORA_LOAD_WAIT_TIMEOUT_S", d.load_wait_timeout_s
+            ),
             host_staging=choice_or_env(
                 args.host_staging,
                 "--host-staging",
@@ -292,8 +294,6 @@ class WorkerConfig:
                 d.host_staging,
                 ("on", "off"),
             ),
-            threads=args.threads
-            if args.threads is not None
-            else env_int("PLORA_WORKER_THREADS", d.threads),
+            threads=int_flag_or_env(args.threads, "PLORA_WORKER_THREADS", d.threads),
             ready_file=args.ready_file or "",
         )
