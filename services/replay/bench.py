@@ -181,6 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="base-model requests sent before the replay (default 4)",
     )
     parser.add_argument(
+        "--ttft-probes",
+        type=int,
+        default=8,
+        help="base-model requests sent one at a time after the warm-up, with prompts from the "
+        "slice, to measure the uncontended TTFT no policy can beat (default 8; 0 = none)",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=180.0,
@@ -306,17 +313,25 @@ def run_policy(
     pool_bytes: int,
     adapters_dir: Path,
     label: str = "",
-) -> tuple[list[RequestRecord], list[StatusSample], dict[str, float], dict[str, dict[str, float]]]:
-    """Start a fresh cluster with ``policy``, register the adapters, replay, stop it.
+) -> tuple[
+    list[RequestRecord],
+    list[StatusSample],
+    dict[str, float],
+    dict[str, dict[str, float]],
+    list[float],
+]:
+    """Start a fresh cluster with ``policy``, register the adapters, warm up, measure the
+    uncontended TTFT (``--ttft-probes``), replay, stop it.
 
     ``label`` names the run in progress lines (default: the policy).
 
     Returns:
         The request records, the status samples, the wall seconds of each phase
-        (``startup_s``: processes to healthy; ``register_warmup_s``; ``replay_s``: first send to
-        last completion plus the final sample; ``stop_s``), and per service its CPU seconds
-        during the replay (``cpu_s``) and resident bytes at its end (``rss_bytes``), from its
-        ``process_*`` metrics.
+        (``startup_s``: processes to healthy; ``register_warmup_s``: registration, warm-up and
+        the probes; ``replay_s``: first send to last completion plus the final sample;
+        ``stop_s``), per service its CPU seconds during the replay (``cpu_s``) and resident
+        bytes at its end (``rss_bytes``), from its ``process_*`` metrics, and the probes'
+        TTFTs in seconds (:meth:`~services.replay.client.ReplayClient.uncontended_ttft`).
     """
     import grpc  # noqa: PLC0415
 
@@ -368,12 +383,20 @@ def run_policy(
             progress_interval_s=args.progress_interval,
             seed=args.seed,
         )
-        timings["register_warmup_s"] = time.monotonic() - mark
-        cpu_before = _process_figures(_scrape_metrics(state))
-        t0 = time.monotonic()
-        with ReplayClient(gateway, config) as client, StatusSampler(gateway, t0) as sampler:
-            records = client.replay(requests, t0=t0, on_progress=progress)
-            time.sleep(1.5)  # let the last heartbeats reach the registry before the final sample
+        with ReplayClient(gateway, config) as client:
+            uncontended = client.uncontended_ttft(requests, args.ttft_probes)
+            if uncontended:
+                print(
+                    f"[{label}] uncontended TTFT {sum(uncontended) / len(uncontended):.3f} s "
+                    f"(mean of {len(uncontended)} base-model prefills sent one at a time)",
+                    flush=True,
+                )
+            timings["register_warmup_s"] = time.monotonic() - mark
+            cpu_before = _process_figures(_scrape_metrics(state))
+            t0 = time.monotonic()
+            with StatusSampler(gateway, t0) as sampler:
+                records = client.replay(requests, t0=t0, on_progress=progress)
+                time.sleep(1.5)  # the last heartbeats reach the registry before the final sample
         samples = sampler.samples
         timings["replay_s"] = time.monotonic() - t0
         texts = _scrape_metrics(state)
@@ -388,7 +411,7 @@ def run_policy(
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
     write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
-    return records, samples, timings, usage
+    return records, samples, timings, usage, uncontended
 
 
 def _scrape_metrics(state: dict[str, Any]) -> dict[str, str]:
@@ -487,6 +510,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.repeats < 1:
         print(f"plora bench replay: --repeats must be >= 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    if args.ttft_probes < 0:
+        print(
+            f"plora bench replay: --ttft-probes must be >= 0, got {args.ttft_probes}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -632,7 +661,7 @@ def _run_round(
         print(f"[{label}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
             with _signals_interrupt():
-                records, samples, timings, usage = run_policy(
+                records, samples, timings, usage, uncontended = run_policy(
                     args,
                     policy,
                     round_dir / policy,
@@ -662,7 +691,7 @@ def _run_round(
             continue
         rnd.records[policy], rnd.samples[policy] = records, samples
         done[policy] = {
-            **summarize_policy(records, samples),
+            **summarize_policy(records, samples, uncontended),
             "phase_seconds": timings,
             "service_usage": usage,
         }

@@ -294,6 +294,56 @@ class ReplayClient:
             worker_ttft_s=last.worker_ttft_seconds,
         )
 
+    # -- the uncontended TTFT ----------------------------------------------------------------
+
+    def uncontended_ttft(self, requests: Sequence[ReplayRequest], probes: int) -> list[float]:
+        """TTFT (seconds, client clock) of ``probes`` requests sent one at a time to an idle
+        cluster: the prompts of requests spread evenly over ``requests`` (the slice's prompt
+        lengths), each for the base model with ``max_new_tokens = 1``.
+
+        Nothing else is in flight, so each is one prefill with no queue, no batch to share and
+        no adapter load: a lower bound on what any routing, prefetch or eviction policy can
+        give those prompts on this cluster (a request for an adapter adds its LoRA work). Their
+        mean is the report's ``ttft_uncontended_s`` (:mod:`services.replay.report`).
+
+        Args:
+            requests: The replay's requests (their prompts are reused, not their adapters).
+            probes: How many to send; 0 sends none.
+
+        Returns:
+            One TTFT per probe, in the order sent.
+
+        Raises:
+            RuntimeError: A probe failed (an idle cluster that cannot serve the base model is
+                not ready for a replay).
+        """
+        if probes <= 0 or not requests:
+            return []
+        n = len(requests)
+        picks = [requests[min(n - 1, int((i + 0.5) * n / probes))] for i in range(probes)]
+        ttfts = []
+        for i, req in enumerate(picks):
+            grpc_req = gateway_pb2.GenerateRequest(
+                request_id=f"uncontended-{i}",
+                prompt=req.prompt,
+                max_new_tokens=1,
+                temperature=0.0,
+                seed=self.config.seed,
+            )
+            sent = time.monotonic()
+            first = None
+            try:
+                for resp in self._stub.Generate(grpc_req, timeout=self.config.request_timeout_s):
+                    if first is None and resp.token_ids:
+                        first = time.monotonic()
+            except grpc.RpcError as exc:
+                code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"  # type: ignore[attr-defined]
+                raise RuntimeError(f"uncontended-TTFT probe {i} failed: {code}") from exc
+            if first is None:
+                raise RuntimeError(f"uncontended-TTFT probe {i} returned no token")
+            ttfts.append(first - sent)
+        return ttfts
+
     # -- the replay -------------------------------------------------------------------------
 
     def replay(

@@ -38,6 +38,7 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
         "--policies", ",".join(POLICIES), "--out", str(out), "--workers", "1",
         "--max-new-tokens", "4", "--concurrency", "64", "--seed", "0",
         "--model", str(model_dir), "--warmup", "2", "--progress-interval", "2",
+        "--ttft-probes", "2",
     ])  # fmt: skip
     code = bench.run(args)
     report = json.loads((out / "report.json").read_text())
@@ -58,7 +59,10 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
         assert report[p]["status_samples"] >= 5
         usage = report[p]["service_usage"]
         assert usage["worker-0"]["cpu_s"] > 0 and usage["gateway"]["rss_bytes"] > 0
+        assert report[p]["ttft_uncontended_probes"] == 2
+        assert 0 < report[p]["ttft_uncontended_s"] < 60
     assert set(COMPARISON_KEYS) <= set(report["comparison"])
+    assert report["comparison"]["ttft_mean_reduction_ceiling"] < 1
 
     served = {p: _served(out / p / "requests.jsonl") for p in POLICIES}
     lost = served["baseline"] - served["plora"]
@@ -91,7 +95,7 @@ def test_replay_repeats_alternate_the_order_and_report_the_spread(
         "--start", "2", "--duration", "6", "--adapters", "2", "--ranks", "8",
         "--policies", ",".join(POLICIES), "--out", str(out), "--workers", "1",
         "--max-new-tokens", "2", "--model", str(model_dir), "--warmup", "1",
-        "--repeats", "2",
+        "--repeats", "2", "--ttft-probes", "1",
     ])  # fmt: skip
     assert bench.run(args) == 0
     report = json.loads((out / "report.json").read_text())

@@ -40,7 +40,7 @@ def test_simulator_matches_a_live_replay(tmp_path: Path, model_dir: Path) -> Non
         "--ranks", ",".join(map(str, RANKS)), "--policies", ",".join(POLICIES),
         "--workers", "2", "--max-new-tokens", "2", "--seed", "0",
         "--model", str(model_dir), "--warmup", "2", "--progress-interval", "10",
-        "--out", str(out),
+        "--ttft-probes", "2", "--out", str(out),
     ])  # fmt: skip
     code = bench.run(args)
     report = json.loads((out / "report.json").read_text())

@@ -282,10 +282,14 @@ def test_series_and_cdf() -> None:
         ("throughput_ratio", 3.0 / 2.0),
         ("throughput_tok_ratio", 24.0 / 16.0),
         ("baseline_cold_wait_share_of_ttft", 0.1 / 1.0),
+        # floor = mean(0.5, 0.3) = 0.4 s: at most 1 - 0.4 / 1.0 of the TTFT can go
+        ("ttft_mean_reduction_ceiling", 0.6),
+        ("ttft_gap_closed", (1 - 0.65) / 0.6),
     ],
 )
 def test_compare(key: str, want: float) -> None:
     plora = {
+        "ttft_uncontended_s": 0.5,
         "ttft_mean_s": 0.65,
         "ttft_p99_s": 2.0,
         "cold_start_wait_mean_s": 0.032,
@@ -295,6 +299,7 @@ def test_compare(key: str, want: float) -> None:
         "throughput_tok_s": 24.0,
     }
     baseline = {
+        "ttft_uncontended_s": 0.3,
         "ttft_mean_s": 1.0,
         "ttft_p99_s": 4.0,
         "cold_start_wait_mean_s": 0.1,
@@ -306,9 +311,17 @@ def test_compare(key: str, want: float) -> None:
     assert compare(plora, baseline)[key] == pytest.approx(want)
 
 
+def test_compare_without_probes_has_no_ttft_ceiling() -> None:
+    got = compare({"ttft_mean_s": 0.5}, {"ttft_mean_s": 1.0, "ttft_uncontended_s": None})
+    assert got["ttft_mean_reduction"] == pytest.approx(0.5)
+    assert got["ttft_mean_reduction_ceiling"] is None and got["ttft_gap_closed"] is None
+
+
 def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) -> None:
-    plora = summarize_policy(RECORDS, SAMPLES)
-    baseline = summarize_policy(RECORDS[:4], SAMPLES[:2])
+    plora = summarize_policy(RECORDS, SAMPLES, [0.2, 0.4])
+    baseline = summarize_policy(RECORDS[:4], SAMPLES[:2], [0.3])
+    assert plora["ttft_uncontended_s"] == pytest.approx(0.3)
+    assert plora["ttft_uncontended_probes"] == 2
     settings = {
         "trace": "t.csv",
         "format": "azure2021",
@@ -339,6 +352,9 @@ def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) 
     md = render_markdown(report)
     assert "| ttft_mean_s |" in md and "compulsory_cold_rate = 0.500" in md
     assert "| throughput_ratio |" in md
+    ceiling = report["comparison"]["ttft_mean_reduction_ceiling"]
+    assert ceiling == pytest.approx(1 - 0.3 / baseline["ttft_mean_s"])
+    assert f"bounds ttft_mean_reduction at {ceiling:.3f}" in md
     failed = build_report(settings, info, {"plora": plora, "baseline": {"error": "boom"}})
     assert failed["comparison"] is None and failed["baseline"] == {"error": "boom"}
     paths = write_plots(tmp_path, {"plora": RECORDS}, {"plora": SAMPLES})
@@ -519,6 +535,7 @@ def test_trace_info_floor_uses_adapters_and_keys() -> None:
     ("flags", "message"),
     [
         (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["--ttft-probes", "-1"], "--ttft-probes must be >= 0, got -1"),
         (["--policies", "plora,fastest"], "unknown policies ['fastest']"),
     ],
 )
