@@ -479,9 +479,10 @@ class Cluster:
             "pids": {c.name: c.proc.pid for c in self.children if c.proc},
             "launcher_pid": os.getpid(),
         }
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.state_file)
+        targets = self.run_dir / "prometheus.json"
+        state["prometheus_targets"] = str(targets)
+        _write_atomic(targets, prometheus_targets(state["metrics"]))
+        _write_atomic(self.state_file, state)
         self._wrote_state = True
         return state
 
@@ -556,9 +557,7 @@ class Cluster:
         if self.state_file.exists():
             state = json.loads(self.state_file.read_text())
             state["pids"][child.name] = child.proc.pid if child.proc else None
-            tmp = self.state_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state, indent=2))
-            tmp.replace(self.state_file)
+            _write_atomic(self.state_file, state)
 
     def request_stop(self) -> None:
         """Ask :meth:`start` / :meth:`watch` to stop (safe in a signal handler: takes no lock)."""
@@ -585,6 +584,39 @@ class Cluster:
             self.redis.stop()
         if self._wrote_state:
             self.state_file.unlink(missing_ok=True)
+            (self.run_dir / "prometheus.json").unlink(missing_ok=True)
+
+
+def prometheus_targets(metrics: Mapping[str, str]) -> list[dict[str, object]]:
+    """Prometheus file-based service discovery targets (``file_sd_configs``) of a cluster.
+
+    Args:
+        metrics: ``service name -> metrics URL`` (``http://host:port/metrics``), as in the state
+            file's ``metrics``.
+
+    Returns:
+        One target group per service: ``{"targets": ["host:port"], "labels": {"service": ...}}``
+        with ``service`` ``gateway``, ``predictor`` or ``worker``, and for a worker also
+        ``worker`` (its id), so its series can be told apart without the port in ``instance``.
+    """
+    groups: list[dict[str, object]] = []
+    for name, url in metrics.items():
+        address = url.removeprefix("http://").removesuffix("/metrics")
+        labels = (
+            {"service": "worker", "worker": name}
+            if name.startswith("worker")
+            else {"service": name}
+        )
+        groups.append({"targets": [address], "labels": labels})
+    return groups
+
+
+def _write_atomic(path: Path, obj: object) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file, so a reader (a client, or
+    Prometheus re-reading its targets) never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -181,7 +181,7 @@ class WorkerMetrics:
         )
         self.prefetches = Counter(
             "plora_worker_prefetches",
-            "Prefetched adapters by fate (issued, used, wasted)",
+            "Prefetched adapters by fate (issued, used, wasted, ignored)",
             ["fate"],
             registry=r,
         )

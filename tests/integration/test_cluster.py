@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -556,6 +557,12 @@ def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
     )
     assert len(tpot) == 2 and sum(float(v) for v in tpot) >= 1
     assert "plora_predictor_events_received_total" in texts["predictor"]
+    # the Prometheus file_sd targets name the same endpoints, one group per service
+    groups = json.loads(Path(cluster["prometheus_targets"]).read_text())
+    by_service = {g["labels"].get("worker", g["labels"]["service"]): g for g in groups}
+    assert set(by_service) == set(cluster["metrics"])
+    for name, url in cluster["metrics"].items():
+        assert f"http://{by_service[name]['targets'][0]}/metrics" == url
 
 
 def test_workers_stage_registered_adapters_in_host_memory(stub, cluster: dict) -> None:

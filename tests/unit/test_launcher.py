@@ -27,6 +27,7 @@ from services.launcher import (
     check_service_flags,
     overridden_policy_env,
     policy_flags,
+    prometheus_targets,
 )
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
@@ -300,3 +301,18 @@ def test_children_and_redis_stop_when_plora_up_is_killed(tmp_path: Path) -> None
 
     # what `plora serve worker` accepts besides the config's flags is accepted here too
     check_service_flags("worker", ["--log-level", "DEBUG", "--log-json", "--pool-bytes", "1GiB"])
+
+
+def test_prometheus_targets_label_each_service_and_worker() -> None:
+    groups = prometheus_targets({
+        "predictor": "http://127.0.0.1:41001/metrics",
+        "worker-0": "http://127.0.0.1:41002/metrics",
+        "worker-1": "http://127.0.0.1:41003/metrics",
+        "gateway": "http://127.0.0.1:41004/metrics",
+    })  # fmt: skip
+    assert groups == [
+        {"targets": ["127.0.0.1:41001"], "labels": {"service": "predictor"}},
+        {"targets": ["127.0.0.1:41002"], "labels": {"service": "worker", "worker": "worker-0"}},
+        {"targets": ["127.0.0.1:41003"], "labels": {"service": "worker", "worker": "worker-1"}},
+        {"targets": ["127.0.0.1:41004"], "labels": {"service": "gateway"}},
+    ]

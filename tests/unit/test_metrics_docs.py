@@ -1,0 +1,65 @@
+"""The README's Metrics tables against the services' Prometheus registries.
+
+Every series a service exports (its own, not the client library's process/platform/GC ones) has
+a row in the README with its exposed name (counters with ``_total``), its type and exactly its
+label names; and the README names no ``plora_*`` series that no service exports.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import Counter
+
+from services.gateway.metrics import GatewayMetrics
+from services.predictor.metrics import PredictorMetrics
+from services.worker.metrics import WorkerMetrics
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICES = {"gateway": GatewayMetrics, "worker": WorkerMetrics, "predictor": PredictorMetrics}
+
+
+def _section() -> str:
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"^## Metrics\n(.*?)^## ", text, re.S | re.M)
+    assert match, "README.md has no `## Metrics` section followed by another section"
+    return match.group(1)
+
+
+def _rows() -> dict[str, tuple[str, set[str]]]:
+    """``name -> (type, label names)`` from the section's table rows."""
+    rows = {}
+    for line in _section().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and (m := re.fullmatch(r"`(plora_\w+)`", cells[0])):
+            rows[m.group(1)] = (cells[1], set(re.findall(r"`(\w+)` =", cells[2])))
+    return rows
+
+
+def _exported() -> dict[str, tuple[str, set[str]]]:
+    out = {}
+    for cls in SERVICES.values():
+        registry = cls().registry
+        for collector in list(registry._collector_to_names):  # noqa: SLF001 - the registry's own list
+            name = getattr(collector, "_name", None)
+            if not name or not name.startswith("plora_"):
+                continue  # process, platform and GC collectors
+            kind = type(collector).__name__.lower()
+            exposed = f"{name}_total" if isinstance(collector, Counter) else name
+            out[exposed] = (kind, set(collector._labelnames))  # noqa: SLF001
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_exported()))
+def test_every_series_is_documented_with_its_type_and_labels(name: str) -> None:
+    rows = _rows()
+    assert name in rows, f"README's Metrics section has no row for `{name}`"
+    assert rows[name] == _exported()[name], f"README row of `{name}` (type, labels)"
+
+
+def test_the_readme_names_no_series_that_is_not_exported() -> None:
+    named = set(re.findall(r"`(plora_[a-z0-9_]+)`", _section()))
+    stale = named - set(_exported())
+    assert not stale, f"README names series no service exports: {sorted(stale)}"
