@@ -14,13 +14,13 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.config import checked_type
 from services.common.grpc_util import CHANNEL_OPTIONS
 
 #: Verbs implemented in other modules: (path of subcommands) -> module with add_arguments/run.
@@ -71,32 +71,14 @@ _GATEWAY_HELP = (
 )
 
 
-def _checked(
-    convert: Callable[[str], float], ok: Callable[[float], bool], expected: str
-) -> Callable[[str], Any]:
-    """An argparse ``type`` that converts a flag's value and refuses it (a usage error, exit 2,
-    naming the flag) unless ``ok(value)``, saying ``expected ..., got '<text>'``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_timeout = _checked(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
-_max_new_tokens = _checked(int, lambda v: v >= 1, "a positive whole number of tokens")
-_temperature = _checked(
+_timeout = checked_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
+_max_new_tokens = checked_type(int, lambda v: v >= 1, "a positive whole number of tokens")
+_temperature = checked_type(
     float, lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or a positive number"
 )
-_top_p = _checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-_top_k = _checked(int, lambda v: v >= 0, "0 (off) or a positive whole number")
-_seed = _checked(int, lambda v: 0 <= v < 2**64, "a whole number from 0 to 2**64 - 1")
+_top_p = checked_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_top_k = checked_type(int, lambda v: v >= 0, "0 (off) or a positive whole number")
+_seed = checked_type(int, lambda v: 0 <= v < 2**64, "a whole number from 0 to 2**64 - 1")
 
 
 def _stub(args: argparse.Namespace) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:

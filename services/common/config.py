@@ -9,12 +9,60 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from services.common.errors import ConfigError
 
 #: Default Redis URL when neither --redis-url nor PLORA_REDIS_URL is given.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+#: Highest TCP port number; a port flag takes 0..PORT_MAX (0 = any free port when binding).
+PORT_MAX = 65535
+
+
+def checked_type(
+    convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str
+) -> Callable[[str], Any]:
+    """An argparse ``type`` that converts a flag's value and refuses it (a usage error, exit 2,
+    naming the flag) unless ``ok(value)``, saying ``expected ..., got '<text>'``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+#: The argparse ``type`` of a port to bind: 0..65535, 0 = any free port.
+port_number = checked_type(
+    int, lambda v: 0 <= v <= PORT_MAX, f"a port 0..{PORT_MAX} (0 = any free port)"
+)
+
+
+def require_server_ports(service: str, port: int, metrics_port: int) -> None:
+    """Refuse a ``--port`` or ``--metrics-port`` of :func:`add_server_arguments` outside
+    0..65535, naming the flag and its variable (the flags' own type refuses a bad value on the
+    command line; this catches ``PLORA_<SERVICE>_PORT`` / ``_METRICS_PORT``).
+
+    Raises:
+        ConfigError: a port is not in 0..65535.
+    """
+    env = f"PLORA_{service.upper()}"
+    for flag, name, value in (
+        ("--port", f"{env}_PORT", port),
+        ("--metrics-port", f"{env}_METRICS_PORT", metrics_port),
+    ):
+        if not 0 <= value <= PORT_MAX:
+            raise ConfigError(
+                f"{flag} / {name} must be a port 0..{PORT_MAX} (0 = any free port), got {value}"
+            )
 
 
 def add_server_arguments(
@@ -28,11 +76,13 @@ def add_server_arguments(
         "--host", help=f"interface the gRPC server binds (env {env}_HOST; default 127.0.0.1)"
     )
     parser.add_argument(
-        "--port", type=int, help=f"gRPC port, 0 = any free port (env {env}_PORT; default {port})"
+        "--port",
+        type=port_number,
+        help=f"gRPC port, 0 = any free port (env {env}_PORT; default {port})",
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=port_number,
         help=f"Prometheus metrics port, 0 = any free port (env {env}_METRICS_PORT; "
         f"default {metrics_port})",
     )

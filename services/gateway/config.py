@@ -13,6 +13,7 @@ from services.common.config import (
     env_or,
     int_flag_or_env,
     require_at_least_one,
+    require_server_ports,
 )
 from services.common.errors import ConfigError
 
@@ -63,6 +64,7 @@ class GatewayConfig:
     ready_file: str = ""
 
     def __post_init__(self) -> None:
+        require_server_ports("gateway", self.port, self.metrics_port)
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         require_at_least_one(

@@ -12,6 +12,7 @@ from services.common.config import (
     env_or,
     float_flag_or_env,
     int_flag_or_env,
+    require_server_ports,
 )
 from services.common.errors import ConfigError
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
@@ -54,6 +55,7 @@ class PredictorConfig:
     ready_file: str = ""
 
     def __post_init__(self) -> None:
+        require_server_ports("predictor", self.port, self.metrics_port)
         if self.forecaster not in FORECASTER_NAMES:
             raise ConfigError(f"forecaster must be one of {FORECASTER_NAMES}")
         if self.tick_s <= 0 or self.horizon_s <= 0:

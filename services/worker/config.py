@@ -14,6 +14,7 @@ from services.common.config import (
     int_flag_or_env,
     parse_bytes,
     require_at_least_one,
+    require_server_ports,
 )
 from services.common.errors import ConfigError
 
@@ -86,6 +87,7 @@ class WorkerConfig:
     ready_file: str = ""
 
     def __post_init__(self) -> None:
+        require_server_ports("worker", self.port, self.metrics_port)
         if self.allocator not in ALLOCATORS:
             raise ConfigError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.eviction not in EVICTIONS:

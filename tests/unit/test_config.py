@@ -284,3 +284,28 @@ def test_a_flag_set_to_zero_is_not_taken_for_unset(monkeypatch: pytest.MonkeyPat
     assert config_from_flags(WorkerConfig).max_batch_size == 8
     with pytest.raises(ConfigError, match="tick_s and horizon_s must be positive"):
         config_from_flags(PredictorConfig, "--tick-s", "0")
+
+
+@pytest.mark.parametrize("config", SERVICE_CONFIGS, ids=lambda c: c.__name__)
+def test_ports_outside_0_to_65535_are_refused_naming_the_flag_or_variable(
+    config: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plora serve gateway --port 99999`` used to end in an OverflowError traceback; a port
+    flag is now a usage error (exit 2) naming the flag and 0..65535, and its variable a
+    ConfigError naming both. 0 (any free port) and 65535 are accepted."""
+    _without_plora_env(monkeypatch)
+    service = config.__name__.removesuffix("Config").lower()
+    for flag in ("--port", "--metrics-port"):
+        for bad in ("99999", "-1", "65536", "http"):
+            with pytest.raises(SystemExit) as exit_:
+                config_from_flags(config, flag, bad)
+            assert exit_.value.code == 2
+            err = capsys.readouterr().err
+            assert f"argument {flag}: expected a port 0..65535 (0 = any free port)" in err, err
+        assert getattr(config_from_flags(config, flag, "0"), _field(flag)) == 0
+        assert getattr(config_from_flags(config, flag, "65535"), _field(flag)) == 65535
+        variable = f"PLORA_{service.upper()}_{_field(flag).upper()}"
+        with monkeypatch.context() as m:
+            m.setenv(variable, "99999")
+            with pytest.raises(ConfigError, match=rf"^{flag} / {variable} must be a port 0..65535"):
+                config_from_flags(config)
