@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.config import env_or
+from services.common.config import checked_type, env_or, parse_ranks, port_number
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
 from services.common.lifecycle import service_parser, stop_with_parent
@@ -194,7 +194,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=".plora/cluster.json",
         help="where to write the endpoints JSON once healthy",
     )
-    parser.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    parser.add_argument(
+        "--workers",
+        type=checked_type(int, lambda v: v >= 1, "a whole number of workers, at least 1"),
+        default=2,
+        help="number of workers, at least 1 (default 2)",
+    )
     parser.add_argument(
         "--model",
         default=None,
@@ -210,9 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gateway-port",
-        type=int,
+        type=port_number,
         default=50051,
-        help="gateway gRPC port; 0 = any free port (default 50051; the other services "
+        help="gateway gRPC port, 0..65535; 0 = any free port (default 50051; the other services "
         "always take free ports)",
     )
     parser.add_argument(
@@ -231,8 +236,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--demo-ranks",
+        type=parse_ranks,
         default="8,16,32,64",
-        help="ranks of the demo adapters, cycled over them (default 8,16,32,64)",
+        help="ranks of the demo adapters, comma-separated positive integers, cycled over them "
+        "(default 8,16,32,64)",
     )
     parser.add_argument(
         "--demo-relative-delta",
@@ -495,13 +502,12 @@ class Cluster:
         from services.worker.model_loader import read_config  # noqa: PLC0415
 
         spec = ModelSpec.from_hf_config(read_config(Path(model_dir)), name=Path(model_dir).name)
-        ranks = [int(r) for r in a.demo_ranks.split(",") if r]
         out = Path(a.adapters_dir)
         paths = make_adapter_set(
             out,
             spec,
             count=a.demo_adapters,
-            ranks=ranks,
+            ranks=a.demo_ranks,
             seed=0,
             relative_delta=a.demo_relative_delta,
         )

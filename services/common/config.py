@@ -46,6 +46,25 @@ port_number = checked_type(
 )
 
 
+def parse_ranks(text: str) -> list[int]:
+    """The argparse ``type`` of a list of LoRA ranks (``plora make-adapters --ranks``,
+    ``plora up --demo-ranks``): comma-separated positive integers, as the workers accept an
+    adapter's ``r`` (no upper bound: a rank too large for the pool is refused when loaded).
+
+    Raises:
+        argparse.ArgumentTypeError: an empty list, or an item that is not a positive integer.
+    """
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or any(r < 1 for r in out):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers (ranks), got {text!r}"
+        )
+    return out
+
+
 def require_server_ports(service: str, port: int, metrics_port: int) -> None:
     """Refuse a ``--port`` or ``--metrics-port`` of :func:`add_server_arguments` outside
     0..65535, naming the flag and its variable (the flags' own type refuses a bad value on the

@@ -46,6 +46,7 @@ from services.common.adapters import (
     LoraAdapterConfig,
     canonical_module_name,
 )
+from services.common.config import parse_ranks
 from services.common.types import PROJECTION_MODULES, ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -295,18 +296,6 @@ def make_adapter_set(
 # CLI: plora make-adapters
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not out or any(r < 1 for r in out):
-        raise argparse.ArgumentTypeError(f"ranks must be positive integers, got {text!r}")
-    return out
-
-
 def _module_list(text: str) -> list[str]:
     out = [t.strip() for t in text.split(",") if t.strip()]
     if text.strip() == "all":
@@ -326,7 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=8, help="number of adapters (default 8)")
     parser.add_argument(
         "--ranks",
-        type=_int_list,
+        type=parse_ranks,
         default=[8, 16, 32, 64],
         help="comma-separated ranks, cycled over the adapters (default 8,16,32,64)",
     )

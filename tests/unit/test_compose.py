@@ -298,7 +298,7 @@ def test_demo_adapters_are_the_ones_plora_up_registers() -> None:
     launcher.add_arguments(parser)
     up = parser.parse_args([])
     assert args.count == up.demo_adapters
-    assert args.ranks == [int(r) for r in up.demo_ranks.split(",")]
+    assert args.ranks == up.demo_ranks
     assert args.relative_delta == up.demo_relative_delta
     assert args.seed == 0  # what Cluster._register_demo_adapters passes
     for w in WORKERS:

@@ -259,6 +259,45 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         assert not state.exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--workers", "0"], "argument --workers: expected a whole number of workers, at least 1"),
+        (["--workers", "-1"], "argument --workers: expected a whole number of workers, at least"),
+        (["--gateway-port", "99999"], "argument --gateway-port: expected a port 0..65535"),
+        (["--gateway-port", "-1"], "argument --gateway-port: expected a port 0..65535"),
+        (["--demo-ranks", "8,abc"], "argument --demo-ranks: expected comma-separated positive"),
+        (["--demo-ranks", "8,0"], "argument --demo-ranks: expected comma-separated positive"),
+        (["--demo-ranks", ","], "argument --demo-ranks: expected comma-separated positive"),
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else "",
+)
+def test_plora_up_refuses_meaningless_numbers_as_usage_errors(
+    flags: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's ``plora up --workers 0`` failed after ~20 s with a misleading message,
+    ``--gateway-port 99999`` with an OverflowError traceback and ``--demo-ranks 8,abc`` with a
+    ValueError one; each is now refused by argparse (exit 2) before anything starts."""
+    from services import cli  # noqa: PLC0415
+
+    state = tmp_path / "cluster.json"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["up", "--state-file", str(state), *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: plora up") and needle in err, err
+    assert "Traceback" not in err and not tmp_path.joinpath("logs").exists()
+
+
+def test_plora_up_accepts_the_edges_of_its_ranges() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workers", "1", "--gateway-port", "65535", "--demo-ranks", "1,128"])
+    assert (args.workers, args.gateway_port, args.demo_ranks) == (1, 65535, [1, 128])
+    assert parser.parse_args(["--gateway-port", "0"]).gateway_port == 0
+    assert parser.parse_args([]).demo_ranks == [8, 16, 32, 64]
+
+
 KILLED_PARENT = textwrap.dedent(
     """
     import os, sys, time
