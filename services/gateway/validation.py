@@ -3,6 +3,8 @@
 Every refusal raises :class:`~services.common.errors.InvalidRequestError` (INVALID_ARGUMENT)
 with a message naming the field, the value and the allowed range. Checks that need the
 tokenizer (prompt longer than the context) are made by the worker, which owns it.
+``plora generate`` checks its flags with the same per-field functions (``check_*``,
+:func:`blank`) before sending: one rule, in one place, for the CLI and every other client.
 """
 
 from __future__ import annotations
@@ -17,6 +19,71 @@ CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_STOP_LENGTH = 256
 
 
+def blank(text: str) -> bool:
+    """Whether ``text`` (a prompt, a message's content) is empty or only whitespace: it gives
+    the model nothing to answer, so it is refused (``plora generate`` refuses it too)."""
+    return not text.strip()
+
+
+def check_max_new_tokens(value: int, limit: int | None = None) -> None:
+    """Refuse ``max_new_tokens`` below 1, or above ``limit`` when given.
+
+    Raises:
+        InvalidRequestError: out of range.
+    """
+    if value < 1 or (limit is not None and value > limit):
+        allowed = f"1..{limit}" if limit is not None else "1 or more"
+        raise InvalidRequestError(f"max_new_tokens={value} is out of range: use {allowed}")
+
+
+def check_temperature(value: float) -> None:
+    """Refuse a ``temperature`` that is negative or not finite (0 = greedy).
+
+    Raises:
+        InvalidRequestError: out of range.
+    """
+    if not math.isfinite(value) or value < 0:
+        raise InvalidRequestError(
+            f"temperature={value} is invalid: use 0 (greedy) or a positive number"
+        )
+
+
+def check_top_p(value: float) -> None:
+    """Refuse a ``top_p`` outside (0, 1] (NaN included).
+
+    Raises:
+        InvalidRequestError: out of range.
+    """
+    if not 0.0 < value <= 1.0:
+        raise InvalidRequestError(f"top_p={value} is out of range: use (0, 1]")
+
+
+def check_top_k(value: int) -> None:
+    """Refuse a negative ``top_k`` (0 = off).
+
+    Raises:
+        InvalidRequestError: out of range.
+    """
+    if value < 0:
+        raise InvalidRequestError(f"top_k={value} is invalid: use 0 (off) or a positive k")
+
+
+def check_stop(text: str, name: str = "a stop string") -> None:
+    """Refuse a stop string that is empty or longer than :data:`MAX_STOP_LENGTH` characters.
+
+    Args:
+        text: The stop string.
+        name: What the message calls it (the gateway: ``stop[i]``).
+
+    Raises:
+        InvalidRequestError: empty or too long.
+    """
+    if not text or len(text) > MAX_STOP_LENGTH:
+        raise InvalidRequestError(
+            f"{name} must be 1..{MAX_STOP_LENGTH} characters long, got {len(text)}"
+        )
+
+
 def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> None:
     """Check a ``GenerateRequest``'s fields.
 
@@ -29,32 +96,24 @@ def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfi
         raise InvalidRequestError(EMPTY_REQUEST)  # ``plora generate`` refuses "" before sending
     if has_prompt and has_messages:
         raise InvalidRequestError("set either prompt or messages, not both")
+    if has_prompt and blank(request.prompt):
+        raise InvalidRequestError("the prompt is only whitespace: give some text")
     for i, message in enumerate(request.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidRequestError(
                 f"messages[{i}].role={message.role!r}: use one of {sorted(CHAT_ROLES)}"
             )
-    if has_messages and not any(m.content for m in request.messages):
-        raise InvalidRequestError("every message is empty: give some content")
-    if request.HasField("max_new_tokens") and not (
-        1 <= request.max_new_tokens <= config.max_new_tokens_limit
-    ):
-        raise InvalidRequestError(
-            f"max_new_tokens={request.max_new_tokens} is out of range: "
-            f"use 1..{config.max_new_tokens_limit}"
-        )
-    if math.isnan(request.temperature) or request.temperature < 0:
-        raise InvalidRequestError(
-            f"temperature={request.temperature} is invalid: use 0 (greedy) or a positive value"
-        )
-    if request.HasField("top_p") and not (0.0 < request.top_p <= 1.0):
-        raise InvalidRequestError(f"top_p={request.top_p} is out of range: use (0, 1]")
-    if request.top_k < 0:
-        raise InvalidRequestError(f"top_k={request.top_k} is invalid: use 0 (off) or a positive k")
+    if has_messages and all(blank(m.content) for m in request.messages):
+        raise InvalidRequestError("every message is empty or only whitespace: give some content")
+    if request.HasField("max_new_tokens"):
+        check_max_new_tokens(request.max_new_tokens, config.max_new_tokens_limit)
+    check_temperature(request.temperature)
+    if request.HasField("top_p"):
+        check_top_p(request.top_p)
+    check_top_k(request.top_k)
     if len(request.stop) > config.max_stop_strings:
         raise InvalidRequestError(
             f"{len(request.stop)} stop strings: at most {config.max_stop_strings} are allowed"
         )
     for i, stop in enumerate(request.stop):
-        if not stop or len(stop) > MAX_STOP_LENGTH:
-            raise InvalidRequestError(f"stop[{i}] must be 1..{MAX_STOP_LENGTH} characters long")
+        check_stop(stop, f"stop[{i}]")

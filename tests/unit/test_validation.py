@@ -6,6 +6,7 @@ import pytest
 
 from plora.v1 import gateway_pb2
 from services.common.errors import InvalidRequestError
+from services.gateway import validation
 from services.gateway.config import GatewayConfig
 from services.gateway.validation import validate_generate
 
@@ -18,6 +19,10 @@ def chat(**kw: object) -> gateway_pb2.GenerateRequest:
     return req
 
 
+def user(content: str) -> gateway_pb2.ChatMessage:
+    return gateway_pb2.ChatMessage(role="user", content=content)
+
+
 VALID = [
     gateway_pb2.GenerateRequest(prompt="hi"),
     chat(),
@@ -27,12 +32,19 @@ VALID = [
     chat(temperature=1.5, top_p=1.0, top_k=40, seed=7),
     chat(top_p=0.01),
     chat(stop=["\n", "END"]),
+    gateway_pb2.GenerateRequest(prompt=" hi\n"),
+    gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(role="system", content=" "), user("hi")]
+    ),
 ]
 
 INVALID = [
     (gateway_pb2.GenerateRequest(), "the prompt is empty and no messages were given"),
     (gateway_pb2.GenerateRequest(prompt=""), "the prompt is empty and no messages were given"),
     (chat(prompt="x"), "not both"),
+    (gateway_pb2.GenerateRequest(prompt=" \n\t"), "the prompt is only whitespace"),
+    (gateway_pb2.GenerateRequest(messages=[user("  ")]), "every message is empty or only"),
+    (chat(temperature=float("inf")), "temperature=inf"),
     (chat(max_new_tokens=0), "max_new_tokens=0"),
     (chat(max_new_tokens=-1), "max_new_tokens=-1"),
     (chat(max_new_tokens=257), "1..256"),
@@ -65,3 +77,17 @@ def test_unknown_role_is_refused() -> None:
     req.messages.add(role="robot", content="x")
     with pytest.raises(InvalidRequestError, match="role"):
         validate_generate(req, CONFIG)
+
+
+def test_the_per_field_checks_are_the_rules_validate_generate_applies() -> None:
+    """``plora generate`` checks its flags with these same functions (one rule, one place);
+    without a limit, ``max_new_tokens`` is checked only from below (the gateway knows its
+    limit)."""
+    validation.check_max_new_tokens(10**6)
+    with pytest.raises(InvalidRequestError, match=r"max_new_tokens=0 is out of range: use 1 or"):
+        validation.check_max_new_tokens(0)
+    with pytest.raises(InvalidRequestError, match=r"use 1\.\.256"):
+        validation.check_max_new_tokens(257, 256)
+    with pytest.raises(InvalidRequestError, match="a stop string must be 1..256 characters"):
+        validation.check_stop("")
+    assert validation.blank(" \n\t") and validation.blank("") and not validation.blank(" a ")
