@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,9 @@ import grpc
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import checked_type
+from services.common.errors import InvalidRequestError
 from services.common.grpc_util import CHANNEL_OPTIONS
+from services.gateway import validation
 
 #: Verbs implemented in other modules: (path of subcommands) -> module with add_arguments/run.
 _DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
@@ -71,13 +74,41 @@ _GATEWAY_HELP = (
 )
 
 
-_timeout = checked_type(float, lambda v: math.isfinite(v) and v > 0, "a positive number of seconds")
-_max_new_tokens = checked_type(int, lambda v: v >= 1, "a positive whole number of tokens")
-_temperature = checked_type(
-    float, lambda v: math.isfinite(v) and v >= 0, "0 (greedy) or a positive number"
+#: The longest ``--timeout``: gRPC's deadline overflows (the call fails at once with
+#: DEADLINE_EXCEEDED) somewhere past 3e9 s; a day is longer than any generation.
+MAX_TIMEOUT_S = 86400.0
+
+_timeout = checked_type(
+    float,
+    lambda v: math.isfinite(v) and 0 < v <= MAX_TIMEOUT_S,
+    f"a positive number of seconds, at most {MAX_TIMEOUT_S:g} (a day)",
 )
-_top_p = checked_type(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-_top_k = checked_type(int, lambda v: v >= 0, "0 (off) or a positive whole number")
+
+
+def _gateway_rule(
+    convert: Callable[[str], Any], check: Callable[[Any], None], expected: str
+) -> Callable[[str], Any]:
+    """An argparse ``type`` for a ``GenerateRequest`` field: ``convert`` the text (else
+    ``expected ..., got '<text>'``), then apply the gateway's own check of that field
+    (:mod:`services.gateway.validation`), its message becoming the usage error's."""
+    parse = checked_type(convert, lambda _v: True, expected)
+
+    def parse_and_check(text: str) -> Any:
+        value = parse(text)
+        try:
+            check(value)
+        except InvalidRequestError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    return parse_and_check
+
+
+_max_new_tokens = _gateway_rule(int, validation.check_max_new_tokens, "a whole number of tokens")
+_temperature = _gateway_rule(float, validation.check_temperature, "a number")
+_top_p = _gateway_rule(float, validation.check_top_p, "a number")
+_top_k = _gateway_rule(int, validation.check_top_k, "a whole number")
+_stop = _gateway_rule(str, validation.check_stop, "text")
 _seed = checked_type(int, lambda v: 0 <= v < 2**64, "a whole number from 0 to 2**64 - 1")
 
 
@@ -135,16 +166,18 @@ def generate_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout; usage and timing to stderr.
 
-    Returns 2 without calling the gateway when the prompt is empty.
+    Returns 2 without calling the gateway when the prompt is empty or only whitespace
+    (the gateway's rule, :func:`services.gateway.validation.blank`).
 
     Raises:
         grpc.RpcError: the call failed (after ending a line of streamed text on stdout).
         KeyboardInterrupt: Ctrl-C, after cancelling the call and ending the streamed line.
     """
-    if not args.prompt:
-        # The gateway cannot tell an empty prompt from none (a plain proto3 string).
+    if validation.blank(args.prompt):
+        # The gateway cannot tell an empty prompt from none (a plain proto3 string): say it here.
         print(
-            'plora: the prompt is empty: give the text to send, e.g. plora generate "Say hello."',
+            "plora: the prompt is empty or only whitespace: give the text to send, "
+            'e.g. plora generate "Say hello."',
             file=sys.stderr,
         )
         return 2
@@ -343,10 +376,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     gen.add_argument(
         "--stop",
+        type=_stop,
         action="append",
         default=[],
         metavar="TEXT",
-        help="stop when the text ends with TEXT (not included); repeat for more (default: none)",
+        help=f"stop when the text ends with TEXT (not included; 1..{validation.MAX_STOP_LENGTH} "
+        "characters); repeat for more (default: none)",
     )
     gen.add_argument(
         "--tenant",
@@ -359,7 +394,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         type=_timeout,
         default=600.0,
         metavar="S",
-        help="seconds the whole generation may take (default 600)",
+        help=f"seconds the whole generation may take, at most {MAX_TIMEOUT_S:g} (default 600)",
     )
     gen.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
     gen.set_defaults(func=cmd_generate)

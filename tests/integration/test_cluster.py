@@ -205,19 +205,29 @@ def test_cli_generate_leaves_max_new_tokens_to_the_gateway(cluster: dict) -> Non
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--timeout", "0"], "argument --timeout: expected a positive number of seconds, got '0'"),
+        (
+            ["--timeout", "0"],
+            "argument --timeout: expected a positive number of seconds, at most 86400 (a day), "
+            "got '0'",
+        ),
         (["--timeout", "-1"], "argument --timeout: expected a positive number of seconds"),
         (["--timeout", "nan"], "argument --timeout: expected a positive number of seconds"),
         (["--timeout", "inf"], "argument --timeout: expected a positive number of seconds"),
         (["--timeout", "soon"], "argument --timeout: expected a positive number of seconds"),
-        (["--max-new-tokens", "0"], "argument --max-new-tokens: expected a positive whole"),
-        (["--max-new-tokens", "-3"], "argument --max-new-tokens: expected a positive whole"),
-        (["--max-new-tokens", "2.5"], "argument --max-new-tokens: expected a positive whole"),
-        (["--temperature", "-0.5"], "argument --temperature: expected 0 (greedy) or a positive"),
-        (["--temperature", "nan"], "argument --temperature: expected 0 (greedy) or a positive"),
-        (["--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
-        (["--top-p", "1.5"], "argument --top-p: expected a number in (0, 1]"),
-        (["--top-k", "-1"], "argument --top-k: expected 0 (off) or a positive whole number"),
+        (["--timeout", "1e10"], "argument --timeout: expected a positive number of seconds, at"),
+        (["--timeout", "86401"], "at most 86400 (a day), got '86401'"),
+        (["--max-new-tokens", "0"], "argument --max-new-tokens: max_new_tokens=0 is out of range"),
+        (["--max-new-tokens", "-3"], "argument --max-new-tokens: max_new_tokens=-3 is out of"),
+        (["--max-new-tokens", "2.5"], "argument --max-new-tokens: expected a whole number of"),
+        (["--temperature", "-0.5"], "argument --temperature: temperature=-0.5 is invalid: use 0"),
+        (["--temperature", "nan"], "argument --temperature: temperature=nan is invalid: use 0"),
+        (["--temperature", "inf"], "argument --temperature: temperature=inf is invalid: use 0"),
+        (["--top-p", "0"], "argument --top-p: top_p=0.0 is out of range: use (0, 1]"),
+        (["--top-p", "1.5"], "argument --top-p: top_p=1.5 is out of range: use (0, 1]"),
+        (["--top-p", "most"], "argument --top-p: expected a number, got 'most'"),
+        (["--top-k", "-1"], "argument --top-k: top_k=-1 is invalid: use 0 (off) or a positive k"),
+        (["--stop", ""], "argument --stop: a stop string must be 1..256 characters long, got 0"),
+        (["--stop", "x" * 257], "argument --stop: a stop string must be 1..256 characters long"),
         (["--seed", "-1"], "argument --seed: expected a whole number from 0 to 2**64 - 1"),
         (["--seed", str(2**64)], "argument --seed: expected a whole number from 0 to 2**64 - 1"),
     ],
@@ -232,6 +242,15 @@ def test_cli_generate_refuses_meaningless_numbers_as_usage_errors(flags, needle,
     err = capsys.readouterr().err
     assert err.startswith("usage: plora generate") and needle in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("prompt", ["", " \n\t"], ids=["empty", "whitespace"])
+def test_cli_generate_refuses_a_blank_prompt_before_calling(prompt: str, capsys) -> None:
+    """A whitespace-only prompt used to be served; the CLI refuses it (exit 2) by the gateway's
+    own rule (``validation.blank``), and the gateway refuses it from any client."""
+    assert cli.main(["generate", "--gateway", "127.0.0.1:1", prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plora: the prompt is empty or only whitespace: give the text"), err
 
 
 def test_cli_generate_accepts_the_edges_of_each_range() -> None:
@@ -403,6 +422,8 @@ def test_unknown_adapter_is_not_found(stub, kwargs, needle) -> None:
 def _invalid_requests() -> list[tuple[str, gateway_pb2.GenerateRequest]]:
     cases = [
         ("empty prompt and no messages", gateway_pb2.GenerateRequest()),
+        ("whitespace-only prompt", gateway_pb2.GenerateRequest(prompt=" \n", max_new_tokens=4)),
+        ("whitespace-only message", chat(" ", max_new_tokens=4)),
         ("max_new_tokens 0", chat(max_new_tokens=0)),
         ("max_new_tokens negative", chat(max_new_tokens=-3)),
         ("max_new_tokens above limit", chat(max_new_tokens=100_000)),
