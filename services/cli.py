@@ -21,8 +21,13 @@ from typing import Any
 import grpc
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.config import checked_type
-from services.common.errors import InvalidRequestError
+from services.common.config import (
+    DEFAULT_STATE_FILE,
+    PORT_MAX,
+    address_port_ok,
+    checked_type,
+)
+from services.common.errors import ConfigError, InvalidRequestError
 from services.common.grpc_util import CHANNEL_OPTIONS
 from services.gateway import validation
 
@@ -56,22 +61,51 @@ _SERVICES = {
 }
 
 
+#: What ``--gateway`` and ``PLORA_GATEWAY`` must be.
+_ADDRESS_EXPECTED = f"HOST:PORT with a port 1..{PORT_MAX}"
+
+
 def gateway_address(explicit: str | None) -> str:
-    """``--gateway``, else ``$PLORA_GATEWAY``, else the running ``plora up``'s state file."""
+    """``--gateway``, else ``$PLORA_GATEWAY``, else the running ``plora up``'s state file
+    (``$PLORA_STATE_FILE``, else ``.plora/cluster.json``), else ``127.0.0.1:50051``.
+
+    Raises:
+        ConfigError: ``PLORA_GATEWAY`` is not ``HOST:PORT``; ``PLORA_STATE_FILE`` names a
+            file that does not exist (a default would reach another cluster, or none); the
+            state file is not ``plora up``'s JSON.
+    """
     if explicit:
         return explicit
     if os.environ.get("PLORA_GATEWAY"):
-        return os.environ["PLORA_GATEWAY"]
-    state = Path(os.environ.get("PLORA_STATE_FILE", ".plora/cluster.json"))
+        address = os.environ["PLORA_GATEWAY"]
+        if not address_port_ok(address):
+            raise ConfigError(f"PLORA_GATEWAY={address!r} is not {_ADDRESS_EXPECTED}")
+        return address
+    named = os.environ.get("PLORA_STATE_FILE")
+    state = Path(named or DEFAULT_STATE_FILE)
+    if named and not state.is_file():
+        raise ConfigError(
+            f"PLORA_STATE_FILE={named!r}: no such file (is `plora up --state-file {named}` "
+            "running? unset the variable for the default cluster)"
+        )
     if state.is_file():
-        return str(json.loads(state.read_text())["gateway"])
+        try:
+            return str(json.loads(state.read_text())["gateway"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"{state}: not a state file written by plora up ({exc!r}); "
+                "give the gateway with --gateway"
+            ) from None
     return "127.0.0.1:50051"
 
 
 _GATEWAY_HELP = (
-    "the gateway's address (default: $PLORA_GATEWAY, else the running `plora up`'s, "
-    "from .plora/cluster.json, else 127.0.0.1:50051)"
+    f"the gateway's address, {_ADDRESS_EXPECTED} (default: $PLORA_GATEWAY, else the running "
+    "`plora up`'s, from $PLORA_STATE_FILE or .plora/cluster.json, else 127.0.0.1:50051)"
 )
+
+#: The argparse ``type`` of ``--gateway``.
+_address = checked_type(str, address_port_ok, _ADDRESS_EXPECTED)
 
 
 #: The longest ``--timeout``: gRPC's deadline overflows (the call fails at once with
@@ -396,7 +430,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         metavar="S",
         help=f"seconds the whole generation may take, at most {MAX_TIMEOUT_S:g} (default 600)",
     )
-    gen.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
+    gen.add_argument("--gateway", type=_address, metavar="HOST:PORT", help=_GATEWAY_HELP)
     gen.set_defaults(func=cmd_generate)
 
     tenant_help = (
@@ -405,13 +439,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "delete, the caller"
     )
     ad = sub.add_parser("adapters", help="register, list, get or delete adapters")
-    ad.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
+    ad.add_argument("--gateway", type=_address, metavar="HOST:PORT", help=_GATEWAY_HELP)
     ad.add_argument("--tenant", metavar="ID", help=tenant_help)
     # the same flags after the verb too (`plora adapters list --gateway ...`); SUPPRESS keeps
     # a value given before the verb when they are not repeated after it
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument(
-        "--gateway", default=argparse.SUPPRESS, metavar="HOST:PORT", help=_GATEWAY_HELP
+        "--gateway",
+        default=argparse.SUPPRESS,
+        type=_address,
+        metavar="HOST:PORT",
+        help=_GATEWAY_HELP,
     )
     shared.add_argument("--tenant", default=argparse.SUPPRESS, metavar="ID", help=tenant_help)
     ad_sub = ad.add_subparsers(dest="adapters_cmd", required=True)
@@ -437,7 +475,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     ad.set_defaults(func=cmd_adapters)
 
     st = sub.add_parser("status", help="workers, residency, pools and queues")
-    st.add_argument("--gateway", metavar="HOST:PORT", help=_GATEWAY_HELP)
+    st.add_argument("--gateway", type=_address, metavar="HOST:PORT", help=_GATEWAY_HELP)
     st.add_argument("--json", action="store_true", help="print the whole status as JSON")
     st.set_defaults(func=cmd_status)
 
@@ -492,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
             # tools do, with the status of a process ended by SIGPIPE.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + 13
+        except ConfigError as exc:
+            # a bad PLORA_GATEWAY / PLORA_STATE_FILE, found before any call: a usage error
+            print(f"plora: {exc}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             # Ctrl-C: the call is cancelled (the gateway drops the request); no traceback,
             # and the status `plora up` uses for SIGINT.

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -27,7 +28,13 @@ from pathlib import Path
 import grpc
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.config import checked_type, env_or, parse_ranks, port_number
+from services.common.config import (
+    DEFAULT_STATE_FILE,
+    checked_type,
+    env_or,
+    parse_ranks,
+    port_number,
+)
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
 from services.common.lifecycle import service_parser, stop_with_parent
@@ -191,8 +198,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora up``."""
     parser.add_argument(
         "--state-file",
-        default=".plora/cluster.json",
-        help="where to write the endpoints JSON once healthy",
+        default=None,
+        help="where to write the endpoints JSON once healthy, for the client verbs "
+        f"(default: $PLORA_STATE_FILE, which they read too, else {DEFAULT_STATE_FILE})",
     )
     parser.add_argument(
         "--workers",
@@ -273,7 +281,9 @@ class Cluster:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.state_file = Path(args.state_file)
+        self.state_file = Path(
+            args.state_file or env_or("PLORA_STATE_FILE", None) or DEFAULT_STATE_FILE
+        )
         self.run_dir = self.state_file.parent
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
@@ -661,6 +671,16 @@ def _cli_command() -> str:
     return "plora"
 
 
+def try_command(state_file: Path) -> str:
+    """The ``plora`` command the ready message suggests (:func:`_cli_command`), preceded by
+    ``PLORA_STATE_FILE=<path>`` when the cluster's state file is not the default one, so the
+    command reaches this cluster and not the default one (or none)."""
+    command = _cli_command()
+    if state_file != Path(DEFAULT_STATE_FILE):
+        command = f"PLORA_STATE_FILE={shlex.quote(str(state_file))} {command}"
+    return command
+
+
 def run(args: argparse.Namespace) -> int:
     """``plora up``."""
     cluster = Cluster(args)
@@ -679,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
-        f'  try: {_cli_command()} generate "What is the capital of France?"\n'
+        f'  try: {try_command(cluster.state_file)} generate "What is the capital of France?"\n'
         f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"  # type: ignore[union-attr]
         "  Ctrl-C stops everything.",
         flush=True,

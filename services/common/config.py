@@ -18,6 +18,10 @@ from services.common.errors import ConfigError
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+#: Where ``plora up`` writes its endpoints and the client verbs read them, unless
+#: ``--state-file`` / ``PLORA_STATE_FILE`` says otherwise.
+DEFAULT_STATE_FILE = ".plora/cluster.json"
+
 #: Highest TCP port number; a port flag takes 0..PORT_MAX (0 = any free port when binding).
 PORT_MAX = 65535
 
@@ -44,6 +48,22 @@ def checked_type(
 port_number = checked_type(
     int, lambda v: 0 <= v <= PORT_MAX, f"a port 0..{PORT_MAX} (0 = any free port)"
 )
+
+
+#: gRPC target schemes whose address is not ``HOST:PORT`` (left for gRPC to parse).
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def address_port_ok(address: str) -> bool:
+    """Whether a ``HOST:PORT`` address to dial has a port 1..65535 (gRPC fails late and vaguely
+    on ``host:99999``). An address with a gRPC scheme (``unix:/path``, ``dns:///host:port``) or
+    without a port (gRPC's default) is left to gRPC and counts as ok."""
+    if address.startswith(_GRPC_SCHEMES):
+        return True
+    host, sep, port = address.rpartition(":")
+    if not sep or (":" in host and not host.endswith("]")):  # no port, or a bare IPv6 address
+        return True
+    return bool(host) and port.isdigit() and 1 <= int(port) <= PORT_MAX
 
 
 def parse_ranks(text: str) -> list[int]:

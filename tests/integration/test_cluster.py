@@ -253,6 +253,49 @@ def test_cli_generate_refuses_a_blank_prompt_before_calling(prompt: str, capsys)
     assert err.startswith("plora: the prompt is empty or only whitespace: give the text"), err
 
 
+@pytest.mark.parametrize("address", ["host:99999", "host:0", "host:", ":50051", "host:port"])
+def test_cli_refuses_a_gateway_address_without_a_valid_port(address: str, capsys) -> None:
+    """`--gateway host:99999` used to reach gRPC, which failed late and vaguely."""
+    for verb in (["generate", "hi"], ["status"], ["adapters", "list"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main([*verb, "--gateway", address])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        needle = f"argument --gateway: expected HOST:PORT with a port 1..65535, got {address!r}"
+        assert needle in err and "Traceback" not in err, err
+
+
+def test_cli_accepts_gateway_addresses_grpc_parses() -> None:
+    parser, _ = cli.build_parser()
+    for address in ("127.0.0.1:1", "gw:65535", "[::1]:50051", "::1", "gw", "unix:/tmp/gw.sock"):
+        assert parser.parse_args(["status", "--gateway", address]).gateway == address
+
+
+def test_cli_refuses_a_bad_gateway_variable_or_a_missing_state_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A `PLORA_STATE_FILE` naming no file used to fall back silently to the default cluster;
+    it and a bad `PLORA_GATEWAY` are now refused (exit 2) naming the variable, before any
+    call. A state file that exists gives its gateway."""
+    monkeypatch.delenv("PLORA_GATEWAY", raising=False)
+    missing = tmp_path / "nope.json"
+    monkeypatch.setenv("PLORA_STATE_FILE", str(missing))
+    assert cli.main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"plora: PLORA_STATE_FILE={str(missing)!r}: no such file"), err
+    state = tmp_path / "cluster.json"
+    state.write_text('{"gateway": "127.0.0.1:1234"}')
+    monkeypatch.setenv("PLORA_STATE_FILE", str(state))
+    assert cli.gateway_address(None) == "127.0.0.1:1234"
+    state.write_text("not json")
+    assert cli.main(["adapters", "list"]) == 2
+    assert "not a state file written by plora up" in capsys.readouterr().err
+    monkeypatch.setenv("PLORA_GATEWAY", "gw:99999")
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plora: PLORA_GATEWAY='gw:99999' is not HOST:PORT with a port 1..65535")
+
+
 def test_cli_generate_accepts_the_edges_of_each_range() -> None:
     parser, _ = cli.build_parser()
     args = parser.parse_args(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from services import launcher
 from services.common.errors import ConfigError
 from services.common.policies import POLICIES, PolicySpec, get_policy
 from services.gateway.config import GatewayConfig
@@ -28,6 +29,7 @@ from services.launcher import (
     overridden_policy_env,
     policy_flags,
     prometheus_targets,
+    try_command,
 )
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
@@ -166,6 +168,25 @@ def test_ready_hint_names_a_plora_the_shell_can_run(
     assert _cli_command() == "venv/bin/plora"
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     assert _cli_command() == "plora"
+
+
+def test_ready_hint_names_a_non_default_state_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--state-file elsewhere.json`` the "try: plora generate ..." hint used to read
+    the default state file, so it reached another cluster or none; it now sets
+    PLORA_STATE_FILE. ``plora up`` itself writes to $PLORA_STATE_FILE when no flag is given."""
+    monkeypatch.setattr(launcher, "_cli_command", lambda: "plora")
+    assert try_command(Path(".plora/cluster.json")) == "plora"
+    assert try_command(Path("my dir/c.json")) == "PLORA_STATE_FILE='my dir/c.json' plora"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.delenv("PLORA_STATE_FILE", raising=False)
+    assert Cluster(parser.parse_args([])).state_file == Path(".plora/cluster.json")
+    monkeypatch.setenv("PLORA_STATE_FILE", str(tmp_path / "env.json"))
+    assert Cluster(parser.parse_args([])).state_file == tmp_path / "env.json"
+    flag = ["--state-file", str(tmp_path / "flag.json")]
+    assert Cluster(parser.parse_args(flag)).state_file == tmp_path / "flag.json"
 
 
 def test_a_child_shows_only_its_own_log_lines_and_leaves_no_ready_file(tmp_path: Path) -> None:
