@@ -39,6 +39,43 @@ def redis_server() -> Iterator[str]:
         yield server.url
 
 
+class OwnRedis:
+    """A real Redis server of one test's own, which the test may kill (as ``kill -9``) and start
+    again, empty, on the same port: an outage of the registry."""
+
+    def __init__(self) -> None:
+        from services.common.redis_server import EmbeddedRedis
+
+        self._server = EmbeddedRedis().start()
+        self.url = self._server.url
+
+    def kill(self) -> None:
+        """SIGKILL the server and wait until it is gone."""
+        proc = self._server.proc
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+        self._server.stop()  # removes its directory
+
+    def start(self) -> None:
+        """Start a new, empty server on the same port."""
+        from services.common.redis_server import EmbeddedRedis
+
+        self._server = EmbeddedRedis(port=self._server.port).start()
+
+    def stop(self) -> None:
+        """Stop the server (idempotent)."""
+        self._server.stop()
+
+
+@pytest.fixture()
+def own_redis() -> Iterator[OwnRedis]:
+    """A Redis server for this test alone (:class:`OwnRedis`), stopped after it."""
+    server = OwnRedis()
+    yield server
+    server.stop()
+
+
 @pytest.fixture()
 def redis_url(redis_server: str) -> Iterator[str]:
     """The session Redis, flushed before each test."""

@@ -17,11 +17,15 @@ Key layout (prefix ``plora`` by default; every value is JSON unless noted):
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -30,11 +34,115 @@ from services.common.types import ModelSpec
 
 logger = logging.getLogger(__name__)
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: redis-py errors meaning Redis cannot be reached now (refused, reset, timed out; its
+#: ``BusyLoadingError`` and ``AuthenticationError`` are ``ConnectionError`` s): a later call may
+#: succeed, so a client gets UNAVAILABLE. Other Redis errors stay INTERNAL (a bug, not an outage).
+UNREACHABLE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+
+#: While Redis stays unreachable, the outage is logged again at most this often (seconds).
+OUTAGE_LOG_EVERY_S = 30.0
+
 
 class RegistryUnavailableError(PLoRAError):
     """Redis cannot be reached (UNAVAILABLE)."""
 
     status_code_name = "UNAVAILABLE"
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (``redis://user:***@host:6379/0``), for messages and logs."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _location(client: redis.Redis) -> str:
+    """Where ``client`` connects, as a URL without credentials (for messages)."""
+    pool = client.connection_pool
+    kwargs = pool.connection_kwargs
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={db}"
+    scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+    return f"{scheme}://{kwargs.get('host', '127.0.0.1')}:{kwargs.get('port', 6379)}/{db}"
+
+
+class _Outage:
+    """Turns redis-py's unreachable errors into :class:`RegistryUnavailableError` and logs an
+    outage as a few lines (when it starts, every :data:`OUTAGE_LOG_EVERY_S` while it lasts,
+    when it ends) however many calls fail meanwhile. Thread-safe."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self._lock = threading.Lock()
+        self._failures = 0  # calls failed since the last success
+        self._since = 0.0  # monotonic time of the first of them
+        self._logged = 0.0  # monotonic time of the last warning
+
+    def failed(self, exc: Exception) -> RegistryUnavailableError:
+        """Count a failed call; the error to raise in its place."""
+        reason = str(exc).rstrip(".") or type(exc).__name__
+        message = (
+            f"the adapter registry (Redis at {self.location}) is unreachable: {reason}; "
+            "check that Redis is running"
+        )
+        now = time.monotonic()
+        with self._lock:
+            self._failures += 1
+            if self._failures == 1:
+                self._since = now
+            if self._failures == 1 or now - self._logged >= OUTAGE_LOG_EVERY_S:
+                self._logged = now
+                logger.warning(
+                    "%s (%d failed calls in %.0fs)",
+                    message,
+                    self._failures,
+                    now - self._since,
+                )
+        return RegistryUnavailableError(message)
+
+    def succeeded(self) -> None:
+        """Note a successful call: logs the end of an outage."""
+        if not self._failures:  # the common case: no lock
+            return
+        with self._lock:
+            if self._failures:
+                logger.info(
+                    "the adapter registry (Redis at %s) is reachable again after %.0fs "
+                    "(%d failed calls)",
+                    self.location,
+                    time.monotonic() - self._since,
+                    self._failures,
+                )
+                self._failures = 0
+
+
+def _guarded(
+    method: Callable[Concatenate[Registry, P], T],
+) -> Callable[Concatenate[Registry, P], T]:
+    """Decorate a :class:`Registry` method so an unreachable Redis raises
+    :class:`RegistryUnavailableError` (logged as an outage) instead of a redis-py error."""
+
+    @functools.wraps(method)
+    def wrapper(self: Registry, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            result = method(self, *args, **kwargs)
+        except UNREACHABLE_ERRORS as exc:
+            raise self._outage.failed(exc) from exc
+        self._outage.succeeded()
+        return result
+
+    return wrapper
 
 
 @dataclass
@@ -143,33 +251,46 @@ def connect(url: str, timeout: float = 5.0) -> redis.Redis:
             url, socket_connect_timeout=timeout, socket_timeout=timeout, health_check_interval=30
         )
     except ValueError as exc:
-        raise ConfigError(f"invalid Redis URL {url!r}: {exc}") from exc
+        raise ConfigError(f"invalid Redis URL {redact_url(url)!r}: {exc}") from exc
     try:
         client.ping()
     except redis.RedisError as exc:
         raise RegistryUnavailableError(
-            f"cannot reach Redis at {url} ({exc}); start Redis or set PLORA_REDIS_URL / "
-            "--redis-url to a reachable server"
+            f"cannot reach Redis at {redact_url(url)} ({exc}); start Redis or set "
+            "PLORA_REDIS_URL / --redis-url to a reachable server"
         ) from exc
     return client
 
 
 class Registry:
-    """Typed access to the keys above. Thread-safe (redis-py pools connections)."""
+    """Typed access to the keys above. Thread-safe (redis-py pools connections).
+
+    Every method raises :class:`RegistryUnavailableError` (UNAVAILABLE, naming the Redis URL
+    without its password) when Redis cannot be reached, and logs the outage once rather than
+    per call; the next call tries again (redis-py reconnects), so callers recover by
+    themselves when Redis is back.
+
+    Args:
+        client: An open client (:func:`connect`).
+        prefix: Prefix of every key.
+    """
 
     def __init__(self, client: redis.Redis, prefix: str = "plora") -> None:
         self.client = client
         self.prefix = prefix
+        self._outage = _Outage(_location(client))
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
     # -- adapters -------------------------------------------------------------------------
 
+    @_guarded
     def next_adapter_version(self, adapter_id: str) -> int:
         """Reserve the next version number of ``adapter_id`` (monotonic, never reused)."""
         return int(self.client.incr(self._k("adapter_version", adapter_id)))
 
+    @_guarded
     def put_adapter(self, record: AdapterRecord) -> None:
         """Write (or replace) an adapter record and index it, atomically."""
         pipe = self.client.pipeline(transaction=True)
@@ -177,6 +298,7 @@ class Registry:
         pipe.sadd(self._k("adapters"), record.adapter_id)
         pipe.execute()
 
+    @_guarded
     def get_adapter(self, adapter_id: str) -> AdapterRecord:
         """Return the current record.
 
@@ -191,6 +313,7 @@ class Registry:
             )
         return AdapterRecord.from_json(raw)
 
+    @_guarded
     def list_adapters(self) -> list[AdapterRecord]:
         """Every registered adapter, sorted by id."""
         ids = sorted(x.decode() for x in self.client.smembers(self._k("adapters")))
@@ -199,6 +322,7 @@ class Registry:
         raws = self.client.mget([self._k("adapter", i) for i in ids])
         return [AdapterRecord.from_json(r) for r in raws if r is not None]
 
+    @_guarded
     def delete_adapter(self, adapter_id: str) -> AdapterRecord:
         """Remove an adapter (its version counter stays).
 
@@ -215,6 +339,7 @@ class Registry:
 
     # -- workers --------------------------------------------------------------------------
 
+    @_guarded
     def heartbeat(self, record: WorkerRecord, ttl_seconds: float) -> None:
         """Publish a worker's status and refresh its liveness key (TTL)."""
         record.heartbeat_unix = time.time()
@@ -226,6 +351,7 @@ class Registry:
         pipe.sadd(self._k("workers"), record.worker_id)
         pipe.execute()
 
+    @_guarded
     def deregister_worker(self, worker_id: str) -> None:
         """Remove a worker on graceful stop."""
         pipe = self.client.pipeline(transaction=True)
@@ -233,6 +359,7 @@ class Registry:
         pipe.srem(self._k("workers"), worker_id)
         pipe.execute()
 
+    @_guarded
     def list_workers(self) -> list[WorkerRecord]:
         """Every known worker with ``healthy`` set from its liveness key, sorted by id."""
         ids = sorted(x.decode() for x in self.client.smembers(self._k("workers")))
@@ -255,6 +382,7 @@ class Registry:
 
     # -- model, placement, forecast, predictor state ---------------------------------------
 
+    @_guarded
     def set_model_spec(self, spec: ModelSpec, serving_dtype: str) -> None:
         """Publish the served base model's shape and the workers' serving dtype (``float32``).
 
@@ -263,6 +391,7 @@ class Registry:
         payload = {**spec.to_dict(), "serving_dtype": serving_dtype}
         self.client.set(self._k("model"), json.dumps(payload))
 
+    @_guarded
     def get_model_spec(self) -> tuple[ModelSpec, str] | None:
         """``(spec, serving_dtype)`` of the served base model, or None before any worker started."""
         raw = self.client.get(self._k("model"))
@@ -271,6 +400,7 @@ class Registry:
         data = json.loads(raw)
         return ModelSpec.from_dict(data), str(data.get("serving_dtype", "float32"))
 
+    @_guarded
     def set_placement(self, placement: dict[str, list[str]]) -> None:
         """Replace the placement map ``adapter_id -> [worker_id, ...]``."""
         pipe = self.client.pipeline(transaction=True)
@@ -281,11 +411,13 @@ class Registry:
             )
         pipe.execute()
 
+    @_guarded
     def get_placement(self) -> dict[str, list[str]]:
         """The placement map (empty when no predictor has published one)."""
         raw = self.client.hgetall(self._k("placement"))
         return {k.decode(): json.loads(v) for k, v in raw.items()}
 
+    @_guarded
     def set_forecast(
         self,
         expected: dict[str, float],
@@ -302,15 +434,18 @@ class Registry:
         }
         self.client.set(self._k("forecast"), json.dumps(payload), px=int(ttl_seconds * 1000))
 
+    @_guarded
     def get_forecast(self) -> dict[str, Any] | None:
         """The latest forecast payload, or None (no predictor, or it stopped publishing)."""
         raw = self.client.get(self._k("forecast"))
         return None if raw is None else json.loads(raw)
 
+    @_guarded
     def save_predictor_state(self, blob: bytes) -> None:
         """Persist the predictor's model and recent counts."""
         self.client.set(self._k("predictor_state"), blob)
 
+    @_guarded
     def load_predictor_state(self) -> bytes | None:
         """The persisted predictor state, or None."""
         return self.client.get(self._k("predictor_state"))

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
+import grpc
 import pytest
 
 from services.common.errors import AdapterNotFoundError
+from services.common.grpc_util import status_for
 from services.common.registry import (
     AdapterRecord,
     Registry,
     RegistryUnavailableError,
     WorkerRecord,
     connect,
+    redact_url,
 )
 from services.common.types import ModelSpec
+from tests.conftest import OwnRedis
 
 SPEC = ModelSpec("m", 2, 8, 16, 2, 1, 4, 32, 64, 10000.0, 1e-6, True)
 
@@ -59,3 +64,57 @@ def test_model_spec_placement_forecast_roundtrip(redis_url: str) -> None:
 def test_unreachable_redis_is_a_clear_error() -> None:
     with pytest.raises(RegistryUnavailableError, match="PLORA_REDIS_URL"):
         connect("redis://127.0.0.1:1/0", timeout=0.5)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://:s3cret@10.0.0.5:6380/2", "redis://:***@10.0.0.5:6380/2"),
+        ("rediss://app:s3cret@cache.example:6379/0", "rediss://app:***@cache.example:6379/0"),
+        ("unix:///run/redis.sock?db=1", "unix:///run/redis.sock?db=1"),
+    ],
+)
+def test_urls_are_shown_without_their_password(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_unreachable_redis_names_no_password() -> None:
+    with pytest.raises(RegistryUnavailableError) as err:
+        connect("redis://:s3cret@127.0.0.1:1/0", timeout=0.5)
+    assert "s3cret" not in str(err.value) and "redis://:***@127.0.0.1:1/0" in str(err.value)
+
+
+def test_an_outage_is_unavailable_logged_once_and_over_when_redis_is_back(
+    own_redis: OwnRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kill -9`` of Redis: every call raises the UNAVAILABLE error naming the registry (no
+    redis-py error escapes), the outage is one warning however many calls fail, and the same
+    registry works again once Redis is back on its port."""
+    reg = Registry(connect(own_redis.url))
+    reg.put_adapter(AdapterRecord("a", "/src", version=1))
+    own_redis.kill()
+    caplog.set_level(logging.INFO, logger="services.common.registry")
+    calls = [
+        reg.list_adapters,
+        lambda: reg.get_adapter("a"),
+        lambda: reg.delete_adapter("a"),
+        lambda: reg.next_adapter_version("a"),
+        lambda: reg.heartbeat(WorkerRecord("w0", "127.0.0.1:1"), ttl_seconds=1),
+        reg.list_workers,
+        reg.get_forecast,
+    ]
+    for call in calls:
+        with pytest.raises(RegistryUnavailableError) as err:
+            call()
+        message = str(err.value)
+        assert message.startswith(f"the adapter registry (Redis at {own_redis.url}) is unreachable")
+        assert message.endswith("check that Redis is running")
+        assert status_for(err.value) is grpc.StatusCode.UNAVAILABLE
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].exc_info is None
+    assert "unreachable" in warnings[0].getMessage()
+
+    own_redis.start()  # empty, same port: redis-py reconnects on the next call
+    assert reg.list_adapters() == []
+    assert "reachable again" in caplog.records[-1].getMessage()
