@@ -24,6 +24,7 @@ from plora.v1 import gateway_pb2, gateway_pb2_grpc, predictor_pb2, worker_pb2, w
 from services.common import convert
 from services.common.adapters import inspect_adapter
 from services.common.errors import (
+    AdapterNotFoundError,
     AdapterPermissionError,
     InvalidRequestError,
     NoHealthyWorkerError,
@@ -42,7 +43,13 @@ from services.common.grpc_util import (
 )
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
-from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
+from services.common.registry import (
+    AdapterRecord,
+    Registry,
+    RegistryUnavailableError,
+    WorkerRecord,
+    connect,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
 from services.gateway.metrics import GatewayMetrics
@@ -390,7 +397,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         previous = None
         try:
             previous = self.registry.get_adapter(request.adapter_id)
-        except PLoRAError:
+        except AdapterNotFoundError:
             previous = None
         if previous is not None and previous.tenant_id and previous.tenant_id != request.tenant_id:
             raise AdapterPermissionError(
@@ -462,7 +469,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Drop every copy of an adapter from the workers (best effort, in the background)."""
 
         def run() -> None:
-            for w in self._workers():
+            try:
+                workers = self._workers()
+            except RegistryUnavailableError:
+                return  # logged by the registry; best effort, as for a worker that is down
+            for w in workers:
                 if not w.healthy:
                     continue
                 try:

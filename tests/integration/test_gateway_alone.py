@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.server import GatewayService, GatewayServicer
 from services.predictor.placement import ROUTED_GRACE_S
-from tests.conftest import REPO
+from tests.conftest import REPO, OwnRedis
 
 
 @pytest.fixture()
@@ -95,6 +96,66 @@ def test_plora_up_with_unreachable_redis_fails_cleanly(tmp_path) -> None:
     assert "cannot reach Redis" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
     assert not (tmp_path / "c.json").exists()
+
+
+def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again(
+    own_redis: OwnRedis, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``kill -9`` of Redis under a running gateway: every RPC that needs the registry, the
+    streamed Generate included, fails UNAVAILABLE with a message naming the registry and what
+    to do (it was INTERNAL with a redis traceback in the log); once Redis is back on its port
+    the same gateway serves again."""
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, redis_url=own_redis.url, worker_cache_s=0.0)
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    calls = {
+        "Generate(base model)": lambda: list(
+            stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=2), timeout=10)
+        ),
+        "Generate(adapter)": lambda: list(
+            stub.Generate(
+                gateway_pb2.GenerateRequest(prompt="hi", adapter_id="a", max_new_tokens=2),
+                timeout=10,
+            )
+        ),
+        "RegisterAdapter": lambda: stub.RegisterAdapter(
+            gateway_pb2.RegisterAdapterRequest(adapter_id="a", source=str(tmp_path)), timeout=10
+        ),
+        "GetAdapter": lambda: stub.GetAdapter(
+            gateway_pb2.GetAdapterRequest(adapter_id="a"), timeout=10
+        ),
+        "ListAdapters": lambda: stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10),
+        "DeleteAdapter": lambda: stub.DeleteAdapter(
+            gateway_pb2.DeleteAdapterRequest(adapter_id="a"), timeout=10
+        ),
+        "GetClusterStatus": lambda: stub.GetClusterStatus(
+            gateway_pb2.GetClusterStatusRequest(), timeout=10
+        ),
+    }
+    try:
+        assert list(stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters) == []
+        own_redis.kill()
+        caplog.set_level(logging.INFO)
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, name
+            details = err.value.details()
+            assert f"the adapter registry (Redis at {own_redis.url}) is unreachable" in details
+            assert details.endswith("check that Redis is running"), name
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+        assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+
+        own_redis.start()  # empty, on the same port
+        assert list(stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters) == []
+        with pytest.raises(grpc.RpcError) as err:
+            calls["Generate(base model)"]()
+        assert "no healthy worker" in err.value.details()
+    finally:
+        channel.close()
+        service.stop(0)
 
 
 def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url: str) -> None:
