@@ -26,7 +26,7 @@ from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
 from services.common.lifecycle import lower_thread_priority, run_service, write_ready_file
 from services.common.metrics import serve_metrics
-from services.common.registry import Registry, connect
+from services.common.registry import Registry, RegistryUnavailableError, connect
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import Forecast, make_forecaster
 from services.predictor.metrics import PredictorMetrics
@@ -172,7 +172,11 @@ class PredictorCore:
             self.recall.arrival(t, adapter_id)
 
     def tick(self, now: float | None = None) -> None:
-        """One round: forecast, publish, plan placement, prefetch, then train and persist."""
+        """One round: forecast, publish, plan placement, prefetch, then train and persist.
+
+        An unreachable Redis skips publishing, placement and persisting for this round (the
+        registry logs the outage); forecasting and training go on.
+        """
         started = time.perf_counter()
         now = time.time() if now is None else now
         with self._lock:
@@ -188,8 +192,10 @@ class PredictorCore:
         try:
             self.registry.set_forecast(expected, self.config.horizon_s, self.config.forecaster)
             self._place_and_prefetch(forecast, expected)
+        except RegistryUnavailableError:
+            pass  # the registry logs the outage; the next tick tries again
         except PLoRAError as exc:
-            logger.warning("tick could not reach Redis: %s", exc)
+            logger.warning("tick could not publish: %s", exc)
         except Exception as exc:  # noqa: BLE001 - the next tick tries again
             logger.warning("tick failed: %s", exc)
         self.metrics.tick.observe(time.perf_counter() - started)
@@ -198,10 +204,17 @@ class PredictorCore:
         if loss:
             self.metrics.training_loss.set(float(loss))
         if time.monotonic() - self._last_persist > self.config.persist_every_s:
-            self.persist()
+            try:
+                self.persist()
+            except RegistryUnavailableError:
+                pass  # logged by the registry; the next tick tries again
 
     def persist(self) -> None:
-        """Save the forecaster's state to Redis."""
+        """Save the forecaster's state to Redis.
+
+        Raises:
+            RegistryUnavailableError: Redis cannot be reached.
+        """
         with self._lock:
             blob = self.forecaster.state_dict()
         self.registry.save_predictor_state(blob)
@@ -300,7 +313,10 @@ class PredictorService:
             next_tick += self.config.tick_s
             if self._stop.wait(max(0.0, next_tick - time.monotonic())):
                 return
-            self.core.tick()
+            try:
+                self.core.tick()
+            except Exception:  # noqa: BLE001 - a bug in one round must not end the ticking
+                logger.exception("predictor tick failed; the next one runs as planned")
 
     def start(self) -> PredictorService:
         """Start serving and ticking."""

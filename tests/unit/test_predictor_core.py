@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent import futures
 
@@ -72,3 +73,24 @@ def test_every_event_is_counted_base_model_ones_forecast_nothing(redis_url):
     assert metrics.registry.get_sample_value("plora_predictor_events_received_total") == 4
     core.tick(now)
     assert set(core.latest.expected_by_id()) == {"hot"}
+
+
+def test_ticks_go_on_through_a_redis_outage_and_publish_again_after_it(own_redis, caplog):
+    """A tick due to persist while Redis is down used to raise redis' ConnectionError and end
+    the tick thread; now it keeps forecasting, and publishes once Redis is back."""
+    registry = Registry(connect(own_redis.url))
+    core = PredictorCore(
+        PredictorConfig(forecaster="frequency", persist_every_s=0.0), registry, PredictorMetrics()
+    )
+    now = time.time()
+    core.observe("hot", now)
+    own_redis.kill()
+    caplog.set_level(logging.WARNING)
+    for i in range(3):
+        core.tick(now + i)  # publish, place and persist all fail: no exception
+    assert "hot" in core.latest.expected_by_id()
+    assert len(caplog.records) == 1 and "unreachable" in caplog.records[0].getMessage()
+    own_redis.start()
+    core.tick(now + 3)
+    assert "hot" in registry.get_forecast()["expected"]
+    assert registry.load_predictor_state()
