@@ -39,7 +39,7 @@ from services.common.grpc_util import (
 )
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
-from services.common.registry import Registry, WorkerRecord, connect
+from services.common.registry import Registry, RegistryUnavailableError, WorkerRecord, connect
 from services.common.types import LoRAWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
 from services.worker.config import WorkerConfig
@@ -375,7 +375,6 @@ class WorkerService:
         """Start the engine and the server, publish the model, begin heartbeats."""
         self.engine.start()
         self.server.start()
-        self.registry.set_model_spec(self.spec, str(self.dtype).removeprefix("torch."))
         self.heartbeat()
         self._heartbeat_thread.start()
         set_serving(self.health, [SERVICE_NAME], True)
@@ -385,7 +384,15 @@ class WorkerService:
         return self
 
     def heartbeat(self) -> None:
-        """Publish status to Redis and pull the latest forecast for predictive eviction."""
+        """Publish the served model and this worker's status to Redis, and pull the latest
+        forecast for predictive eviction.
+
+        The model is published with every heartbeat, not once: a Redis that restarted empty
+        learns it again (the gateway refuses registrations until some worker published it).
+
+        Raises:
+            RegistryUnavailableError: Redis cannot be reached (the gauges are still updated).
+        """
         snapshot = self.store.stats()  # one snapshot for the heartbeat and the gauges
         resident = resident_ids(self.store)
         room = self.store.room_bytes()
@@ -406,6 +413,7 @@ class WorkerService:
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
         )
+        self.registry.set_model_spec(self.spec, str(self.dtype).removeprefix("torch."))
         self.registry.heartbeat(record, self.config.heartbeat_ttl_s)
         forecast = self.registry.get_forecast()
         expected: dict[str, float] = {}
@@ -452,7 +460,9 @@ class WorkerService:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
                 self.heartbeat()
-            except Exception as exc:  # noqa: BLE001 - keep serving while Redis is away
+            except RegistryUnavailableError:  # the registry logs the outage, not each call
+                self.metrics.heartbeat_failures.inc()
+            except Exception as exc:  # noqa: BLE001 - keep serving, try again next interval
                 self.metrics.heartbeat_failures.inc()
                 logger.warning("heartbeat failed: %s", exc)
             self.metrics.heartbeat_age.set(time.monotonic() - self._last_heartbeat)
