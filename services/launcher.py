@@ -541,9 +541,20 @@ class Cluster:
 
         A child that dies is restarted on the same ports (so its peers reconnect to it), at most
         ``max_restarts`` times per ``window_s`` seconds; past that the whole cluster stops.
+        The embedded Redis is not restarted: it keeps no data, and an empty registry under
+        running workers would hand out adapter versions they have already seen (refused as
+        stale, or a different adapter under a cached version), so its exit stops the cluster.
         """
         restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
         while not self._stop_after(0.5):
+            redis_code = self.redis.exit_code() if self.redis is not None else None
+            if redis_code is not None and not self._stop_requested:
+                self._say(
+                    f"redis-server ({self.redis_url}) exited (code {redis_code}); the adapter "
+                    "registry and its contents are gone, so the cluster cannot go on: stopping "
+                    "(start it again with plora up)"
+                )
+                return 1
             for c in self.children:
                 if c.alive() or self._stop_requested:  # dying from the same signal: no restart
                     continue

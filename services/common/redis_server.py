@@ -132,6 +132,11 @@ class EmbeddedRedis:
         text = log.read_text() if log.exists() else ""
         raise RuntimeError(f"embedded Redis did not start on {self.host}:{port}: {text[-500:]}")
 
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited (negative: killed by that signal), else
+        None (running, or not started)."""
+        return None if self.proc is None else self.proc.poll()
+
     def stop(self) -> None:
         """Terminate the server (idempotent)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -18,6 +18,7 @@ import pytest
 from services import launcher
 from services.common.errors import ConfigError
 from services.common.policies import POLICIES, PolicySpec, get_policy
+from services.common.redis_server import EmbeddedRedis
 from services.gateway.config import GatewayConfig
 from services.launcher import (
     POLICY_FLAG_ENV,
@@ -376,3 +377,24 @@ def test_prometheus_targets_label_each_service_and_worker() -> None:
         {"targets": ["127.0.0.1:41003"], "labels": {"service": "worker", "worker": "worker-1"}},
         {"targets": ["127.0.0.1:41004"], "labels": {"service": "gateway"}},
     ]
+
+
+def test_plora_up_stops_when_its_redis_dies(tmp_path: Path, capsys) -> None:
+    """``kill -9`` of the embedded redis-server: the supervisor says so and stops with a
+    nonzero code (an empty registry under running workers is not restarted)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
+    cluster.redis = EmbeddedRedis().start()
+    cluster.redis_url = cluster.redis.url
+    try:
+        assert cluster.redis.proc is not None
+        cluster.redis.proc.kill()
+        started = time.monotonic()
+        assert cluster.watch() == 1
+        assert time.monotonic() - started < 5
+    finally:
+        cluster.stop()
+    out = capsys.readouterr().out
+    assert f"plora up: redis-server ({cluster.redis_url}) exited (code -9)" in out
+    assert "stopping" in out
