@@ -541,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         except grpc.RpcError as exc:
             hint = ""
-            if exc.code() is grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
+            # gRPC's own words for a gateway it could not reach ("failed to connect to all
+            # addresses"), not a running gateway's UNAVAILABLE (its Redis or workers are down)
+            unreached = "failed to connect" in (exc.details() or "").lower()
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and unreached:
                 hint = (
                     f" (is the cluster running? `make up` starts it; gateway "
                     f"{gateway_address(getattr(args, 'gateway', None))})"

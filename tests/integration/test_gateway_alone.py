@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from services import cli
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
@@ -99,7 +100,7 @@ def test_plora_up_with_unreachable_redis_fails_cleanly(tmp_path) -> None:
 
 
 def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again(
-    own_redis: OwnRedis, tmp_path, caplog: pytest.LogCaptureFixture
+    own_redis: OwnRedis, tmp_path, caplog: pytest.LogCaptureFixture, capsys
 ) -> None:
     """``kill -9`` of Redis under a running gateway: every RPC that needs the registry, the
     streamed Generate included, fails UNAVAILABLE with a message naming the registry and what
@@ -147,6 +148,12 @@ def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again
             assert details.endswith("check that Redis is running"), name
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
         assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+        # the CLI shows it as it is: the gateway runs, its registry does not
+        capsys.readouterr()
+        assert cli.main(["adapters", "list", "--gateway", f"127.0.0.1:{service.port}"]) == 1
+        err_text = capsys.readouterr().err
+        assert "UNAVAILABLE: the adapter registry" in err_text
+        assert "is the cluster running" not in err_text
 
         own_redis.start()  # empty, on the same port
         assert list(stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters) == []
