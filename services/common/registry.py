@@ -101,10 +101,13 @@ class _Outage:
             self._failures += 1
             if self._failures == 1:
                 self._since = now
-            if self._failures == 1 or now - self._logged >= OUTAGE_LOG_EVERY_S:
+            if self._failures == 1:
+                self._logged = now
+                logger.warning("%s", message)
+            elif now - self._logged >= OUTAGE_LOG_EVERY_S:
                 self._logged = now
                 logger.warning(
-                    "%s (%d failed calls in %.0fs)",
+                    "%s (still: %d failed calls in %.0fs)",
                     message,
                     self._failures,
                     now - self._since,

@@ -7,7 +7,9 @@ import time
 
 import grpc
 import pytest
+import redis
 
+from services.common import registry as registry_module
 from services.common.errors import AdapterNotFoundError
 from services.common.grpc_util import status_for
 from services.common.registry import (
@@ -118,3 +120,20 @@ def test_an_outage_is_unavailable_logged_once_and_over_when_redis_is_back(
     own_redis.start()  # empty, same port: redis-py reconnects on the next call
     assert reg.list_adapters() == []
     assert "reachable again" in caplog.records[-1].getMessage()
+
+
+def test_a_long_outage_is_logged_again_at_most_every_interval(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One warning when the outage starts, then one per interval however many calls fail."""
+    reg = Registry(redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5))
+    monkeypatch.setattr(registry_module, "OUTAGE_LOG_EVERY_S", 0.2)
+    caplog.set_level(logging.WARNING, logger="services.common.registry")
+    for _ in range(3):
+        with pytest.raises(RegistryUnavailableError):
+            reg.list_workers()
+    time.sleep(0.25)
+    with pytest.raises(RegistryUnavailableError):
+        reg.list_workers()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "(still: 4 failed calls in " in lines[1]
