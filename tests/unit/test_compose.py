@@ -165,8 +165,18 @@ def test_environment_variables_are_ones_the_services_read(service: str) -> None:
 @pytest.mark.parametrize("service", sorted(PLORA_SERVICES))
 def test_published_ports_match_the_bound_ports(service: str) -> None:
     _kind, args = _parse(service)
-    container_ports = {int(p.split(":")[1]) for p in COMPOSE["services"][service]["ports"]}
+    container_ports = {container for _host, container in _published(service)}
     assert {args.port, args.metrics_port} == container_ports
+
+
+@pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
+def test_ports_are_published_on_the_host_loopback_only(service: str) -> None:
+    """Plaintext gRPC with no authentication, metrics and Prometheus: none of it is reachable
+    from other machines unless a user opens it on purpose (README, "Tenants")."""
+    for entry in COMPOSE["services"][service].get("ports", []):
+        assert str(entry).startswith("127.0.0.1:"), (
+            f"{service} publishes {entry} on every interface"
+        )
 
 
 @pytest.mark.parametrize("service", sorted(PLORA_SERVICES))
