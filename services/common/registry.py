@@ -100,9 +100,7 @@ class _Outage:
         with self._lock:
             self._failures += 1
             if self._failures == 1:
-                self._since = now
-            if self._failures == 1:
-                self._logged = now
+                self._since = self._logged = now
                 logger.warning("%s", message)
             elif now - self._logged >= OUTAGE_LOG_EVERY_S:
                 self._logged = now
