@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -238,9 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--demo-adapters",
-        type=int,
+        type=checked_type(int, lambda v: v >= 0, "a whole number of adapters, 0 or more"),
         default=8,
-        help="demo adapters to generate and register (0 = none)",
+        help="demo adapters to generate and register (0 = none; default 8)",
     )
     parser.add_argument(
         "--demo-ranks",
@@ -251,10 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--demo-relative-delta",
-        type=float,
+        type=checked_type(float, lambda v: 0 < v < math.inf, "a positive number"),
         default=0.45,
         help="strength of the demo adapters (||dW x|| / ||W x|| scale); strong "
-        "enough that most of them visibly change the base model's answers",
+        "enough that most of them visibly change the base model's answers (default 0.45)",
     )
     parser.add_argument(
         "--adapters-dir",
@@ -266,11 +267,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-arg",
         action="append",
         default=[],
-        help="extra flag passed to every worker (repeatable)",
+        help="extra flag passed to every worker, repeatable; a flag with a value is one "
+        "argument: --worker-arg=--max-batch-size=8 or --worker-arg '--max-batch-size 8' "
+        "(default none)",
     )
     parser.add_argument(
         "--startup-timeout",
-        type=float,
+        type=checked_type(float, lambda v: 0 < v < math.inf, "a positive number of seconds"),
         default=600.0,
         help="seconds every service may take to become ready (default 600)",
     )

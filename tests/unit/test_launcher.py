@@ -291,6 +291,11 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         (["--demo-ranks", "8,abc"], "argument --demo-ranks: expected comma-separated positive"),
         (["--demo-ranks", "8,0"], "argument --demo-ranks: expected comma-separated positive"),
         (["--demo-ranks", ","], "argument --demo-ranks: expected comma-separated positive"),
+        (["--demo-adapters", "-5"], "argument --demo-adapters: expected a whole number of"),
+        (["--demo-relative-delta", "0"], "argument --demo-relative-delta: expected a positive"),
+        (["--demo-relative-delta", "nan"], "argument --demo-relative-delta: expected a positive"),
+        (["--startup-timeout", "0"], "argument --startup-timeout: expected a positive number"),
+        (["--startup-timeout", "inf"], "argument --startup-timeout: expected a positive number"),
     ],
     ids=lambda x: " ".join(x) if isinstance(x, list) else "",
 )
@@ -317,6 +322,7 @@ def test_plora_up_accepts_the_edges_of_its_ranges() -> None:
     args = parser.parse_args(["--workers", "1", "--gateway-port", "65535", "--demo-ranks", "1,128"])
     assert (args.workers, args.gateway_port, args.demo_ranks) == (1, 65535, [1, 128])
     assert parser.parse_args(["--gateway-port", "0"]).gateway_port == 0
+    assert parser.parse_args(["--demo-adapters", "0"]).demo_adapters == 0
     assert parser.parse_args([]).demo_ranks == [8, 16, 32, 64]
 
 
