@@ -461,6 +461,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     reg.add_argument("adapter_id", help="id to serve the adapter under")
     reg.add_argument(
         "source",
+        type=checked_type(str, lambda v: not validation.blank(v), "a directory"),
         help="directory in PEFT layout (adapter_config.json + adapter_model.safetensors), "
         "readable by the workers; a relative path is stored as an absolute one",
     )

@@ -11,6 +11,7 @@ are echoed while the model loads.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -195,6 +196,12 @@ class Child:
         self.ready_file.unlink(missing_ok=True)
 
 
+#: Most workers ``plora up`` starts on this machine: each holds a copy of the model (0.5 GB
+#: for the default) plus its adapter pool and runs its own decode loop, so beyond a few per
+#: core they only share the cores ever more thinly (and hundreds exhaust memory).
+MAX_WORKERS = 4 * max(1, os.cpu_count() or 1)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora up``."""
     parser.add_argument(
@@ -205,7 +212,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workers",
-        type=checked_type(int, lambda v: v >= 1, "a whole number of workers, at least 1"),
+        type=checked_type(
+            int,
+            lambda v: 1 <= v <= MAX_WORKERS,
+            f"a whole number of workers, 1..{MAX_WORKERS} (4 per core of this machine: each "
+            "worker holds its own copy of the model and runs its own decode loop)",
+        ),
         default=2,
         help="number of workers, at least 1 (default 2)",
     )
@@ -324,7 +336,17 @@ class Cluster:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     probe.bind((a.host, a.gateway_port))
+                except socket.gaierror as exc:
+                    raise RuntimeError(
+                        f"--host {a.host!r} is not an address of this machine ({exc.strerror}): "
+                        "give an interface to bind, e.g. 127.0.0.1 or 0.0.0.0"
+                    ) from None
                 except OSError as exc:
+                    if exc.errno == errno.EADDRNOTAVAIL:
+                        raise RuntimeError(
+                            f"--host {a.host!r} is not an address of this machine "
+                            f"({exc.strerror}): give an interface to bind, e.g. 127.0.0.1"
+                        ) from None
                     raise RuntimeError(
                         f"gateway port {a.host}:{a.gateway_port} is in use ({exc.strerror}): "
                         "another cluster or service listens there; stop it, or pass "
@@ -413,10 +435,27 @@ class Cluster:
         for service, flags in {**policy, "worker": worker_flags}.items():
             check_service_flags(service, flags)
         self._refuse_a_running_cluster()
+        if a.demo_adapters > 0:
+            try:
+                Path(a.adapters_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"--adapters-dir {a.adapters_dir}: cannot create it ({exc.strerror}); "
+                    "give a writable directory for the demo adapters, or --demo-adapters 0"
+                ) from None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.state_file.unlink(missing_ok=True)  # a stale one: its launcher is gone
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+
+        # the model first: a bad --model is refused before Redis starts
+        self._say(
+            "preparing the base model (first run converts the GGUF once; later runs reuse it)"
+        )
+        from services.worker.model_loader import default_cache_dir, resolve_model  # noqa: PLC0415
+
+        model_dir = resolve_model(a.model, default_cache_dir())
+        self._say(f"base model ready: {model_dir}")
 
         external = a.redis_url or env_or("PLORA_REDIS_URL", None)
         if external:
@@ -428,14 +467,6 @@ class Cluster:
             self.redis_url = self.redis.url
             self._say(f"started embedded Redis at {self.redis_url}")
         env["PLORA_REDIS_URL"] = self.redis_url
-
-        self._say(
-            "preparing the base model (first run converts the GGUF once; later runs reuse it)"
-        )
-        from services.worker.model_loader import default_cache_dir, resolve_model  # noqa: PLC0415
-
-        model_dir = resolve_model(a.model, default_cache_dir())
-        self._say(f"base model ready: {model_dir}")
 
         common = ["--host", a.host, "--redis-url", self.redis_url]
         predictor = None

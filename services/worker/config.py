@@ -94,8 +94,15 @@ class WorkerConfig:
             raise ConfigError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.page_bytes <= 0 or self.pool_bytes < self.page_bytes:
-            raise ConfigError("pool_bytes must be at least one page (page_bytes > 0)")
+        if self.page_bytes <= 0:
+            raise ConfigError(
+                f"--page-bytes / PLORA_PAGE_BYTES must be positive, got {self.page_bytes}"
+            )
+        if self.pool_bytes < self.page_bytes:
+            raise ConfigError(
+                f"--pool-bytes / PLORA_POOL_BYTES must be at least one page "
+                f"({self.page_bytes} bytes, --page-bytes), got {self.pool_bytes}"
+            )
         if self.host_cache_bytes < self.pool_bytes:
             raise ConfigError(
                 f"host_cache_bytes ({self.host_cache_bytes}) must be >= pool_bytes "

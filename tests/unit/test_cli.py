@@ -163,3 +163,13 @@ def test_cli_client_verbs_have_help_for_every_option() -> None:
                 no_default.append(what)
     assert not missing, f"no help text: {missing}"
     assert not no_default, f"help does not give the default: {no_default}"
+
+
+@pytest.mark.parametrize("source", ["", "  "], ids=["empty", "blank"])
+def test_cli_register_refuses_an_empty_source(source: str, capsys) -> None:
+    """``plora adapters register x ""`` used to send the current directory (``Path("")``
+    resolves to it) and get the gateway's "has no adapter_config.json" about it."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["adapters", "register", "x", source, "--gateway", "127.0.0.1:1"])
+    assert exit_.value.code == 2
+    assert "argument source: expected a directory, got" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -250,6 +251,18 @@ def test_plora_up_refuses_to_start_over_a_running_cluster(tmp_path: Path) -> Non
         cluster.stop()
     assert cluster.redis is None and not cluster.children
 
+    # an address that is not this machine's, and a demo-adapter directory that cannot be made
+    for argv, message in [
+        (["--host", "nonexistent.invalid"], "--host 'nonexistent.invalid' is not an address of"),
+        (["--host", "192.0.2.1"], "--host '192.0.2.1' is not an address of this machine"),
+        (["--adapters-dir", "/proc/nope"], "--adapters-dir /proc/nope: cannot create it"),
+    ]:
+        cluster = Cluster(parser.parse_args(["--state-file", str(state), *argv]))
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            cluster.start()
+        cluster.stop()
+        assert cluster.redis is None and not cluster.children
+
 
 def test_plora_up_refuses_a_bad_setting_before_starting_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -268,6 +281,8 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         ({}, ["--worker-arg", "--no-such-flag 1"], r"^worker: unknown flag\(s\) --no-such-flag"),
         ({}, ["--worker-arg=--max-batch-size=0"], r"^worker: --max-batch-size / PLORA_MAX"),
         ({}, ["--pool-bytes", "lots"], r"^worker: --pool-bytes / PLORA_POOL_BYTES: 'lots' is"),
+        ({}, ["--pool-bytes", "0"], r"^worker: --pool-bytes / PLORA_POOL_BYTES must be at least"),
+        ({}, ["--model", "/nonexistent.gguf"], r"^model file /nonexistent.gguf does not exist"),
     ]
     for env, argv, message in cases:
         with monkeypatch.context() as m:
@@ -284,8 +299,9 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--workers", "0"], "argument --workers: expected a whole number of workers, at least 1"),
-        (["--workers", "-1"], "argument --workers: expected a whole number of workers, at least"),
+        (["--workers", "0"], "argument --workers: expected a whole number of workers, 1.."),
+        (["--workers", "-1"], "argument --workers: expected a whole number of workers, 1.."),
+        (["--workers", "100000"], "(4 per core of this machine: each worker holds its own"),
         (["--gateway-port", "99999"], "argument --gateway-port: expected a port 0..65535"),
         (["--gateway-port", "-1"], "argument --gateway-port: expected a port 0..65535"),
         (["--demo-ranks", "8,abc"], "argument --demo-ranks: expected comma-separated positive"),
