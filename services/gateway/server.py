@@ -112,6 +112,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # there, its bytes); forgotten once a heartbeat taken ROUTED_GRACE_S later speaks for it
         self._routed: dict[str, dict[str, tuple[float, int]]] = {}
         self._inflight_lock = threading.Lock()
+        # monotonic time after which streams still running are ended (the gateway stops)
+        self._drain_deadline: float | None = None
+        self._drain_grace_s = 0.0
         self.events = EventStreamer(
             config.predictor_address,
             config.event_queue_size,
@@ -121,6 +124,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     # -- helpers --------------------------------------------------------------------------
+
+    def begin_drain(self, grace_s: float, cut_after_s: float) -> None:
+        """The gateway is stopping: streams still running ``cut_after_s`` seconds from now end
+        with UNAVAILABLE and a message that says so, at their next token, instead of the
+        bare "Cancelling all calls" gRPC gives them when the server's ``grace_s`` runs out.
+
+        Args:
+            grace_s: The server's grace period, seconds (named in the message).
+            cut_after_s: When to end the remaining streams, seconds from now (< ``grace_s``,
+                so the status reaches the client before the server cancels the call).
+        """
+        self._drain_grace_s = grace_s
+        self._drain_deadline = time.monotonic() + max(0.0, cut_after_s)
 
     def close(self) -> None:
         """Stop the event stream and close worker channels."""
@@ -334,6 +350,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             ttft if ttft is not None else time.monotonic() - received
                         )
                         self.metrics.e2e.observe(time.monotonic() - received)
+                    if self._drain_deadline is not None and not response.finish_reason:
+                        if time.monotonic() >= self._drain_deadline:
+                            call.cancel()
+                            context.abort(
+                                grpc.StatusCode.UNAVAILABLE,
+                                f"the gateway is shutting down and ended this stream after "
+                                f"its {self._drain_grace_s:g} s grace period; send the "
+                                "request again once the cluster is back",
+                            )
                     yield response
                 return
             except grpc.RpcError as exc:
@@ -545,8 +570,11 @@ class GatewayService:
         return self
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting requests, let in-flight ones finish within ``grace`` seconds."""
+        """Stop accepting requests, let in-flight ones finish within ``grace`` seconds; those
+        still streaming a second before it ends are ended with UNAVAILABLE saying why
+        (:meth:`GatewayServicer.begin_drain`)."""
         set_serving(self.health, [SERVICE_NAME], False)
+        self.servicer.begin_drain(grace, max(0.0, grace - 1.0))
         self.server.stop(grace).wait()
         self.servicer.close()
         self.metrics_server.shutdown()

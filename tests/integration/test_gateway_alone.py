@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 
-from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
 from services import cli
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
 from services.gateway.config import GatewayConfig
@@ -252,3 +254,70 @@ def test_equally_loaded_workers_take_turns(redis_url: str) -> None:
         assert chosen == ["w0", "w1", "w2"] * 2
     finally:
         gw.close()
+
+
+class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
+    """A worker's gRPC server that streams one token every ``step_s`` seconds, for as long as
+    the request asks: what is tested here is the gateway's end of a stream, which needs no
+    model (the real worker's streaming is tested in tests/integration/test_cluster.py)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        n = request.request.max_new_tokens
+        for i in range(n):
+            if not context.is_active():
+                return
+            time.sleep(self.step_s)
+            last = i == n - 1
+            yield gateway_pb2.GenerateResponse(
+                text="x",
+                token_ids=[i],
+                finish_reason=gateway_pb2.FINISH_REASON_LENGTH if last else 0,
+                worker_id="w0",
+            )
+
+
+def test_stopping_gateway_ends_a_long_stream_with_unavailable_saying_why(redis_url: str) -> None:
+    """A stream still running when the gateway stops used to end with gRPC's bare
+    "Cancelling all calls" (a client mid-generation when ``plora up`` stopped); it ends a
+    second before the grace period runs out, with UNAVAILABLE naming the shutdown."""
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.05), worker)
+    port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    registry = Registry(connect(redis_url))
+    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    stopped_by_test = False
+    try:
+        # a short stream finishes as before
+        short = list(stub.Generate(gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=3)))
+        assert short[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        call = stub.Generate(
+            gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=500), timeout=60
+        )
+        first = next(call)
+        assert first.token_ids
+        stopped = threading.Thread(target=service.stop, args=(2.0,))
+        started = time.monotonic()
+        stopped.start()
+        stopped_by_test = True
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "the gateway is shutting down and ended this stream after its 2 s grace" in (
+            err.value.details()
+        )
+        assert 0.8 < time.monotonic() - started < 2.0
+        stopped.join(10)
+        assert not stopped.is_alive()
+    finally:
+        channel.close()
+        if not stopped_by_test:
+            service.stop(0)
+        worker.stop(0)
