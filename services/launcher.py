@@ -219,7 +219,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "worker holds its own copy of the model and runs its own decode loop)",
         ),
         default=2,
-        help="number of workers, at least 1 (default 2)",
+        help=f"number of workers, 1..{MAX_WORKERS} on this machine (default 2)",
     )
     parser.add_argument(
         "--model",
@@ -336,16 +336,13 @@ class Cluster:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     probe.bind((a.host, a.gateway_port))
-                except socket.gaierror as exc:
-                    raise RuntimeError(
-                        f"--host {a.host!r} is not an address of this machine ({exc.strerror}): "
-                        "give an interface to bind, e.g. 127.0.0.1 or 0.0.0.0"
-                    ) from None
                 except OSError as exc:
-                    if exc.errno == errno.EADDRNOTAVAIL:
+                    # a name that does not resolve, or an address no interface here has
+                    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
                         raise RuntimeError(
                             f"--host {a.host!r} is not an address of this machine "
-                            f"({exc.strerror}): give an interface to bind, e.g. 127.0.0.1"
+                            f"({exc.strerror}): give an interface to bind, e.g. 127.0.0.1 or "
+                            "0.0.0.0"
                         ) from None
                     raise RuntimeError(
                         f"gateway port {a.host}:{a.gateway_port} is in use ({exc.strerror}): "
