@@ -290,7 +290,7 @@ def route_rank_aware(
     move a request off its resident worker: weighing them there too (a resident worker left
     when its expected delay exceeded another's by a cold start) spread adapters over both
     workers of the CPU replay and cost it more cold starts (126 against 110 per run) than the
-    balance won (README, "Results").
+    balance won (README, "How a request finds its worker").
 
     Args:
         adapter_id: Requested adapter ("" = base model).
