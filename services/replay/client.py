@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import numpy as np
@@ -241,9 +241,9 @@ class ReplayClient:
 
     # -- one call ---------------------------------------------------------------------------
 
-    def _call(self, req: ReplayRequest, t0: float) -> RequestRecord:
+    def _call(self, req: ReplayRequest, t0: float, id_prefix: str = "replay") -> RequestRecord:
         grpc_req = gateway_pb2.GenerateRequest(
-            request_id=f"replay-{req.index}",
+            request_id=f"{id_prefix}-{req.index}",
             adapter_id=req.adapter_id,
             prompt=req.prompt,
             max_new_tokens=req.max_new_tokens,
@@ -323,25 +323,13 @@ class ReplayClient:
         picks = [requests[min(n - 1, int((i + 0.5) * n / probes))] for i in range(probes)]
         ttfts = []
         for i, req in enumerate(picks):
-            grpc_req = gateway_pb2.GenerateRequest(
-                request_id=f"uncontended-{i}",
-                prompt=req.prompt,
-                max_new_tokens=1,
-                temperature=0.0,
-                seed=self.config.seed,
-            )
-            sent = time.monotonic()
-            first = None
-            try:
-                for resp in self._stub.Generate(grpc_req, timeout=self.config.request_timeout_s):
-                    if first is None and resp.token_ids:
-                        first = time.monotonic()
-            except grpc.RpcError as exc:
-                code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"  # type: ignore[attr-defined]
-                raise RuntimeError(f"uncontended-TTFT probe {i} failed: {code}") from exc
-            if first is None:
+            probe = replace(req, index=i, adapter_id="", trace_key="", max_new_tokens=1)
+            rec = self._call(probe, time.monotonic(), id_prefix="uncontended")
+            if not rec.ok:
+                raise RuntimeError(f"uncontended-TTFT probe {i} failed: {rec.status}")
+            if rec.completion_tokens < 1 or rec.ttft_s is None:
                 raise RuntimeError(f"uncontended-TTFT probe {i} returned no token")
-            ttfts.append(first - sent)
+            ttfts.append(rec.ttft_s)
         return ttfts
 
     # -- the replay -------------------------------------------------------------------------
