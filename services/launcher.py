@@ -39,7 +39,7 @@ from services.common.config import (
 )
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
-from services.common.lifecycle import service_parser, stop_with_parent
+from services.common.lifecycle import service_parser, stop_with_parent, write_json_atomic
 from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect
@@ -300,6 +300,8 @@ class Cluster:
             args.state_file or env_or("PLORA_STATE_FILE", None) or DEFAULT_STATE_FILE
         )
         self.run_dir = self.state_file.parent
+        #: Prometheus file_sd targets of this cluster (:func:`prometheus_targets`).
+        self.targets_file = self.run_dir / "prometheus.json"
         self.children: list[Child] = []
         self.redis: EmbeddedRedis | None = None
         self.redis_url = ""
@@ -527,10 +529,9 @@ class Cluster:
             "pids": {c.name: c.proc.pid for c in self.children if c.proc},
             "launcher_pid": os.getpid(),
         }
-        targets = self.run_dir / "prometheus.json"
-        state["prometheus_targets"] = str(targets)
-        _write_atomic(targets, prometheus_targets(state["metrics"]))
-        _write_atomic(self.state_file, state)
+        state["prometheus_targets"] = str(self.targets_file)
+        write_json_atomic(self.targets_file, prometheus_targets(state["metrics"]), indent=2)
+        write_json_atomic(self.state_file, state, indent=2)
         self._wrote_state = True
         return state
 
@@ -615,7 +616,7 @@ class Cluster:
         if self.state_file.exists():
             state = json.loads(self.state_file.read_text())
             state["pids"][child.name] = child.proc.pid if child.proc else None
-            _write_atomic(self.state_file, state)
+            write_json_atomic(self.state_file, state, indent=2)
 
     def request_stop(self) -> None:
         """Ask :meth:`start` / :meth:`watch` to stop (safe in a signal handler: takes no lock)."""
@@ -642,7 +643,7 @@ class Cluster:
             self.redis.stop()
         if self._wrote_state:
             self.state_file.unlink(missing_ok=True)
-            (self.run_dir / "prometheus.json").unlink(missing_ok=True)
+            self.targets_file.unlink(missing_ok=True)
 
 
 def prometheus_targets(metrics: Mapping[str, str]) -> list[dict[str, object]]:
@@ -667,14 +668,6 @@ def prometheus_targets(metrics: Mapping[str, str]) -> list[dict[str, object]]:
         )
         groups.append({"targets": [address], "labels": labels})
     return groups
-
-
-def _write_atomic(path: Path, obj: object) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file, so a reader (a client, or
-    Prometheus re-reading its targets) never sees half a file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -27,13 +27,20 @@ class _Config(Protocol):
     def from_args(cls, args: argparse.Namespace) -> Any: ...
 
 
+def write_json_atomic(path: Path, obj: object, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file beside it, so a reader (the
+    launcher polling a ready file, a client or Prometheus reading the cluster's files) never
+    sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=indent))
+    tmp.replace(path)
+
+
 def write_ready_file(path: str, grpc_port: int, metrics_port: int) -> None:
     """Atomically write ``{"grpc_port", "metrics_port"}`` so the launcher learns bound ports."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"grpc_port": grpc_port, "metrics_port": metrics_port}))
-    tmp.replace(target)
+    write_json_atomic(target, {"grpc_port": grpc_port, "metrics_port": metrics_port})
 
 
 #: Run as ``python -c _STOP_WITH_PARENT <parent pid> <command...>``: ask Linux to send SIGTERM
