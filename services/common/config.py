@@ -44,10 +44,13 @@ def checked_type(
     return parse
 
 
+def _port_ok(value: int) -> bool:
+    """Whether ``value`` is a port to bind: 0..65535 (0 = any free port)."""
+    return 0 <= value <= PORT_MAX
+
+
 #: The argparse ``type`` of a port to bind: 0..65535, 0 = any free port.
-port_number = checked_type(
-    int, lambda v: 0 <= v <= PORT_MAX, f"a port 0..{PORT_MAX} (0 = any free port)"
-)
+port_number = checked_type(int, _port_ok, f"a port 0..{PORT_MAX} (0 = any free port)")
 
 
 #: gRPC target schemes whose address is not ``HOST:PORT`` (left for gRPC to parse).
@@ -98,7 +101,7 @@ def require_server_ports(service: str, port: int, metrics_port: int) -> None:
         ("--port", f"{env}_PORT", port),
         ("--metrics-port", f"{env}_METRICS_PORT", metrics_port),
     ):
-        if not 0 <= value <= PORT_MAX:
+        if not _port_ok(value):
             raise ConfigError(
                 f"{flag} / {name} must be a port 0..{PORT_MAX} (0 = any free port), got {value}"
             )
