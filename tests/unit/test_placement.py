@@ -404,3 +404,29 @@ def test_cold_starts_go_where_the_pool_has_room_now() -> None:
     ]
     assert route_rank_aware("a", ws, {}, size_bytes=size) == ("w0", "resident")
     assert route_rank_aware("a", ws, {}) == ("w1", "least_loaded")
+
+
+def test_a_resident_copy_is_kept_when_no_worker_has_room_for_a_load() -> None:
+    """A cold start where every evictable adapter is leased waits for a running request to
+    end, so pending prefills on the resident worker do not send the request there (35r2's
+    9.6 s adapter wait); its queue still can."""
+    size = 10 * MB
+    full = {"room_bytes": 2 * MB}
+    resident = {"resident": frozenset({"a"}), "room_bytes": 0}
+    ws = [
+        WorkerView("w0", queue_length=3, pending=3, prefill_s=0.5, **resident),
+        WorkerView("w1", cold_wait_s=0.02, **full),
+    ]
+    assert route_rank_aware("a", ws, {}, size_bytes=size) == ("w0", "resident")
+    # with room on w1 the same pending prefills outweigh its 0.02 s cold start
+    roomy = [ws[0], WorkerView("w1", cold_wait_s=0.02, room_bytes=50 * MB)]
+    assert route_rank_aware("a", roomy, {}, size_bytes=size) == ("w1", "least_loaded")
+    # a copy on its way in is joined the same way
+    loading = [
+        WorkerView("w0", queue_length=3, pending=3, prefill_s=0.5, loading={"a"}, room_bytes=0),
+        ws[1],
+    ]
+    assert route_rank_aware("a", loading, {}, size_bytes=size) == ("w0", "loading")
+    # a queue longer by more than queue_slack still moves it
+    long = [WorkerView("w0", queue_length=9, pending=3, prefill_s=0.5, **resident), ws[1]]
+    assert route_rank_aware("a", long, {}, size_bytes=size) == ("w1", "least_loaded")
