@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from services.common.config import (
@@ -44,6 +45,9 @@ class GatewayConfig:
         request_timeout_s: Deadline applied to a worker call when the client set none.
         worker_cache_s: How long the list of workers read from Redis is reused.
         adapter_cache_s: How long an adapter record read from Redis is reused.
+        registry_stale_s: While Redis is unreachable, Generate goes on using the adapter
+            records, worker list and placement read at most this many seconds before; 0 =
+            fail every request at once (``PLORA_REGISTRY_STALE_S``).
         max_stop_strings: Most stop strings per request.
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
@@ -60,6 +64,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     worker_cache_s: float = 0.25
     adapter_cache_s: float = 1.0
+    registry_stale_s: float = 300.0
     max_stop_strings: int = 16
     ready_file: str = ""
 
@@ -81,6 +86,11 @@ class GatewayConfig:
                 f"--default-max-new-tokens / PLORA_DEFAULT_MAX_NEW_TOKENS must be in "
                 f"1..{self.max_new_tokens_limit} (the max-new-tokens limit), "
                 f"got {self.default_max_new_tokens}"
+            )
+        if not 0.0 <= self.registry_stale_s < math.inf:
+            raise ConfigError(
+                f"PLORA_REGISTRY_STALE_S must be a number of seconds >= 0, "
+                f"got {self.registry_stale_s:g}"
             )
         if self.event_queue_size < 1:
             raise ConfigError("event_queue_size must be >= 1")
@@ -145,5 +155,6 @@ class GatewayConfig:
                 args.default_max_new_tokens, "PLORA_DEFAULT_MAX_NEW_TOKENS", 0
             ),
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
+            registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
             ready_file=args.ready_file or "",
         )

@@ -43,6 +43,12 @@ class GatewayMetrics:
             "Requests retried on another worker before the first token",
             registry=r,
         )
+        self.stale_reads = Counter(
+            "plora_gateway_registry_stale_reads",
+            "Registry records served from the gateway's cache because Redis was unreachable",
+            ["record"],
+            registry=r,
+        )
         self.routed = Counter(
             "plora_gateway_routed",
             "Routing decisions by policy and reason",

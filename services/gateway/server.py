@@ -15,8 +15,9 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
@@ -64,29 +65,57 @@ from services.predictor.placement import (
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+T = TypeVar("T")
+
+#: After a registry read fails, seconds during which reads serve the cached records without
+#: trying Redis (see ``GatewayServicer._cached``).
+REGISTRY_RETRY_S = 1.0
+
 _ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 class _TTLCache:
-    """A tiny thread-safe cache of values that expire after ``ttl`` seconds."""
+    """Values read from the registry, thread-safe: fresh for ``ttl`` seconds after they were
+    read; and, while the registry is unreachable, still served for up to ``stale_s`` seconds
+    after they were read (stale-if-error, as RFC 5861 has it for HTTP caches)."""
 
-    def __init__(self, ttl: float) -> None:
+    def __init__(self, ttl: float, stale_s: float = 0.0) -> None:
         self.ttl = ttl
-        self._data: dict[str, tuple[float, object]] = {}
+        self.stale_s = stale_s
+        # key -> (monotonic time read, value, still fresh unless expired)
+        self._data: dict[str, tuple[float, object, bool]] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str) -> object | None:
+        """The value if it is fresh, else None."""
         with self._lock:
             hit = self._data.get(key)
-            if hit is None or time.monotonic() - hit[0] > self.ttl:
+            if hit is None or not hit[2] or time.monotonic() - hit[0] > self.ttl:
+                return None
+            return hit[1]
+
+    def get_stale(self, key: str) -> object | None:
+        """The value, fresh or not, if it was read at most ``stale_s`` seconds ago, else None."""
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is None or time.monotonic() - hit[0] > self.stale_s:
                 return None
             return hit[1]
 
     def put(self, key: str, value: object) -> None:
         with self._lock:
-            self._data[key] = (time.monotonic(), value)
+            self._data[key] = (time.monotonic(), value, True)
+
+    def expire(self, key: str) -> None:
+        """Make the next :meth:`get` read the registry again (the value stays for
+        :meth:`get_stale`)."""
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is not None:
+                self._data[key] = (hit[0], hit[1], False)
 
     def drop(self, key: str) -> None:
+        """Forget the value (it is wrong now: the adapter was deleted or replaced)."""
         with self._lock:
             self._data.pop(key, None)
 
@@ -98,13 +127,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.config = config
         self.registry = registry
         self.metrics = metrics
-        self._adapters = _TTLCache(config.adapter_cache_s)
-        self._workers_cache = _TTLCache(config.worker_cache_s)
+        stale = config.registry_stale_s
+        self._adapters = _TTLCache(config.adapter_cache_s, stale)
+        self._workers_cache = _TTLCache(config.worker_cache_s, stale)
+        # monotonic time before which reads skip Redis for the stale records (an outage was
+        # just met: a Redis host that is gone costs a connect timeout per attempt)
+        self._registry_retry_at = 0.0
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._round_robin = RoundRobinRouter()
         self._routes = 0  # requests routed rank-aware: rotates the order ties are broken in
-        self._placement_cache = _TTLCache(config.worker_cache_s)
+        self._placement_cache = _TTLCache(config.worker_cache_s, stale)
         self._inflight: collections.Counter[str] = collections.Counter()
         # requests in flight that have not had their first token yet, per worker
         self._pending: collections.Counter[str] = collections.Counter()
@@ -154,25 +187,51 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._channels[address] = ch
         return worker_pb2_grpc.WorkerStub(ch)
 
+    def _cached(self, cache: _TTLCache, key: str, record: str, read: Callable[[], T]) -> T:
+        """``read()`` through ``cache``. While Redis is unreachable the last value read within
+        ``registry_stale_s`` is served instead (counted by ``record``), so requests for
+        adapters and workers seen before the outage go on being routed; for
+        ``REGISTRY_RETRY_S`` after a failed read, reads go straight to those values.
+
+        Raises:
+            RegistryUnavailableError: Redis is unreachable and no value is recent enough.
+        """
+        hit = cache.get(key)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
+        stale = cache.get_stale(key)
+        if stale is None or time.monotonic() >= self._registry_retry_at:
+            try:
+                value = read()
+            except RegistryUnavailableError:
+                self._registry_retry_at = time.monotonic() + REGISTRY_RETRY_S
+                if stale is None:
+                    raise
+            except AdapterNotFoundError:
+                cache.drop(key)  # deleted (by another gateway): never served from the cache
+                raise
+            else:
+                cache.put(key, value)
+                return value
+        self.metrics.stale_reads.labels(record).inc()
+        return stale  # type: ignore[return-value]
+
     def _workers(self) -> list[WorkerRecord]:
-        cached = self._workers_cache.get("workers")
-        if cached is None:
-            cached = self.registry.list_workers()
-            self._workers_cache.put("workers", cached)
-            healthy = [w for w in cached if w.healthy]
-            self.metrics.workers_healthy.set(len(healthy))
-            for w in cached:
-                self.metrics.heartbeat_age.labels(w.worker_id).set(w.heartbeat_age_seconds)
-                self.metrics.worker_queue.labels(w.worker_id).set(w.queue_length)
-                self.metrics.resident.labels(w.worker_id).set(len(w.resident))
-        return cached  # type: ignore[return-value]
+        return self._cached(self._workers_cache, "workers", "workers", self._read_workers)
+
+    def _read_workers(self) -> list[WorkerRecord]:
+        workers = self.registry.list_workers()
+        self.metrics.workers_healthy.set(sum(w.healthy for w in workers))
+        for w in workers:
+            self.metrics.heartbeat_age.labels(w.worker_id).set(w.heartbeat_age_seconds)
+            self.metrics.worker_queue.labels(w.worker_id).set(w.queue_length)
+            self.metrics.resident.labels(w.worker_id).set(len(w.resident))
+        return workers
 
     def _adapter(self, adapter_id: str) -> AdapterRecord:
-        cached = self._adapters.get(adapter_id)
-        if cached is None:
-            cached = self.registry.get_adapter(adapter_id)
-            self._adapters.put(adapter_id, cached)
-        return cached  # type: ignore[return-value]
+        return self._cached(
+            self._adapters, adapter_id, "adapter", lambda: self.registry.get_adapter(adapter_id)
+        )
 
     @staticmethod
     def _check_tenant(record: AdapterRecord, tenant_id: str) -> None:
@@ -267,11 +326,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._add_pending(worker_id, -1)
 
     def _placement(self) -> dict[str, list[str]]:
-        cached = self._placement_cache.get("placement")
-        if cached is None:
-            cached = self.registry.get_placement()
-            self._placement_cache.put("placement", cached)
-        return cached  # type: ignore[return-value]
+        return self._cached(
+            self._placement_cache, "placement", "placement", self.registry.get_placement
+        )
 
     # -- Generate -------------------------------------------------------------------------
 
@@ -374,7 +431,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         exc.details(),
                     )
                     self.metrics.retries.inc()
-                    self._workers_cache.drop("workers")
+                    self._workers_cache.expire("workers")
                     continue
                 if not context.is_active():
                     return
@@ -516,7 +573,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def GetClusterStatus(  # noqa: N802
         self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.GetClusterStatusResponse:
-        self._workers_cache.drop("workers")
+        self._workers_cache.expire("workers")
         workers = self._workers()
         published = self.registry.get_model_spec()
         return gateway_pb2.GetClusterStatusResponse(

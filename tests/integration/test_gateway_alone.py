@@ -321,3 +321,75 @@ def test_stopping_gateway_ends_a_long_stream_with_unavailable_saying_why(redis_u
         if not stopped_by_test:
             service.stop(0)
         worker.stop(0)
+
+
+def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
+    own_redis: OwnRedis,
+) -> None:
+    """With Redis killed, Generate for an adapter (and the base model) the gateway read
+    shortly before is still routed and streamed, from the records it cached, and counted;
+    an adapter it never read, the admin calls, and anything once ``registry_stale_s`` has
+    passed answer UNAVAILABLE naming the registry. Once Redis is back, it is read again."""
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.0), worker)
+    port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    registry = Registry(connect(own_redis.url))
+    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
+    registry.put_adapter(AdapterRecord("a", "/src", version=1, rank=8))
+    registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
+    stale_s = 3.0
+    service = GatewayService(
+        GatewayConfig(
+            port=0,
+            metrics_port=0,
+            redis_url=own_redis.url,
+            worker_cache_s=0.0,
+            adapter_cache_s=0.0,
+            registry_stale_s=stale_s,
+        )
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    stale = service.servicer.metrics.stale_reads
+
+    def generate(adapter_id: str) -> list[gateway_pb2.GenerateResponse]:
+        request = gateway_pb2.GenerateRequest(prompt="hi", adapter_id=adapter_id, max_new_tokens=2)
+        return list(stub.Generate(request, timeout=10))
+
+    try:
+        assert len(generate("a")) == 2 and len(generate("")) == 2
+        killed = time.monotonic()
+        own_redis.kill()
+        for _ in range(3):
+            assert generate("a")[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+            assert len(generate("")) == 2
+        assert stale.labels("adapter")._value.get() == 3
+        assert stale.labels("workers")._value.get() == 6
+        assert stale.labels("placement")._value.get() == 3
+        with pytest.raises(grpc.RpcError) as err:
+            generate("b")  # registered, but not read before the outage
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the adapter registry (Redis at" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="a"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        time.sleep(max(0.0, stale_s - (time.monotonic() - killed)) + 0.2)
+        with pytest.raises(grpc.RpcError) as err:
+            generate("a")  # older than registry_stale_s now
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        own_redis.start()  # empty: the worker's next heartbeat and a new record are read
+        registry = Registry(connect(own_redis.url))
+        registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
+        registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
+        assert len(generate("b")) == 2
+        with pytest.raises(grpc.RpcError) as err:
+            generate("a")  # gone from the new Redis: not served from the old cache
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # and its old record is forgotten: a later outage cannot serve a deleted adapter
+        assert "a" not in service.servicer._adapters._data
+    finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)

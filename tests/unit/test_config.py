@@ -172,7 +172,7 @@ FLAG_HELP = re.compile(
 RESOLVED_DEFAULTS = {"default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 
 #: Variables a ``from_args`` reads that no flag falls back to.
-ENV_ONLY = {GatewayConfig: {"PLORA_REQUEST_TIMEOUT_S"}}
+ENV_ONLY = {GatewayConfig: {"PLORA_REQUEST_TIMEOUT_S", "PLORA_REGISTRY_STALE_S"}}
 
 
 def _without_plora_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,3 +309,14 @@ def test_ports_outside_0_to_65535_are_refused_naming_the_flag_or_variable(
             m.setenv(variable, "99999")
             with pytest.raises(ConfigError, match=rf"^{flag} / {variable} must be a port 0..65535"):
                 config_from_flags(config)
+
+
+def test_registry_stale_s_refuses_negative_or_infinite_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for bad in ("-1", "inf", "nan"):
+        monkeypatch.setenv("PLORA_REGISTRY_STALE_S", bad)
+        with pytest.raises(ConfigError, match="PLORA_REGISTRY_STALE_S must be a number"):
+            config_from_flags(GatewayConfig)
+    monkeypatch.setenv("PLORA_REGISTRY_STALE_S", "0")
+    assert config_from_flags(GatewayConfig).registry_stale_s == 0.0
