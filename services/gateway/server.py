@@ -71,6 +71,9 @@ T = TypeVar("T")
 #: trying Redis (see ``GatewayServicer._cached``).
 REGISTRY_RETRY_S = 1.0
 
+#: Seconds an UnloadAdapter call to one worker may take (adapter deletion and registration).
+UNLOAD_TIMEOUT_S = 5.0
+
 _ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
@@ -499,6 +502,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             created_unix_ms=int(time.time() * 1000),
             num_modules=manifest.num_modules,
         )
+        if record.version == 1:
+            # The first version since this Redis started counting: a worker may still hold a
+            # copy from before the registry was emptied (an external Redis restarted without
+            # persistence), with a higher version it would take this one to be superseded
+            # by. Workers forget it before the record exists, so no request can race it.
+            self._broadcast_unload(record.adapter_id, wait=True)
         self.registry.put_adapter(record)
         self._adapters.drop(record.adapter_id)
         if previous is not None:
@@ -547,27 +556,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._broadcast_unload(request.adapter_id)
         return gateway_pb2.DeleteAdapterResponse(version=record.version)
 
-    def _broadcast_unload(self, adapter_id: str) -> None:
-        """Drop every copy of an adapter from the workers (best effort, in the background)."""
+    def _broadcast_unload(self, adapter_id: str, wait: bool = False) -> None:
+        """Drop every copy of an adapter from the healthy workers, best effort (a worker that
+        is down holds nothing when it comes back): in the background, or with ``wait`` before
+        returning (the calls run in parallel, each for at most ``UNLOAD_TIMEOUT_S``)."""
 
         def run() -> None:
             try:
-                workers = self._workers()
+                workers = [w for w in self._workers() if w.healthy]
             except RegistryUnavailableError:
                 return  # logged by the registry; best effort, as for a worker that is down
-            for w in workers:
-                if not w.healthy:
-                    continue
+            request = worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id)
+            calls = [
+                (w, self._stub(w.address).UnloadAdapter.future(request, timeout=UNLOAD_TIMEOUT_S))
+                for w in workers
+            ]
+            for w, call in calls:
                 try:
-                    self._stub(w.address).UnloadAdapter(
-                        worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id), timeout=10
-                    )
+                    call.result()
                 except grpc.RpcError as exc:
                     logger.warning(
                         "unload of %s on %s failed: %s", adapter_id, w.worker_id, exc.code().name
                     )
 
-        threading.Thread(target=run, name="unload-broadcast", daemon=True).start()
+        if wait:
+            run()
+        else:
+            threading.Thread(target=run, name="unload-broadcast", daemon=True).start()
 
     @map_errors
     def GetClusterStatus(  # noqa: N802

@@ -295,6 +295,35 @@ def test_adapter_lifecycle_register_get_list_delete(
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_an_adapter_registered_again_after_redis_lost_it_is_served(
+    stub: gateway_pb2_grpc.GatewayStub, cluster: dict
+) -> None:
+    """An external Redis restarted empty restarts version numbers at 1; a worker still
+    holding version 2 used to refuse the new version 1 as superseded (NOT_FOUND) until it
+    restarted. The first version's registration makes every worker forget its old copy."""
+    import redis
+
+    source = Path(cluster["root"]) / "adapters" / cluster["adapters"][2]
+    request = gateway_pb2.RegisterAdapterRequest(adapter_id="reset/copy", source=str(source))
+    stub.RegisterAdapter(request, timeout=60)
+    assert stub.RegisterAdapter(request, timeout=60).adapter.version == 2
+    _, chunks = collect(stub, chat(adapter_id="reset/copy", max_new_tokens=2))
+    assert chunks[-1].finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
+    # what an emptied Redis holds for it: nothing (the rest of the registry stays, for the
+    # other tests)
+    client = redis.Redis.from_url(cluster["redis_url"])
+    client.delete("plora:adapter:reset/copy", "plora:adapter_version:reset/copy")
+    client.srem("plora:adapters", "reset/copy")
+    time.sleep(1.1)  # the gateway reuses an adapter record for 1 s
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, chat(adapter_id="reset/copy", max_new_tokens=2))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stub.RegisterAdapter(request, timeout=60).adapter.version == 1
+    for _ in range(2):  # wherever it is routed
+        _, chunks = collect(stub, chat(adapter_id="reset/copy", max_new_tokens=2))
+        assert chunks[-1].finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
