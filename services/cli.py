@@ -480,7 +480,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     st.add_argument("--json", action="store_true", help="print the whole status as JSON")
     st.set_defaults(func=cmd_status)
 
-    groups: dict[str, argparse._SubParsersAction] = {}  # type: ignore[type-arg]
+    groups: dict[str, argparse._SubParsersAction] = {}
     for path, (_module, help_text) in _DELEGATED.items():
         if len(path) == 1:
             p = sub.add_parser(path[0], help=help_text)

@@ -141,7 +141,8 @@ def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
 
 def already_aborted(context: grpc.ServicerContext) -> bool:
     """True once ``context.abort`` ran: it raises a bare ``Exception`` that must propagate."""
-    code = context.code()
+    # ServicerContext.code() exists since grpcio 1.38; types-grpcio does not declare it yet
+    code = context.code()  # type: ignore[attr-defined]
     return code is not None and code is not grpc.StatusCode.OK
 
 

@@ -349,7 +349,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             abort(context, exc, request_id)
         except Exception as exc:  # noqa: BLE001
             if already_aborted(context):
-                code = context.code()
+                code = context.code()  # type: ignore[attr-defined]  # not in types-grpcio
                 raise
             code = grpc.StatusCode.INTERNAL
             abort(context, exc, request_id)

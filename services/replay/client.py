@@ -275,11 +275,11 @@ class ReplayClient:
             end = time.monotonic() - t0
         except grpc.RpcError as exc:
             end = time.monotonic() - t0
-            code = exc.code() if hasattr(exc, "code") else None  # type: ignore[attr-defined]
+            code = exc.code() if hasattr(exc, "code") else None
             return record(
                 first,
                 code.name if code is not None else "UNKNOWN",
-                error=str(exc.details() if hasattr(exc, "details") else exc)[:300],  # type: ignore[attr-defined]
+                error=str(exc.details() if hasattr(exc, "details") else exc)[:300],
             )
         if last is None:
             return record(first, "EMPTY_STREAM", error="the stream ended with no message")
@@ -463,7 +463,7 @@ class StatusSampler:
             )
         except grpc.RpcError as exc:
             self.errors += 1
-            logger.warning("GetClusterStatus failed: %s", exc.code().name)  # type: ignore[attr-defined]
+            logger.warning("GetClusterStatus failed: %s", exc.code().name)
             return None
         t = time.monotonic() - self.t0
         s = StatusSample(

@@ -463,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _json_default(o: object) -> object:
     if hasattr(o, "tolist"):
-        return o.tolist()  # type: ignore[no-any-return]
+        return o.tolist()
     return str(o)
 
 
