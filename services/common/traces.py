@@ -307,10 +307,10 @@ def _read_alibaba(path: Path, default_prompt: int, default_output: int) -> Trace
         has_prompt = "prompt_length" in (reader.fieldnames or ())
         for row in reader:
             stamp = row["gmt_create"]
-            t = cache.get(stamp)
-            if t is None:
-                t = cache[stamp] = _parse_wall_clock(stamp)
-            times.append(t)
+            stamp_s = cache.get(stamp)
+            if stamp_s is None:
+                stamp_s = cache[stamp] = _parse_wall_clock(stamp)
+            times.append(stamp_s)
             keys.append(row["groupId"])
             pl = row.get("prompt_length", "") if has_prompt else ""
             prompt.append(float(pl) if pl else float(default_prompt))

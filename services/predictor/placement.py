@@ -212,23 +212,23 @@ def plan_placement(
             kept = [w for w in prev if w in load]
         else:
             kept = ()
-        for w in kept:
+        for wid in kept:
             if len(chosen) == replicas:
                 break
-            if load[w] + per_replica <= cap and room[w] >= size:
-                chosen.append(w)
+            if load[wid] + per_replica <= cap and room[wid] >= size:
+                chosen.append(wid)
         while len(chosen) < replicas:
             best = None
-            for w, lw in load.items():
-                if room[w] >= size and w not in chosen:
-                    if best is None or (lw, w) < best:
-                        best = (lw, w)
+            for wid, lw in load.items():
+                if room[wid] >= size and wid not in chosen:
+                    if best is None or (lw, wid) < best:
+                        best = (lw, wid)
             if best is None:
                 break
             chosen.append(best[1])
-        for w in chosen:
-            load[w] += per_replica
-            room[w] -= size
+        for wid in chosen:
+            load[wid] += per_replica
+            room[wid] -= size
         if chosen:
             placement[a] = chosen
     moves = sum(len(set(ws) - set(previous[a])) for a, ws in placement.items() if a in previous)

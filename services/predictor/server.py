@@ -246,12 +246,12 @@ class PredictorCore:
             if not items:
                 continue
             request = worker_pb2.PrefetchAdaptersRequest(horizon_seconds=self.config.horizon_s)
-            for adapter_id, expected in items:
+            for adapter_id, count in items:
                 p, _e = forecast.get(adapter_id)
                 request.items.add(
                     adapter=convert.adapter_info(records[adapter_id]),
                     probability=p,
-                    expected_count=expected,
+                    expected_count=count,
                 )
             try:
                 self._stub(addresses[worker_id]).PrefetchAdapters(request, timeout=2.0)
