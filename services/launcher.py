@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 import grpc
 
@@ -110,9 +111,12 @@ def check_service_flags(service: str, flags: list[str]) -> None:
     from services.predictor.config import PredictorConfig  # noqa: PLC0415
     from services.worker.config import WorkerConfig  # noqa: PLC0415
 
-    config = {"worker": WorkerConfig, "gateway": GatewayConfig, "predictor": PredictorConfig}[
-        service
-    ]
+    configs: dict[str, type[WorkerConfig | GatewayConfig | PredictorConfig]] = {
+        "worker": WorkerConfig,
+        "gateway": GatewayConfig,
+        "predictor": PredictorConfig,
+    }
+    config = configs[service]
     try:
         args, unknown = service_parser(service, config, exit_on_error=False).parse_known_args(flags)
     except argparse.ArgumentError as exc:
@@ -291,6 +295,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class ClusterState(TypedDict):
+    """What :meth:`Cluster.start` writes to the state file (and returns)."""
+
+    gateway: str
+    metrics: dict[str, str]
+    redis_url: str
+    policy: str
+    policy_env: dict[str, str]
+    workers: dict[str, str]
+    predictor: str
+    adapters: list[str]
+    pids: dict[str, int]
+    launcher_pid: int
+    prometheus_targets: NotRequired[str]
+
+
 class Cluster:
     """The running local cluster; :meth:`stop` ends every process it started."""
 
@@ -407,7 +427,7 @@ class Cluster:
                 print(f"  {line}", flush=True)
         return offset + len(data)
 
-    def start(self) -> dict[str, object]:
+    def start(self) -> ClusterState:
         """Start everything; returns the state written to the state file."""
         a = self.args
         policy_name = a.policy or "plora"
@@ -515,7 +535,7 @@ class Cluster:
         gateway_address = f"{a.host}:{gateway.ports['grpc_port']}"
 
         registered = self._register_demo_adapters(gateway_address, str(model_dir))
-        state = {
+        state: ClusterState = {
             "gateway": gateway_address,
             "metrics": {
                 c.name: f"http://{a.host}:{c.ports['metrics_port']}/metrics" for c in self.children
@@ -728,14 +748,14 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         return 130
     except (PLoRAError, RuntimeError, TimeoutError, grpc.RpcError) as exc:
-        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[union-attr]
+        detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
         print(f"plora up: failed: {detail}", file=sys.stderr, flush=True)
         cluster.stop()
         return 2
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
         f'  try: {try_command(cluster.state_file)} generate "What is the capital of France?"\n'
-        f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"  # type: ignore[union-attr]
+        f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"
         "  Ctrl-C stops everything.",
         flush=True,
     )

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -64,6 +64,12 @@ def redact_url(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _text(raw: bytes | str) -> str:
+    """A key or member Redis returned, as text: the clients are made without
+    ``decode_responses``, so replies are bytes (redis-py types them ``bytes | str``)."""
+    return cast(bytes, raw).decode()
 
 
 def _location(client: redis.Redis) -> str:
@@ -317,7 +323,7 @@ class Registry:
     @_guarded
     def list_adapters(self) -> list[AdapterRecord]:
         """Every registered adapter, sorted by id."""
-        ids = sorted(x.decode() for x in self.client.smembers(self._k("adapters")))
+        ids = sorted(_text(x) for x in self.client.smembers(self._k("adapters")))
         if not ids:
             return []
         raws = self.client.mget([self._k("adapter", i) for i in ids])
@@ -363,7 +369,7 @@ class Registry:
     @_guarded
     def list_workers(self) -> list[WorkerRecord]:
         """Every known worker with ``healthy`` set from its liveness key, sorted by id."""
-        ids = sorted(x.decode() for x in self.client.smembers(self._k("workers")))
+        ids = sorted(_text(x) for x in self.client.smembers(self._k("workers")))
         if not ids:
             return []
         pipe = self.client.pipeline(transaction=False)
@@ -416,7 +422,7 @@ class Registry:
     def get_placement(self) -> dict[str, list[str]]:
         """The placement map (empty when no predictor has published one)."""
         raw = self.client.hgetall(self._k("placement"))
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return {_text(k): json.loads(v) for k, v in raw.items()}
 
     @_guarded
     def set_forecast(
@@ -449,4 +455,4 @@ class Registry:
     @_guarded
     def load_predictor_state(self) -> bytes | None:
         """The persisted predictor state, or None."""
-        return self.client.get(self._k("predictor_state"))
+        return cast("bytes | None", self.client.get(self._k("predictor_state")))

@@ -8,6 +8,7 @@ the served base; ``LoRAWeights`` holds one adapter's tensors as PEFT defines the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class ModelSpec:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
-    rope_scaling: dict | None = None  # type: ignore[type-arg]
+    rope_scaling: dict | None = None
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """Return ``(in_features, out_features)`` of one projection of a decoder layer.
@@ -76,7 +77,7 @@ class ModelSpec:
         return shapes[module]
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, object], name: str = "") -> ModelSpec:
+    def from_hf_config(cls, config: dict[str, Any], name: str = "") -> ModelSpec:
         """Build from a Hugging Face Llama-family ``config.json`` dict.
 
         Reads ``rope_theta`` at the top level or inside ``rope_parameters`` (transformers >= 5).
@@ -85,8 +86,8 @@ class ModelSpec:
             KeyError: a required field (``hidden_size``, ``num_hidden_layers``, ...) is missing.
         """
         c = config
-        heads = int(c["num_attention_heads"])  # type: ignore[arg-type]
-        hidden = int(c["hidden_size"])  # type: ignore[arg-type]
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
         rope = c.get("rope_parameters") or {}
         theta = c.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None)
         scaling = c.get("rope_scaling")
@@ -99,16 +100,16 @@ class ModelSpec:
             scaling = None
         return cls(
             name=name or str(c.get("_name_or_path") or c.get("model_type") or "llama"),
-            num_layers=int(c["num_hidden_layers"]),  # type: ignore[arg-type]
+            num_layers=int(c["num_hidden_layers"]),
             hidden_size=hidden,
-            intermediate_size=int(c["intermediate_size"]),  # type: ignore[arg-type]
+            intermediate_size=int(c["intermediate_size"]),
             num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads),  # type: ignore[arg-type]
-            head_dim=int(c.get("head_dim") or hidden // heads),  # type: ignore[arg-type]
-            vocab_size=int(c["vocab_size"]),  # type: ignore[arg-type]
-            max_position_embeddings=int(c.get("max_position_embeddings") or 2048),  # type: ignore[arg-type]
-            rope_theta=float(theta or 10000.0),  # type: ignore[arg-type]
-            rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),  # type: ignore[arg-type]
+            num_kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            vocab_size=int(c["vocab_size"]),
+            max_position_embeddings=int(c.get("max_position_embeddings") or 2048),
+            rope_theta=float(theta or 10000.0),
+            rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
         )

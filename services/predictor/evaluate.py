@@ -68,7 +68,7 @@ class _Score:
     train_s: list[float] = field(default_factory=list)
     adapters_seen: int = 0
 
-    def result(self, bound: float) -> dict:
+    def result(self, bound: float | None) -> dict:
         def pct(xs: list[float], q: float) -> float | None:
             return float(np.percentile(xs, q)) if xs else None
 

@@ -44,7 +44,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -414,7 +414,7 @@ def run_policy(
     return records, samples, timings, usage, uncontended
 
 
-def _scrape_metrics(state: dict[str, Any]) -> dict[str, str]:
+def _scrape_metrics(state: Mapping[str, Any]) -> dict[str, str]:
     """Every service's Prometheus text, by service name (one that cannot be reached is
     logged and left out)."""
     import urllib.request  # noqa: PLC0415

@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -177,7 +178,7 @@ def _hf_run(
     prompts: list[list[int]],
     new_tokens: int,
     adapter_names: list[str] | None = None,
-) -> float:
+) -> tuple[float, float]:
     """(tokens per wall second, per CPU second of this thread) of ``generate``, left-padded."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), 2, dtype=torch.long)
@@ -207,7 +208,7 @@ def _hf_run(
 
 def _peft_adapters(
     hf: torch.nn.Module, num_layers: int, ranks: tuple[int, ...] = ADAPTER_RANKS
-) -> tuple[object, dict]:  # type: ignore[type-arg]
+) -> tuple[object, dict]:
     """Wrap ``hf`` in PEFT with one random adapter per rank in ``ranks``; return it and our
     view of the same tensors."""
     import peft
@@ -217,7 +218,7 @@ def _peft_adapters(
         peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(PROJECTION_MODULES))
         for r in ranks
     ]
-    pm = peft.get_peft_model(hf, cfgs[0], adapter_name=names[0])  # type: ignore[arg-type]
+    pm = peft.get_peft_model(hf, cfgs[0], adapter_name=names[0])
     for n, c in zip(names[1:], cfgs[1:], strict=True):
         pm.add_adapter(n, c)
     gen = torch.Generator().manual_seed(0)
@@ -232,8 +233,9 @@ def _peft_adapters(
             for n in names:
                 if n not in mod.lora_A:
                     continue
-                a = mod.lora_A[n].weight
-                b = mod.lora_B[n].weight
+                # PEFT's LoRA factors are nn.Linear layers (Module.__getattr__ is typed loosely).
+                a = cast(torch.nn.Linear, mod.lora_A[n]).weight
+                b = cast(torch.nn.Linear, mod.lora_B[n]).weight
                 a.copy_(torch.randn(a.shape, generator=gen) / a.shape[1] ** 0.5)
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
                 ours[n][(layer, proj)] = LoRAModuleWeights(

@@ -538,7 +538,7 @@ class Engine:
                 self._finish(s, None, error=RequestCancelledError("the request was cancelled"))
         with self._lock:
             keep: deque[_Seq] = deque()
-            dropped = []
+            dropped: list[_Seq] = []
             for s in self._waiting:
                 (dropped if s.req.request_id in cancels else keep).append(s)
             self._waiting = keep

@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class Tokenizer:
             elif isinstance(val, list):
                 eos.update(int(v) for v in val)
         self.eos_token_ids: set[int] = eos
-        self._compiled = None
+        self._compiled: Template | None = None
 
     @property
     def vocab_size(self) -> int:
