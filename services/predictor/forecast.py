@@ -44,6 +44,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import numpy as np
 
@@ -167,6 +168,14 @@ def _grow(arr: np.ndarray, rows: int) -> np.ndarray:
     new = np.zeros((max(rows, 2 * arr.shape[0], 64),) + arr.shape[1:], dtype=arr.dtype)
     new[: arr.shape[0]] = arr
     return new
+
+
+def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """``arrays`` as the bytes of one npz file, each under its key (no pickle)."""
+    buf = io.BytesIO()
+    # mypy also matches ``**arrays`` against savez's ``allow_pickle: bool`` (no key is named so)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    return buf.getvalue()
 
 
 class Forecaster(ABC):
@@ -319,9 +328,7 @@ class Forecaster(ABC):
             "ids": self.ids,
         }
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        return buf.getvalue()
+        return _npz_bytes(arrays)
 
     def load_state_dict(self, data: bytes) -> None:
         """Restore a state written by :meth:`state_dict` of the same forecaster class.
@@ -616,7 +623,7 @@ class LSTMForecaster(Forecaster):
         self._ws = self._torch.zeros((d + 1 + 4 * H + H + 2 + 3) * cap)
         self._ws_views: tuple[int, list] = (-1, [])
         self._pre = self._torch.zeros(4 * H * cap)  # see _prepare_next_step
-        self._pre_key: tuple | None = None
+        self._pre_key = None
 
     def _workspace(self, T: int) -> list:
         """Contiguous ``[k, T]`` float32 views of the workspace: inputs ``x [d, T]`` and log
@@ -625,7 +632,8 @@ class LSTMForecaster(Forecaster):
         if self._ws_views[0] == T:
             return self._ws_views[1]
         H, d = self.config.hidden, _N_FEATURES
-        views, at = [], 0
+        views: list = []  # torch views, the first two as numpy arrays
+        at = 0
         for k in (d, 1, 4 * H, H, 2, 3):
             views.append(self._ws[at : at + k * T].view(k, T))
             at += k * T
@@ -655,7 +663,8 @@ class LSTMForecaster(Forecaster):
             scale[2 * H : 3 * H] = 2.0  # torch gate order i, f, g, o
             w_x = (m.weight_ih_l0 * scale[:, None]).contiguous()  # [4H, d]
             w_h = (m.weight_hh_l0 * scale[:, None]).contiguous()  # [4H, H]
-            b = ((m.bias_ih_l0 + m.bias_hh_l0) * scale)[:, None].contiguous()  # [4H, 1]
+            bias = m.get_parameter("bias_ih_l0") + m.get_parameter("bias_hh_l0")
+            b = (bias * scale)[:, None].contiguous()  # [4H, 1]
             wo_h = hd.weight[:, :H].contiguous()  # [2, H]
             wo_x = hd.weight[:, H:].contiguous()  # [2, d]
             bo = hd.bias[:, None].clone()  # [2, 1]
@@ -844,7 +853,7 @@ class LSTMForecaster(Forecaster):
         """Inputs ``float32 [d, T]`` (feature-major, a workspace view) and log base rate
         ``float32 [T]`` of the rows ``sel`` (``T`` of them); see the class doc."""
         x, lb = self._workspace(T)[:2]
-        same = "same_kind"
+        same: Final = "same_kind"
         np.copyto(x[0], bucket[sel], casting=same)
         np.copyto(x[1], self._c5[sel], casting=same)
         np.copyto(x[2], self._c60[sel], casting=same)
@@ -1329,9 +1338,7 @@ class EnsembleForecaster(Forecaster):
                 arrays[f"d{j}_{i}_exp"] = exp
         meta = {"name": self.name, "config": self._config(), "scalars": self._scalars()}
         arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-        buf = io.BytesIO()
-        np.savez(buf, **arrays)
-        return buf.getvalue()
+        return _npz_bytes(arrays)
 
     def load_state_dict(self, data: bytes) -> None:
         """Restore a state written by :meth:`state_dict` of the same configuration.
