@@ -38,10 +38,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
-## lint: ruff lint rules and formatting (check only)
+## lint: ruff lint rules and formatting (check only), then mypy type checks
 lint: setup
 	$(VENV)/bin/ruff check services tests
 	$(VENV)/bin/ruff format --check services tests
+	$(VENV)/bin/mypy services
 
 clean:
 	rm -rf $(VENV) plora/v1/*_pb2*.py plora/v1/*_pb2.pyi $(GEN_STAMP)
