@@ -347,8 +347,22 @@ class Registry:
     # -- workers --------------------------------------------------------------------------
 
     @_guarded
-    def heartbeat(self, record: WorkerRecord, ttl_seconds: float) -> None:
-        """Publish a worker's status and refresh its liveness key (TTL)."""
+    def heartbeat(
+        self,
+        record: WorkerRecord,
+        ttl_seconds: float,
+        model: tuple[ModelSpec, str] | None = None,
+    ) -> None:
+        """Publish a worker's status and refresh its liveness key (TTL), in one round trip.
+
+        Args:
+            record: The worker's status.
+            ttl_seconds: Lifetime of the liveness key.
+            model: ``(spec, serving_dtype)``: the served base model's shape and the workers'
+                serving dtype (``float32``), published with every heartbeat (a Redis that came
+                back empty learns it at the next one). The gateway validates adapters against
+                the shape and sizes them in that dtype (:meth:`get_model_spec`).
+        """
         record.heartbeat_unix = time.time()
         data = asdict(record)
         data.pop("healthy", None)
@@ -356,6 +370,11 @@ class Registry:
         pipe.set(self._k("worker", record.worker_id), json.dumps(data))
         pipe.set(self._k("worker_alive", record.worker_id), "1", px=int(ttl_seconds * 1000))
         pipe.sadd(self._k("workers"), record.worker_id)
+        if model is not None:
+            spec, serving_dtype = model
+            pipe.set(
+                self._k("model"), json.dumps({**spec.to_dict(), "serving_dtype": serving_dtype})
+            )
         pipe.execute()
 
     @_guarded
@@ -388,15 +407,6 @@ class Registry:
         return workers
 
     # -- model, placement, forecast, predictor state ---------------------------------------
-
-    @_guarded
-    def set_model_spec(self, spec: ModelSpec, serving_dtype: str) -> None:
-        """Publish the served base model's shape and the workers' serving dtype (``float32``).
-
-        The gateway validates adapters against the shape and sizes them in that dtype.
-        """
-        payload = {**spec.to_dict(), "serving_dtype": serving_dtype}
-        self.client.set(self._k("model"), json.dumps(payload))
 
     @_guarded
     def get_model_spec(self) -> tuple[ModelSpec, str] | None:

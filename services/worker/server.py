@@ -387,8 +387,9 @@ class WorkerService:
         """Publish the served model and this worker's status to Redis, and pull the latest
         forecast for predictive eviction.
 
-        The model is published with every heartbeat, not once: a Redis that restarted empty
-        learns it again (the gateway refuses registrations until some worker published it).
+        The model is published with every heartbeat (in its round trip), not once: a Redis
+        that restarted empty learns it again (the gateway refuses registrations until some
+        worker published it).
 
         Raises:
             RegistryUnavailableError: Redis cannot be reached (the gauges are still updated).
@@ -413,8 +414,11 @@ class WorkerService:
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
         )
-        self.registry.set_model_spec(self.spec, str(self.dtype).removeprefix("torch."))
-        self.registry.heartbeat(record, self.config.heartbeat_ttl_s)
+        self.registry.heartbeat(
+            record,
+            self.config.heartbeat_ttl_s,
+            model=(self.spec, str(self.dtype).removeprefix("torch.")),
+        )
         forecast = self.registry.get_forecast()
         expected: dict[str, float] = {}
         if forecast is not None:

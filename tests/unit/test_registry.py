@@ -53,7 +53,9 @@ def test_worker_liveness_follows_the_heartbeat_ttl(redis_url: str) -> None:
 def test_model_spec_placement_forecast_roundtrip(redis_url: str) -> None:
     reg = Registry(connect(redis_url))
     assert reg.get_model_spec() is None
-    reg.set_model_spec(SPEC, "float32")
+    reg.heartbeat(WorkerRecord("w0", "127.0.0.1:1"), ttl_seconds=5)  # no model: none published
+    assert reg.get_model_spec() is None
+    reg.heartbeat(WorkerRecord("w0", "127.0.0.1:1"), ttl_seconds=5, model=(SPEC, "float32"))
     assert reg.get_model_spec() == (SPEC, "float32")
     reg.set_placement({"a": ["w0", "w1"]})
     assert reg.get_placement() == {"a": ["w0", "w1"]}
