@@ -352,7 +352,7 @@ class Registry:
         record: WorkerRecord,
         ttl_seconds: float,
         model: tuple[ModelSpec, str] | None = None,
-    ) -> None:
+    ) -> bool:
         """Publish a worker's status and refresh its liveness key (TTL), in one round trip.
 
         Args:
@@ -362,11 +362,17 @@ class Registry:
                 serving dtype (``float32``), published with every heartbeat (a Redis that came
                 back empty learns it at the next one). The gateway validates adapters against
                 the shape and sizes them in that dtype (:meth:`get_model_spec`).
+
+        Returns:
+            Whether the registry held the worker's record before this heartbeat (False at the
+            first one, and after Redis lost its data: nothing else removes a live worker's
+            record).
         """
         record.heartbeat_unix = time.time()
         data = asdict(record)
         data.pop("healthy", None)
         pipe = self.client.pipeline(transaction=True)
+        pipe.exists(self._k("worker", record.worker_id))
         pipe.set(self._k("worker", record.worker_id), json.dumps(data))
         pipe.set(self._k("worker_alive", record.worker_id), "1", px=int(ttl_seconds * 1000))
         pipe.sadd(self._k("workers"), record.worker_id)
@@ -375,7 +381,7 @@ class Registry:
             pipe.set(
                 self._k("model"), json.dumps({**spec.to_dict(), "serving_dtype": serving_dtype})
             )
-        pipe.execute()
+        return bool(pipe.execute()[0])
 
     @_guarded
     def deregister_worker(self, worker_id: str) -> None:

@@ -321,6 +321,7 @@ class WorkerService:
         )
         self._last_heartbeat = time.monotonic()
         self._last_staging = -HOST_STAGING_INTERVAL_S
+        self._published = False  # a heartbeat has reached the registry
 
     def _on_store_event(self, event: StoreEvent) -> None:
         """Store events -> Prometheus (called under the store lock: counters only)."""
@@ -414,11 +415,22 @@ class WorkerService:
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
         )
-        self.registry.heartbeat(
+        known = self.registry.heartbeat(
             record,
             self.config.heartbeat_ttl_s,
             model=(self.spec, str(self.dtype).removeprefix("torch.")),
         )
+        if not known and self._published:
+            # Redis lost its data (restarted without persistence, or flushed): its adapters
+            # will be registered again with versions from 1, which this worker's copies and
+            # version memory would refuse as superseded. Forget them all.
+            dropped = self.store.unload_all()
+            logger.warning(
+                "the adapter registry lost this worker's record (Redis restarted empty or was "
+                "flushed): dropped its %d adapters; they load again once registered again",
+                dropped,
+            )
+        self._published = True
         forecast = self.registry.get_forecast()
         expected: dict[str, float] = {}
         if forecast is not None:

@@ -355,6 +355,10 @@ class HostCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def ids(self) -> list[str]:
+        """The cached adapter ids, least recently used first."""
+        return list(self._items)
+
     def get(self, adapter_id: str, version: int) -> PackedAdapter | None:
         """The cached copy of exactly this version (marked recently used), else None."""
         p = self._items.get(adapter_id)
@@ -1065,6 +1069,22 @@ class AdapterStore:
                 dropped = True
             self._latest.pop(adapter_id, None)
             return dropped
+
+    def unload_all(self) -> int:
+        """:meth:`unload` every adapter this store holds in any tier, queues or has seen a
+        version of (the registry forgot them all: versions restart at 1).
+
+        Returns:
+            How many adapters were dropped from a tier or queue.
+        """
+        with self._lock:
+            ids = (
+                set(self._latest)
+                | set(self._entries)
+                | set(self._host.ids())
+                | {r.adapter_id for r in self._staging}
+            )
+        return sum(self.unload(a) for a in sorted(ids))
 
     def resident_adapters(self) -> list[ResidentAdapter]:
         """Adapters in the device pool now, in address order."""

@@ -38,6 +38,18 @@ def test_adapter_versions_are_monotonic_even_after_delete(redis_url: str) -> Non
     assert reg.list_adapters() == []
 
 
+def test_a_heartbeat_says_whether_the_registry_knew_the_worker(redis_url: str) -> None:
+    """False at the first heartbeat and after Redis lost its data (how a worker learns that
+    the adapters' versions restart), True otherwise."""
+    reg = Registry(connect(redis_url))
+    record = WorkerRecord("w0", "127.0.0.1:1")
+    assert not reg.heartbeat(record, ttl_seconds=5)
+    assert reg.heartbeat(record, ttl_seconds=5)
+    reg.client.flushdb()
+    assert not reg.heartbeat(record, ttl_seconds=5)
+    assert reg.heartbeat(record, ttl_seconds=5)
+
+
 def test_worker_liveness_follows_the_heartbeat_ttl(redis_url: str) -> None:
     reg = Registry(connect(redis_url))
     reg.heartbeat(WorkerRecord("w0", "127.0.0.1:1", resident=["a"]), ttl_seconds=0.3)

@@ -262,6 +262,22 @@ def test_unload_drops_all_tiers_and_pending_loads() -> None:
         assert s.stats().pages_used == 0
 
 
+def test_unload_all_forgets_every_copy_and_version_so_a_restarted_registry_is_served() -> None:
+    """After Redis lost its data, versions restart at 1: a store that had seen version 3
+    refused the new version 1 as superseded until :meth:`unload_all`."""
+    s, _ = store()
+    with s:
+        ready(s.acquire(ref("a", version=3))).release()
+        held = ready(s.acquire(ref("b")))  # leased: dropped at its release
+        with pytest.raises(AdapterNotFoundError, match="superseded by version 3"):
+            s.acquire(ref("a", version=1))
+        assert s.unload_all() == 2
+        assert s.resident_adapters() == [] and s.stats().host_cache_adapters == 0
+        held.release()
+        assert ready(s.acquire(ref("a", version=1))).error() is None
+        assert s.unload_all() == 1 and s.unload_all() == 0
+
+
 # ---------------------------------------------------------------------- waiting for space
 def test_load_waits_for_a_release_then_succeeds() -> None:
     s, _ = store(pages=8, load_wait_timeout_s=5.0)
