@@ -49,6 +49,13 @@ class OwnRedis:
         self._server = EmbeddedRedis().start()
         self.url = self._server.url
 
+    @property
+    def pid(self) -> int:
+        """The server's process id."""
+        proc = self._server.proc
+        assert proc is not None
+        return proc.pid
+
     def kill(self) -> None:
         """SIGKILL the server and wait until it is gone."""
         proc = self._server.proc

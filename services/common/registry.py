@@ -290,6 +290,11 @@ class Registry:
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
+    @_guarded
+    def ping(self) -> None:
+        """Check that Redis answers (RegistryUnavailableError if not)."""
+        self.client.ping()
+
     # -- adapters -------------------------------------------------------------------------
 
     @_guarded

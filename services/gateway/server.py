@@ -67,9 +67,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 T = TypeVar("T")
 
-#: After a registry read fails, seconds during which reads serve the cached records without
-#: trying Redis (see ``GatewayServicer._cached``).
-REGISTRY_RETRY_S = 1.0
+#: While the registry is unreachable, seconds between the background checks that notice it
+#: is back (requests meanwhile never wait on it: see ``GatewayServicer._cached``).
+REGISTRY_PROBE_S = 1.0
 
 #: Seconds an UnloadAdapter call to one worker may take (adapter deletion and registration).
 UNLOAD_TIMEOUT_S = 5.0
@@ -133,9 +133,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         stale = config.registry_stale_s
         self._adapters = _TTLCache(config.adapter_cache_s, stale)
         self._workers_cache = _TTLCache(config.worker_cache_s, stale)
-        # monotonic time before which reads skip Redis for the stale records (an outage was
-        # just met: a Redis host that is gone costs a connect timeout per attempt)
-        self._registry_retry_at = 0.0
+        # the error of the read that found the registry unreachable, until a background
+        # check finds it back (None: reachable as far as is known)
+        self._registry_down: RegistryUnavailableError | None = None
+        self._registry_down_lock = threading.Lock()
+        self._closed = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         self._round_robin = RoundRobinRouter()
@@ -175,7 +177,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._drain_deadline = time.monotonic() + max(0.0, cut_after_s)
 
     def close(self) -> None:
-        """Stop the event stream and close worker channels."""
+        """Stop the event stream and the registry check, and close worker channels."""
+        self._closed.set()
         self.events.stop()
         with self._channels_lock:
             for ch in self._channels.values():
@@ -193,8 +196,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _cached(self, cache: _TTLCache, key: str, record: str, read: Callable[[], T]) -> T:
         """``read()`` through ``cache``. While Redis is unreachable the last value read within
         ``registry_stale_s`` is served instead (counted by ``record``), so requests for
-        adapters and workers seen before the outage go on being routed; for
-        ``REGISTRY_RETRY_S`` after a failed read, reads go straight to those values.
+        adapters and workers seen before the outage go on being routed. Once a read has found
+        Redis unreachable, no request waits on it again (a hung Redis costs a 5 s socket
+        timeout per try): reads answer from the cache, or fail at once, until a background
+        check (every ``REGISTRY_PROBE_S``) finds it back.
 
         Raises:
             RegistryUnavailableError: Redis is unreachable and no value is recent enough.
@@ -203,21 +208,44 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if hit is not None:
             return hit  # type: ignore[return-value]
         stale = cache.get_stale(key)
-        if stale is None or time.monotonic() >= self._registry_retry_at:
+        down = self._registry_down
+        if down is None:
             try:
                 value = read()
-            except RegistryUnavailableError:
-                self._registry_retry_at = time.monotonic() + REGISTRY_RETRY_S
-                if stale is None:
-                    raise
+            except RegistryUnavailableError as exc:
+                self._registry_unreachable(exc)
+                down = exc
             except AdapterNotFoundError:
                 cache.drop(key)  # deleted (by another gateway): never served from the cache
                 raise
             else:
                 cache.put(key, value)
                 return value
+        if stale is None:
+            raise down
         self.metrics.stale_reads.labels(record).inc()
         return stale  # type: ignore[return-value]
+
+    def _registry_unreachable(self, exc: RegistryUnavailableError) -> None:
+        """Note that a read found Redis unreachable and start the check that notices it is
+        back (one at a time)."""
+        with self._registry_down_lock:
+            if self._registry_down is not None:
+                return
+            self._registry_down = exc
+
+        def probe() -> None:
+            while not self._closed.wait(REGISTRY_PROBE_S):
+                try:
+                    self.registry.ping()
+                except RegistryUnavailableError as err:
+                    self._registry_down = err
+                    continue
+                with self._registry_down_lock:
+                    self._registry_down = None
+                return
+
+        threading.Thread(target=probe, name="registry-probe", daemon=True).start()
 
     def _workers(self) -> list[WorkerRecord]:
         return self._cached(self._workers_cache, "workers", "workers", self._read_workers)

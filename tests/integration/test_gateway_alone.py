@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -159,9 +161,14 @@ def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again
 
         own_redis.start()  # empty, on the same port
         assert list(stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters) == []
-        with pytest.raises(grpc.RpcError) as err:
-            calls["Generate(base model)"]()
-        assert "no healthy worker" in err.value.details()
+        deadline = time.monotonic() + 10
+        while True:  # Generate finds Redis back at the gateway's next background check
+            with pytest.raises(grpc.RpcError) as err:
+                calls["Generate(base model)"]()
+            if "no healthy worker" in err.value.details():
+                break
+            assert time.monotonic() < deadline, err.value.details()
+            time.sleep(0.2)
     finally:
         channel.close()
         service.stop(0)
@@ -383,13 +390,79 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
         registry = Registry(connect(own_redis.url))
         registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
         registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
-        assert len(generate("b")) == 2
+        deadline = time.monotonic() + 10
+        while True:  # the gateway's background check notices Redis is back within a second
+            try:
+                assert len(generate("b")) == 2
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                assert time.monotonic() < deadline, "the gateway never found Redis back"
+                time.sleep(0.2)
         with pytest.raises(grpc.RpcError) as err:
             generate("a")  # gone from the new Redis: not served from the old cache
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         # and its old record is forgotten: a later outage cannot serve a deleted adapter
         assert "a" not in service.servicer._adapters._data
     finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)
+
+
+def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
+    own_redis: OwnRedis,
+) -> None:
+    """A Redis that stops answering (SIGSTOP: no refusal, reads time out after 5 s) made
+    every request wait out the timeout before the stale records were served (5.3 s TTFT
+    each in the new-user trial). Now the first read to time out marks the registry
+    unreachable and later requests are served from the cache at once, or fail at once, until
+    a background check finds Redis answering again."""
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.0), worker)
+    port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    registry = Registry(connect(own_redis.url))
+    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60)
+    registry.put_adapter(AdapterRecord("a", "/src", version=1, rank=8))
+    registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
+    service = GatewayService(
+        GatewayConfig(
+            port=0, metrics_port=0, redis_url=own_redis.url, worker_cache_s=0.0, adapter_cache_s=0.0
+        )
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+
+    def generate(adapter_id: str) -> list[gateway_pb2.GenerateResponse]:
+        request = gateway_pb2.GenerateRequest(prompt="hi", adapter_id=adapter_id, max_new_tokens=2)
+        return list(stub.Generate(request, timeout=30))
+
+    pid = own_redis.pid
+    try:
+        assert len(generate("a")) == 2
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert len(generate("a")) == 2  # waits out one timeout, then the cached record
+        assert time.monotonic() - started > 4.0
+        started = time.monotonic()
+        for _ in range(5):
+            assert len(generate("a")) == 2
+        with pytest.raises(grpc.RpcError) as err:
+            generate("b")  # never read: fails at once
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 2.0
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                assert len(generate("b")) == 2
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, "the gateway never found Redis back"
+                time.sleep(0.2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
         channel.close()
         service.stop(0)
         worker.stop(0)
