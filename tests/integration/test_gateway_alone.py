@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -9,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pytest
@@ -330,6 +333,55 @@ def test_stopping_gateway_ends_a_long_stream_with_unavailable_saying_why(redis_u
         worker.stop(0)
 
 
+@contextlib.contextmanager
+def _gateway_before_a_streaming_worker(
+    redis_url: str, **config: object
+) -> Iterator[tuple[GatewayService, int, Callable[[str], list[gateway_pb2.GenerateResponse]]]]:
+    """A gateway (registry caches off unless ``config`` says otherwise) in front of a
+    :class:`_TokenStreamer` registered as worker ``w0``, with adapters ``a`` and ``b``
+    registered. Yields ``(service, the worker's port, generate(adapter_id))``, which streams
+    a two-token request through the gateway."""
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.0), worker)
+    port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    registry = Registry(connect(redis_url))
+    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60)
+    for adapter_id in ("a", "b"):
+        registry.put_adapter(AdapterRecord(adapter_id, "/src", version=1, rank=8))
+    settings: dict[str, Any] = {"worker_cache_s": 0.0, "adapter_cache_s": 0.0, **config}
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, **settings)
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+
+    def generate(adapter_id: str) -> list[gateway_pb2.GenerateResponse]:
+        request = gateway_pb2.GenerateRequest(prompt="hi", adapter_id=adapter_id, max_new_tokens=2)
+        return list(stub.Generate(request, timeout=30))
+
+    try:
+        yield service, port, generate
+    finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)
+
+
+def _until_served(generate: Callable[[], object], what: str) -> None:
+    """Call ``generate`` until it is served (the gateway's background check finds Redis back
+    within a second); fails after 15 s."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            generate()
+            return
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
+            assert time.monotonic() < deadline, f"the gateway never found Redis back ({what})"
+            time.sleep(0.2)
+
+
 def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
     own_redis: OwnRedis,
 ) -> None:
@@ -337,34 +389,15 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
     shortly before is still routed and streamed, from the records it cached, and counted;
     an adapter it never read, the admin calls, and anything once ``registry_stale_s`` has
     passed answer UNAVAILABLE naming the registry. Once Redis is back, it is read again."""
-    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.0), worker)
-    port = worker.add_insecure_port("127.0.0.1:0")
-    worker.start()
-    registry = Registry(connect(own_redis.url))
-    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
-    registry.put_adapter(AdapterRecord("a", "/src", version=1, rank=8))
-    registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
     stale_s = 3.0
-    service = GatewayService(
-        GatewayConfig(
-            port=0,
-            metrics_port=0,
-            redis_url=own_redis.url,
-            worker_cache_s=0.0,
-            adapter_cache_s=0.0,
-            registry_stale_s=stale_s,
-        )
-    ).start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    stub = gateway_pb2_grpc.GatewayStub(channel)
-    stale = service.servicer.metrics.stale_reads
-
-    def generate(adapter_id: str) -> list[gateway_pb2.GenerateResponse]:
-        request = gateway_pb2.GenerateRequest(prompt="hi", adapter_id=adapter_id, max_new_tokens=2)
-        return list(stub.Generate(request, timeout=10))
-
-    try:
+    with _gateway_before_a_streaming_worker(own_redis.url, registry_stale_s=stale_s) as (
+        service,
+        port,
+        generate,
+    ):
+        stale = service.servicer.metrics.stale_reads
+        admin = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+        stub = gateway_pb2_grpc.GatewayStub(admin)
         assert len(generate("a")) == 2 and len(generate("")) == 2
         killed = time.monotonic()
         own_redis.kill()
@@ -381,6 +414,7 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
         with pytest.raises(grpc.RpcError) as err:
             stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="a"), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        admin.close()
         time.sleep(max(0.0, stale_s - (time.monotonic() - killed)) + 0.2)
         with pytest.raises(grpc.RpcError) as err:
             generate("a")  # older than registry_stale_s now
@@ -390,24 +424,12 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
         registry = Registry(connect(own_redis.url))
         registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
         registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
-        deadline = time.monotonic() + 10
-        while True:  # the gateway's background check notices Redis is back within a second
-            try:
-                assert len(generate("b")) == 2
-                break
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE
-                assert time.monotonic() < deadline, "the gateway never found Redis back"
-                time.sleep(0.2)
+        _until_served(lambda: generate("b"), "after a restart")
         with pytest.raises(grpc.RpcError) as err:
             generate("a")  # gone from the new Redis: not served from the old cache
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         # and its old record is forgotten: a later outage cannot serve a deleted adapter
         assert "a" not in service.servicer._adapters._data
-    finally:
-        channel.close()
-        service.stop(0)
-        worker.stop(0)
 
 
 def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
@@ -418,51 +440,21 @@ def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
     each in the new-user trial). Now the first read to time out marks the registry
     unreachable and later requests are served from the cache at once, or fail at once, until
     a background check finds Redis answering again."""
-    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.0), worker)
-    port = worker.add_insecure_port("127.0.0.1:0")
-    worker.start()
-    registry = Registry(connect(own_redis.url))
-    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60)
-    registry.put_adapter(AdapterRecord("a", "/src", version=1, rank=8))
-    registry.put_adapter(AdapterRecord("b", "/src", version=1, rank=8))
-    service = GatewayService(
-        GatewayConfig(
-            port=0, metrics_port=0, redis_url=own_redis.url, worker_cache_s=0.0, adapter_cache_s=0.0
-        )
-    ).start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    stub = gateway_pb2_grpc.GatewayStub(channel)
-
-    def generate(adapter_id: str) -> list[gateway_pb2.GenerateResponse]:
-        request = gateway_pb2.GenerateRequest(prompt="hi", adapter_id=adapter_id, max_new_tokens=2)
-        return list(stub.Generate(request, timeout=30))
-
     pid = own_redis.pid
-    try:
-        assert len(generate("a")) == 2
-        os.kill(pid, signal.SIGSTOP)
-        started = time.monotonic()
-        assert len(generate("a")) == 2  # waits out one timeout, then the cached record
-        assert time.monotonic() - started > 4.0
-        started = time.monotonic()
-        for _ in range(5):
+    with _gateway_before_a_streaming_worker(own_redis.url) as (_, _, generate):
+        try:
             assert len(generate("a")) == 2
-        with pytest.raises(grpc.RpcError) as err:
-            generate("b")  # never read: fails at once
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - started < 2.0
-        os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                assert len(generate("b")) == 2
-                break
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, "the gateway never found Redis back"
-                time.sleep(0.2)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        channel.close()
-        service.stop(0)
-        worker.stop(0)
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            assert len(generate("a")) == 2  # waits out one timeout, then the cached record
+            assert time.monotonic() - started > 4.0
+            started = time.monotonic()
+            for _ in range(5):
+                assert len(generate("a")) == 2
+            with pytest.raises(grpc.RpcError) as err:
+                generate("b")  # never read: fails at once
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - started < 2.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _until_served(lambda: generate("b"), "after SIGCONT")
