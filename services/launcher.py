@@ -40,10 +40,15 @@ from services.common.config import (
 )
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
-from services.common.lifecycle import service_parser, stop_with_parent, write_json_atomic
+from services.common.lifecycle import (
+    EXIT_REGISTRY_UNAVAILABLE,
+    service_parser,
+    stop_with_parent,
+    write_json_atomic,
+)
 from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
-from services.common.registry import connect
+from services.common.registry import connect, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +209,9 @@ class Child:
 #: for the default) plus its adapter pool and runs its own decode loop, so beyond a few per
 #: core they only share the cores ever more thinly (and hundreds exhaust memory).
 MAX_WORKERS = 4 * max(1, os.cpu_count() or 1)
+
+#: Seconds between tries to start again a service that could not reach an external Redis.
+REGISTRY_RETRY_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -593,11 +601,17 @@ class Cluster:
 
         A child that dies is restarted on the same ports (so its peers reconnect to it), at most
         ``max_restarts`` times per ``window_s`` seconds; past that the whole cluster stops.
+        A restart that fails because an external Redis is unreachable
+        (:data:`~services.common.lifecycle.EXIT_REGISTRY_UNAVAILABLE`) is tried again every
+        ``REGISTRY_RETRY_S`` seconds, uncounted, while the rest of the cluster goes on serving
+        (the gateway from its cached records); any other failed restart stops the cluster.
         The embedded Redis is not restarted: it keeps no data, and an empty registry under
         running workers would hand out adapter versions they have already seen (refused as
         stale, or a different adapter under a cached version), so its exit stops the cluster.
         """
         restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
+        # child name -> when to try again to start it (it could not reach Redis)
+        waiting: dict[str, float] = {}
         while not self._stop_after(0.5):
             redis_code = self.redis.exit_code() if self.redis is not None else None
             if redis_code is not None and not self._stop_requested:
@@ -612,20 +626,35 @@ class Cluster:
                     continue
                 code = c.proc.returncode if c.proc else "?"
                 now = time.monotonic()
-                recent = [t for t in restarts[c.name] if now - t < window_s]
-                if len(recent) >= max_restarts:
-                    self._say(
-                        f"{c.name} exited (code {code}) {len(recent) + 1} times within "
-                        f"{window_s:.0f}s; stopping. Last log lines:\n{c.log_tail()}"
-                    )
-                    return 1
-                restarts[c.name] = [*recent, now]
-                self._say(f"{c.name} exited (code {code}); restarting it on the same ports")
+                if c.name in waiting:
+                    if now < waiting[c.name]:
+                        continue
+                else:
+                    recent = [t for t in restarts[c.name] if now - t < window_s]
+                    if len(recent) >= max_restarts:
+                        self._say(
+                            f"{c.name} exited (code {code}) {len(recent) + 1} times within "
+                            f"{window_s:.0f}s; stopping. Last log lines:\n{c.log_tail()}"
+                        )
+                        return 1
+                    restarts[c.name] = [*recent, now]
+                    self._say(f"{c.name} exited (code {code}); restarting it on the same ports")
                 try:
                     self._restart(c)
                 except (RuntimeError, TimeoutError) as exc:
-                    self._say(f"restart of {c.name} failed: {exc}; stopping")
-                    return 1
+                    if c.proc is None or c.proc.returncode != EXIT_REGISTRY_UNAVAILABLE:
+                        self._say(f"restart of {c.name} failed: {exc}; stopping")
+                        return 1
+                    if c.name not in waiting:
+                        self._say(
+                            f"{c.name} cannot start while the adapter registry "
+                            f"({redact_url(self.redis_url)}) is unreachable; trying again "
+                            f"every {REGISTRY_RETRY_S:g}s (the rest of the cluster goes on)"
+                        )
+                    waiting[c.name] = time.monotonic() + REGISTRY_RETRY_S
+                    continue
+                if waiting.pop(c.name, None) is not None:
+                    self._say(f"{c.name} started again: the adapter registry is reachable")
         return 0
 
     def _restart(self, child: Child) -> None:

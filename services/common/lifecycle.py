@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from services.common.errors import PLoRAError
 from services.common.logging_setup import configure_logging
+from services.common.registry import RegistryUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,11 @@ def service_parser(
     return parser
 
 
+#: A service's exit status when it cannot start because Redis is unreachable: a temporary
+#: failure (``EX_TEMPFAIL`` of sysexits.h), which ``plora up`` retries instead of stopping.
+EXIT_REGISTRY_UNAVAILABLE = 75
+
+
 def run_service(
     name: str,
     config_cls: type[_Config],
@@ -152,8 +158,10 @@ def run_service(
         log_name: Prefix of log lines from the config (default: ``name``).
 
     Returns:
-        0 after a clean stop; 2 when the service cannot start (bad config, Redis unreachable,
-        model missing) - with a one-line reason in the log, not a stack trace.
+        0 after a clean stop; :data:`EXIT_REGISTRY_UNAVAILABLE` when it cannot start because
+        Redis is unreachable (worth trying again later); 2 when it cannot start for another
+        reason (bad config, model missing) - with a one-line reason in the log, not a stack
+        trace.
     """
     args = service_parser(name, config_cls).parse_args(argv)
     try:
@@ -165,6 +173,9 @@ def run_service(
     configure_logging(args.log_level, args.log_json, service=log_name(config) if log_name else name)
     try:
         service = service_factory(config).start()
+    except RegistryUnavailableError as exc:
+        logger.error("%s", exc)
+        return EXIT_REGISTRY_UNAVAILABLE
     except PLoRAError as exc:
         logger.error("%s", exc)
         return 2

@@ -19,6 +19,7 @@ import pytest
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
 from services import cli
+from services.common.lifecycle import EXIT_REGISTRY_UNAVAILABLE
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
@@ -78,7 +79,7 @@ def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
         text=True,
         timeout=120,
     )
-    assert out.returncode == 2
+    assert out.returncode == EXIT_REGISTRY_UNAVAILABLE  # 75: a temporary failure, retried
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in out.stderr
     assert "Traceback" not in out.stderr
 

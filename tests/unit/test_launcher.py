@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from services.launcher import (
 )
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
-from tests.conftest import REPO, _pid_alive
+from tests.conftest import REPO, OwnRedis, _pid_alive
 from tests.helpers import config_from_flags
 
 # Runs in a child interpreter so a deadlock fails the test by timeout instead of hanging it.
@@ -420,3 +421,50 @@ def test_plora_up_stops_when_its_redis_dies(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert f"plora up: redis-server ({cluster.redis_url}) exited (code -9)" in out
     assert "stopping" in out
+
+
+@pytest.mark.slow
+def test_a_service_that_cannot_reach_an_external_redis_is_retried_not_the_cluster_stopped(
+    own_redis: OwnRedis, tmp_path: Path, capsys
+) -> None:
+    """With an external Redis down, a service that died could not start again (it checks
+    Redis first) and ``plora up`` stopped the whole cluster, the services still serving
+    included (new-user trial). Its restart is now tried again every few seconds, uncounted,
+    and it comes back once Redis does."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
+    cluster.redis_url = own_redis.url
+    env = dict(os.environ, PLORA_REDIS_URL=own_redis.url, PYTHONUNBUFFERED="1")
+    flags = ["--host", "127.0.0.1", "--redis-url", own_redis.url, "--port", "0"]
+    predictor = cluster._child("predictor", "predictor", [*flags, "--metrics-port", "0"])
+    predictor.start(env)
+    watched: list[int] = []
+    try:
+        cluster._wait_ready([predictor], 120)
+        own_redis.kill()
+        assert predictor.proc is not None
+        predictor.proc.kill()
+        predictor.proc.wait()
+        watcher = threading.Thread(target=lambda: watched.append(cluster.watch()))
+        watcher.start()
+        deadline = time.monotonic() + 60
+        while "cannot start while the adapter registry" not in capsys.readouterr().out:
+            assert watcher.is_alive(), "plora up stopped"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        own_redis.start()
+        deadline = time.monotonic() + 90
+        out = ""
+        while "started again" not in out:
+            out += capsys.readouterr().out
+            assert watcher.is_alive(), out
+            assert time.monotonic() < deadline, out
+            time.sleep(0.2)
+        assert predictor.alive()
+        cluster.request_stop()
+        watcher.join(30)
+        assert watched == [0]
+    finally:
+        cluster.request_stop()
+        cluster.stop()
