@@ -49,6 +49,8 @@ class GatewayMetrics:
             ["record"],
             registry=r,
         )
+        for record in ("adapter", "workers", "placement"):  # 0 until an outage, not absent
+            self.stale_reads.labels(record)
         self.routed = Counter(
             "plora_gateway_routed",
             "Routing decisions by policy and reason",

@@ -494,7 +494,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         published = self.registry.get_model_spec()
         if published is None:
             raise NoHealthyWorkerError(
-                "no worker has published the base model yet; wait for a worker to start"
+                "no worker has published the base model to the registry yet; wait for a "
+                "worker to start (workers publish it with every heartbeat: a second after "
+                "Redis restarted empty)"
             )
         spec, dtype_name = published
         import torch  # noqa: PLC0415 - only needed to size adapters in the serving dtype
