@@ -150,6 +150,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
     log_offset: int = 0  # where this start's lines begin in the (appended) log
+    echoed: int = 0  # how far plora up has echoed the log to its terminal
 
     def start(self, env: dict[str, str]) -> None:
         self.ready_file.unlink(missing_ok=True)
@@ -209,6 +210,10 @@ class Child:
 #: for the default) plus its adapter pool and runs its own decode loop, so beyond a few per
 #: core they only share the cores ever more thinly (and hundreds exhaust memory).
 MAX_WORKERS = 4 * max(1, os.cpu_count() or 1)
+
+#: Log levels ``plora up`` echoes from a service starting, and from one serving.
+_STARTUP = (" INFO ", " WARNING ", " ERROR ")
+_SERVING = (" WARNING ", " ERROR ")
 
 #: Seconds between tries to start again a service that could not reach an external Redis.
 REGISTRY_RETRY_S = 5.0
@@ -407,7 +412,7 @@ class Cluster:
         pending = list(children)
         while pending:
             for c in list(pending):
-                offsets[c.name] = self._echo_progress(c, offsets[c.name])
+                offsets[c.name] = c.echoed = self._echo_progress(c, offsets[c.name], _STARTUP)
                 if c.poll_ready():
                     pending.remove(c)
                 elif not c.alive():
@@ -422,8 +427,10 @@ class Cluster:
         for c in children:
             wait_healthy(f"{self.args.host}:{c.ports['grpc_port']}", timeout=30)
 
-    def _echo_progress(self, child: Child, offset: int) -> int:
-        """Echo new INFO/WARNING/ERROR lines of a starting child's log (model-load progress)."""
+    def _echo_progress(self, child: Child, offset: int, levels: tuple[str, ...]) -> int:
+        """Echo the lines of ``child``'s log from byte ``offset`` on whose level is one of
+        ``levels`` (``" INFO "`` and up while it starts: model-load progress; warnings and
+        errors once it serves: a Redis outage, a failed load); returns the new offset."""
         try:
             with open(child.log_path, "rb") as f:
                 f.seek(offset)
@@ -431,7 +438,7 @@ class Cluster:
         except FileNotFoundError:
             return offset
         for line in data.decode(errors="replace").splitlines():
-            if " INFO " in line or " WARNING " in line or " ERROR " in line:
+            if any(level in line for level in levels):
                 print(f"  {line}", flush=True)
         return offset + len(data)
 
@@ -622,6 +629,8 @@ class Cluster:
                 )
                 return 1
             for c in self.children:
+                if c.alive():
+                    c.echoed = self._echo_progress(c, c.echoed, _SERVING)
                 if c.alive() or self._stop_requested:  # dying from the same signal: no restart
                     continue
                 code = c.proc.returncode if c.proc else "?"

@@ -468,3 +468,41 @@ def test_a_service_that_cannot_reach_an_external_redis_is_retried_not_the_cluste
     finally:
         cluster.request_stop()
         cluster.stop()
+
+
+def test_watch_echoes_the_warnings_and_errors_of_serving_services(tmp_path: Path, capsys) -> None:
+    """A Redis outage, a failed load: once the cluster serves, a service's warnings and errors
+    reach the `plora up` terminal too (they went only to .plora/logs/, so the terminal of
+    `make up` showed nothing during an outage); its INFO lines do not."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
+    script = (
+        "import time; time.sleep(0.3)\n"
+        "print('03:00:00 [worker-0] INFO services.worker.server: routine', flush=True)\n"
+        "print('03:00:01 [worker-0] WARNING services.common.registry: Redis is gone', "
+        "flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    child = Child("worker-0", [sys.executable, "-c", script], tmp_path / "w.log", tmp_path / "r")
+    child.start(dict(os.environ))
+    cluster.children = [child]
+    watched: list[int] = []
+    watcher = threading.Thread(target=lambda: watched.append(cluster.watch()))
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 20
+        out = ""
+        while "Redis is gone" not in out:
+            out += capsys.readouterr().out
+            assert time.monotonic() < deadline, out
+            time.sleep(0.1)
+        assert "  03:00:01 [worker-0] WARNING services.common.registry: Redis is gone" in out
+        assert "routine" not in out
+    finally:
+        cluster.request_stop()
+        watcher.join(10)
+        assert child.proc is not None
+        child.proc.kill()
+        child.proc.wait()
+    assert watched == [0]
