@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NotRequired, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import grpc
 
@@ -49,6 +49,9 @@ from services.common.lifecycle import (
 from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect, redact_url
+
+if TYPE_CHECKING:
+    from services.common.types import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -490,6 +493,11 @@ class Cluster:
 
         model_dir = resolve_model(a.model, default_cache_dir())
         self._say(f"base model ready: {model_dir}")
+        spec = _model_spec(model_dir)
+        if a.demo_adapters > 0:
+            from services.common.make_adapters import check_ranks  # noqa: PLC0415 - torch
+
+            check_ranks(a.demo_ranks, spec, "--demo-ranks")
 
         external = a.redis_url or env_or("PLORA_REDIS_URL", None)
         if external:
@@ -549,7 +557,7 @@ class Cluster:
         self._wait_ready([gateway], 60)
         gateway_address = f"{a.host}:{gateway.ports['grpc_port']}"
 
-        registered = self._register_demo_adapters(gateway_address, str(model_dir))
+        registered = self._register_demo_adapters(gateway_address, spec)
         state: ClusterState = {
             "gateway": gateway_address,
             "metrics": {
@@ -570,15 +578,12 @@ class Cluster:
         self._wrote_state = True
         return state
 
-    def _register_demo_adapters(self, gateway: str, model_dir: str) -> list[str]:
+    def _register_demo_adapters(self, gateway: str, spec: ModelSpec) -> list[str]:
         a = self.args
         if a.demo_adapters <= 0:
             return []
         from services.common.make_adapters import make_adapter_set  # noqa: PLC0415
-        from services.common.types import ModelSpec  # noqa: PLC0415
-        from services.worker.model_loader import read_config  # noqa: PLC0415
 
-        spec = ModelSpec.from_hf_config(read_config(Path(model_dir)), name=Path(model_dir).name)
         out = Path(a.adapters_dir)
         paths = make_adapter_set(
             out,
@@ -726,6 +731,14 @@ def prometheus_targets(metrics: Mapping[str, str]) -> list[dict[str, object]]:
         )
         groups.append({"targets": [address], "labels": labels})
     return groups
+
+
+def _model_spec(model_dir: Path) -> ModelSpec:
+    """The shapes of the base model in ``model_dir`` (named after the directory)."""
+    from services.common.types import ModelSpec  # noqa: PLC0415 - imports torch
+    from services.worker.model_loader import read_config  # noqa: PLC0415
+
+    return ModelSpec.from_hf_config(read_config(model_dir), name=model_dir.name)
 
 
 def _pid_alive(pid: int) -> bool:

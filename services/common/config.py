@@ -72,7 +72,8 @@ def address_port_ok(address: str) -> bool:
 def parse_ranks(text: str) -> list[int]:
     """The argparse ``type`` of a list of LoRA ranks (``plora make-adapters --ranks``,
     ``plora up --demo-ranks``): comma-separated positive integers, as the workers accept an
-    adapter's ``r`` (no upper bound: a rank too large for the pool is refused when loaded).
+    adapter's ``r``. The upper bound depends on the model: the verbs check it once the model is
+    known (:func:`services.common.make_adapters.check_ranks`).
 
     Raises:
         argparse.ArgumentTypeError: an empty list, or an item that is not a positive integer.

@@ -47,6 +47,7 @@ from services.common.adapters import (
     canonical_module_name,
 )
 from services.common.config import parse_ranks
+from services.common.errors import ConfigError
 from services.common.types import PROJECTION_MODULES, ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,47 @@ def _atomic_write(path: Path, write: object) -> None:
         raise
 
 
+def max_rank(spec: ModelSpec, target_modules: Sequence[str] = PROJECTION_MODULES) -> int:
+    """The largest LoRA rank that means something for ``target_modules`` of ``spec``: the
+    smallest ``min(in_features, out_features)`` among them (a rank above it adds parameters but
+    no expressiveness, and its tensors can exhaust memory).
+
+    Raises:
+        KeyError: a module that is not one of :data:`PROJECTION_MODULES`.
+    """
+    return min(min(spec.module_shape(proj)) for proj in target_modules)
+
+
+def check_ranks(
+    ranks: Sequence[int],
+    spec: ModelSpec,
+    flag: str,
+    target_modules: Sequence[str] = PROJECTION_MODULES,
+) -> None:
+    """Refuse ranks above :func:`max_rank` before any adapter is written (rank 100000 would
+    allocate tensors until the OOM killer ends the process).
+
+    Args:
+        ranks: The ranks asked for.
+        spec: The base model.
+        flag: The flag that gave them (named in the message).
+        target_modules: The projections the adapters adapt.
+
+    Raises:
+        ConfigError: a rank is too large, with the largest one ``spec`` allows and why.
+    """
+    limit = max_rank(spec, target_modules)
+    too_large = [r for r in ranks if r > limit]
+    if too_large:
+        proj = min(target_modules, key=lambda m: min(spec.module_shape(m)))
+        in_f, out_f = spec.module_shape(proj)
+        raise ConfigError(
+            f"{flag} {too_large[0]}: the largest rank {spec.name or 'the base model'} allows "
+            f"is {limit}, min(in_features, out_features) of {proj} ({in_f} x {out_f}); a "
+            "LoRA rank above it adds nothing"
+        )
+
+
 def adapter_name(index: int, rank: int) -> str:
     """Directory name of the ``index``-th generated adapter, e.g. ``adapter-007-r16``."""
     return f"adapter-{index:03d}-r{rank}"
@@ -357,6 +399,11 @@ def run(args: argparse.Namespace) -> int:
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     spec = load_model_spec(args.model, cache_dir)
+    try:
+        check_ranks(args.ranks, spec, "--ranks", args.target_modules)
+    except ConfigError as exc:
+        print(f"plora make-adapters: {exc}", file=sys.stderr)
+        return 2
     dtype = _DTYPES[args.dtype]
     paths = make_adapter_set(
         args.out,

@@ -297,6 +297,34 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         assert not state.exists()
 
 
+def test_plora_up_refuses_a_demo_rank_above_the_model_s_before_starting_anything(
+    tmp_path: Path,
+) -> None:
+    """``plora up --demo-ranks 100000 --demo-adapters 1`` allocated adapters until the OOM
+    killer ended it (after Redis and every service had started); the rank is now refused once
+    the model is known, before Redis starts, naming the flag and the largest rank."""
+    from tests.helpers import tiny_llama  # noqa: PLC0415
+
+    model_dir = tmp_path / "tiny-model"
+    tiny_llama(0).save_pretrained(str(model_dir))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state = tmp_path / "cluster.json"
+    adapters = tmp_path / "adapters"
+    argv = ["--state-file", str(state), "--model", str(model_dir), "--gateway-port", "0"]
+    argv += ["--adapters-dir", str(adapters)]
+    cluster = Cluster(parser.parse_args([*argv, "--demo-ranks", "100000", "--demo-adapters", "1"]))
+    with pytest.raises(
+        ConfigError,
+        match=r"^--demo-ranks 100000: the largest rank tiny-model allows is 32, "
+        r"min\(in_features, out_features\) of k_proj \(64 x 32\)",
+    ):
+        cluster.start()
+    cluster.stop()
+    assert cluster.redis is None and not cluster.children and not state.exists()
+    assert not any(adapters.iterdir())
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [

@@ -13,12 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.adapters import inspect_adapter, load_lora_weights, sha256_file
+from services.common.errors import ConfigError
 from services.common.make_adapters import (
     DEFAULT_RELATIVE_DELTA,
     adapter_name,
     add_arguments,
+    check_ranks,
     lora_init,
     make_adapter_set,
+    max_rank,
     run,
     write_peft_adapter,
 )
@@ -144,18 +147,27 @@ def test_write_refuses_bad_arguments(tmp_path):
         write_peft_adapter(tmp_path, TINY, rank=4, alpha=8, seed=0, layers=[TINY.num_layers])
 
 
-def test_cli(tmp_path, capsys):
+def _cli(tmp_path, *flags: str) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser of ``plora make-adapters`` and ``flags`` parsed with a tiny model saved under
+    ``tmp_path`` (``--out tmp_path/adapters``)."""
     model_dir = tmp_path / "tiny-model"
     tiny_llama(0).save_pretrained(str(model_dir))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    out = tmp_path / "adapters"
     args = parser.parse_args(
         [
-            "--out", str(out), "--count", "3", "--ranks", "4,8", "--seed", "5",
-            "--model", str(model_dir), "--cache-dir", str(tmp_path / "cache"),
-            "--target-modules", "q_proj,v_proj", "--dtype", "bfloat16",
+            "--out", str(tmp_path / "adapters"), "--model", str(model_dir),
+            "--cache-dir", str(tmp_path / "cache"), *flags,
         ]
+    )  # fmt: skip
+    return parser, args
+
+
+def test_cli(tmp_path, capsys):
+    out = tmp_path / "adapters"
+    parser, args = _cli(
+        tmp_path, "--count", "3", "--ranks", "4,8", "--seed", "5",
+        "--target-modules", "q_proj,v_proj", "--dtype", "bfloat16",
     )  # fmt: skip
     assert run(args) == 0
     summary = json.loads((out / "adapters.json").read_text())
@@ -200,3 +212,23 @@ def test_adapter_files_get_the_mode_open_gives_under_the_umask(tmp_path, umask):
         "adapter_config.json",
         "adapter_model.safetensors",
     ]  # no temporary file left behind
+
+
+def test_a_rank_above_the_model_s_is_refused_before_anything_is_written(tmp_path, capsys):
+    """``plora make-adapters --ranks 100000`` allocated tensors until the OOM killer ended it; a
+    rank above min(in_features, out_features) of a target module is now refused up front
+    (exit 2), naming the flag, the largest rank and why."""
+    assert max_rank(TINY) == 32  # k_proj / v_proj: 64 -> 32
+    assert max_rank(TINY, ["q_proj"]) == 64
+    check_ranks([1, 32], TINY, "--ranks")
+    with pytest.raises(ConfigError, match=r"^--ranks 33: the largest rank tiny-llama allows is 32"):
+        check_ranks([8, 33], TINY, "--ranks")
+
+    _, args = _cli(tmp_path, "--count", "1", "--ranks", "100000")
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plora make-adapters: --ranks 100000: the largest rank ")
+    assert "is 32, min(in_features, out_features) of k_proj (64 x 32)" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "adapters").exists()
