@@ -473,14 +473,20 @@ class Cluster:
             check_service_flags(service, flags)
         self._refuse_a_running_cluster()
         if a.demo_adapters > 0:
-            try:
-                Path(a.adapters_dir).mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise RuntimeError(
-                    f"--adapters-dir {a.adapters_dir}: cannot create it ({exc.strerror}); "
-                    "give a writable directory for the demo adapters, or --demo-adapters 0"
-                ) from None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+            _make_dir(
+                Path(a.adapters_dir),
+                f"--adapters-dir {a.adapters_dir}",
+                "it",
+                "give a writable directory for the demo adapters, or --demo-adapters 0",
+            )
+        _make_dir(
+            self.run_dir,
+            f"--state-file {a.state_file}"
+            if a.state_file
+            else f"PLORA_STATE_FILE={self.state_file}",
+            f"its directory {self.run_dir}",
+            "give a state file in a writable directory",
+        )
         self.state_file.unlink(missing_ok=True)  # a stale one: its launcher is gone
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -739,6 +745,24 @@ def _model_spec(model_dir: Path) -> ModelSpec:
     from services.worker.model_loader import read_config  # noqa: PLC0415
 
     return ModelSpec.from_hf_config(read_config(model_dir), name=model_dir.name)
+
+
+def _make_dir(path: Path, named: str, what: str, hint: str) -> None:
+    """Create the directory ``path`` (and its parents) before anything starts.
+
+    Args:
+        path: The directory.
+        named: The setting it comes from, e.g. ``--adapters-dir DIR``.
+        what: What the message calls the directory (``it``, ``its directory DIR``).
+        hint: What to do instead.
+
+    Raises:
+        RuntimeError: it cannot be created; one line naming the setting, why, and ``hint``.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RuntimeError(f"{named}: cannot create {what} ({exc.strerror}); {hint}") from None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -252,11 +252,17 @@ def test_plora_up_refuses_to_start_over_a_running_cluster(tmp_path: Path) -> Non
         cluster.stop()
     assert cluster.redis is None and not cluster.children
 
-    # an address that is not this machine's, and a demo-adapter directory that cannot be made
+    # an address that is not this machine's, a demo-adapter directory that cannot be made, and
+    # a state file whose directory cannot be (it was a FileNotFoundError traceback)
     for argv, message in [
         (["--host", "nonexistent.invalid"], "--host 'nonexistent.invalid' is not an address of"),
         (["--host", "192.0.2.1"], "--host '192.0.2.1' is not an address of this machine"),
         (["--adapters-dir", "/proc/nope"], "--adapters-dir /proc/nope: cannot create it"),
+        (
+            ["--state-file", "/proc/nope/cluster.json"],
+            "--state-file /proc/nope/cluster.json: cannot create its directory /proc/nope (No "
+            "such file or directory); give a state file in a writable directory",
+        ),
     ]:
         cluster = Cluster(parser.parse_args(["--state-file", str(state), *argv]))
         with pytest.raises(RuntimeError, match=re.escape(message)):
