@@ -27,7 +27,7 @@ from services.common.config import (
     address_port_ok,
     checked_type,
 )
-from services.common.errors import ConfigError, InvalidRequestError
+from services.common.errors import MAX_ECHO_PATH, ConfigError, InvalidRequestError, quoted
 from services.common.grpc_util import CHANNEL_OPTIONS
 from services.gateway import validation
 
@@ -79,14 +79,14 @@ def gateway_address(explicit: str | None) -> str:
     if os.environ.get("PLORA_GATEWAY"):
         address = os.environ["PLORA_GATEWAY"]
         if not address_port_ok(address):
-            raise ConfigError(f"PLORA_GATEWAY={address!r} is not {_ADDRESS_EXPECTED}")
+            raise ConfigError(f"PLORA_GATEWAY={quoted(address)} is not {_ADDRESS_EXPECTED}")
         return address
     named = os.environ.get("PLORA_STATE_FILE")
     state = Path(named or DEFAULT_STATE_FILE)
     if named and not state.is_file():
         raise ConfigError(
-            f"PLORA_STATE_FILE={named!r}: no such file (is `plora up --state-file {named}` "
-            "running? unset the variable for the default cluster)"
+            f"PLORA_STATE_FILE={quoted(named, MAX_ECHO_PATH)}: no such file (is a `plora up "
+            "--state-file` with this file running? unset the variable for the default cluster)"
         )
     if state.is_file():
         try:

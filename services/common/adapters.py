@@ -50,7 +50,12 @@ from typing import Any
 
 import torch
 
-from services.common.errors import IncompatibleAdapterError, InvalidAdapterError
+from services.common.errors import (
+    MAX_ECHO_PATH,
+    IncompatibleAdapterError,
+    InvalidAdapterError,
+    quoted,
+)
 from services.common.types import (
     ATTN_MODULES,
     PROJECTION_MODULES,
@@ -487,11 +492,13 @@ def parse_tensor_key(key: str) -> tuple[int, str, str, str | None]:
 def _adapter_dir(source: str | os.PathLike[str]) -> Path:
     path = Path(source).expanduser()
     if not path.exists():
-        raise InvalidAdapterError(f"adapter directory {str(path)!r} does not exist")
+        raise InvalidAdapterError(
+            f"adapter directory {quoted(str(path), MAX_ECHO_PATH)} does not exist"
+        )
     if not path.is_dir():
         raise InvalidAdapterError(
-            f"adapter source {str(path)!r} is not a directory; pass the directory that holds "
-            f"{CONFIG_NAME} and {WEIGHTS_NAME}"
+            f"adapter source {quoted(str(path), MAX_ECHO_PATH)} is not a directory; pass the "
+            f"directory that holds {CONFIG_NAME} and {WEIGHTS_NAME}"
         )
     return path
 

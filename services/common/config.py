@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, quoted
 
 #: Default Redis URL when neither --redis-url nor PLORA_REDIS_URL is given.
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -38,7 +38,7 @@ def checked_type(
         except ValueError:
             value = None
         if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {quoted(text)}")
         return value
 
     return parse
@@ -84,7 +84,7 @@ def parse_ranks(text: str) -> list[int]:
         out = []
     if not out or any(r < 1 for r in out):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated positive integers (ranks), got {text!r}"
+            f"expected comma-separated positive integers (ranks), got {quoted(text)}"
         )
     return out
 
@@ -174,7 +174,7 @@ def choice_or_env(
         return default
     if value not in choices:
         raise ConfigError(
-            f"{name}={value!r} is not one of {', '.join(choices)} (the variable sets {flag})"
+            f"{name}={quoted(value)} is not one of {', '.join(choices)} (the variable sets {flag})"
         )
     return value
 
@@ -206,7 +206,7 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
     try:
         return int(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+        raise ConfigError(f"{name}={quoted(raw)} is not an integer") from exc
 
 
 def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
@@ -221,7 +221,7 @@ def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -
     try:
         return float(raw)
     except ValueError as exc:
-        raise ConfigError(f"{name}={raw!r} is not a number") from exc
+        raise ConfigError(f"{name}={quoted(raw)} is not a number") from exc
 
 
 def parse_bytes(text: str | int) -> int:
@@ -258,4 +258,6 @@ def parse_bytes(text: str | int) -> int:
     try:
         return int(s)
     except ValueError as exc:
-        raise ConfigError(f"{text!r} is not a byte size (examples: 512MiB, 4M, 1048576)") from exc
+        raise ConfigError(
+            f"{quoted(text)} is not a byte size (examples: 512MiB, 4M, 1048576)"
+        ) from exc

@@ -94,3 +94,24 @@ class ConfigError(PLoRAError):
     """A configuration value is invalid; raised at start-up, before serving."""
 
     status_code_name = "INVALID_ARGUMENT"
+
+
+#: Characters of a user's string an error message repeats (:func:`quoted`).
+MAX_ECHO = 64
+
+#: Characters of a user's path an error message repeats (its end tells most: more of it).
+MAX_ECHO_PATH = 256
+
+
+def quoted(text: str, limit: int = MAX_ECHO) -> str:
+    """``text`` as an error message repeats a user's input: its ``repr``, cut to the first
+    ``limit`` characters followed by ``... (N characters)`` when longer, so a huge field (an
+    adapter id of 10,000 characters) does not come back whole in the message or the logs.
+
+    Args:
+        text: The user's string (a request field, a flag, an environment variable).
+        limit: Characters kept (a path may want more than an id).
+    """
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from services.common.errors import AdapterNotFoundError, ConfigError, PLoRAError
+from services.common.errors import AdapterNotFoundError, ConfigError, PLoRAError, quoted
 from services.common.types import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -320,7 +320,7 @@ class Registry:
         raw = self.client.get(self._k("adapter", adapter_id))
         if raw is None:
             raise AdapterNotFoundError(
-                f"adapter {adapter_id!r} is not registered; register it with RegisterAdapter "
+                f"adapter {quoted(adapter_id)} is not registered; register it with RegisterAdapter "
                 "(plora adapters register) or check ListAdapters"
             )
         return AdapterRecord.from_json(raw)

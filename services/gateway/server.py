@@ -31,6 +31,7 @@ from services.common.errors import (
     NoHealthyWorkerError,
     PLoRAError,
     PoolExhaustedError,
+    quoted,
 )
 from services.common.grpc_util import (
     CHANNEL_OPTIONS,
@@ -268,7 +269,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _check_tenant(record: AdapterRecord, tenant_id: str) -> None:
         if record.tenant_id and record.tenant_id != tenant_id:
             raise AdapterPermissionError(
-                f"adapter {record.adapter_id!r} belongs to another tenant; "
+                f"adapter {quoted(record.adapter_id)} belongs to another tenant; "
                 "set tenant_id to the adapter's owner"
             )
 
@@ -485,7 +486,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.RegisterAdapterResponse:
         if not _ADAPTER_ID.match(request.adapter_id):
             raise InvalidRequestError(
-                f"adapter_id {request.adapter_id!r} is invalid: use only letters, digits and "
+                f"adapter_id {quoted(request.adapter_id)} is invalid: use only letters, digits and "
                 "'.', '_', '-', ':', '/' (1-128 characters, starting with a letter or digit)"
             )
         if not request.source:
@@ -506,8 +507,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         largest = max(pools, default=0)
         if largest and manifest.size_bytes > largest:
             raise PoolExhaustedError(
-                f"adapter {request.adapter_id!r} needs {manifest.size_bytes} bytes but the largest "
-                f"worker pool holds {largest}; raise --pool-bytes or use a smaller rank"
+                f"adapter {quoted(request.adapter_id)} needs {manifest.size_bytes} bytes but the "
+                f"largest worker pool holds {largest}; raise --pool-bytes or use a smaller rank"
             )
         previous = None
         try:
@@ -516,7 +517,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             previous = None
         if previous is not None and previous.tenant_id and previous.tenant_id != request.tenant_id:
             raise AdapterPermissionError(
-                f"adapter id {request.adapter_id!r} is owned by another tenant; choose another id"
+                f"adapter id {quoted(request.adapter_id)} is owned by another tenant; choose "
+                "another id"
             )
         record = AdapterRecord(
             adapter_id=request.adapter_id,

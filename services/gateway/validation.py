@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from plora.v1 import gateway_pb2
-from services.common.errors import EMPTY_REQUEST, InvalidRequestError
+from services.common.errors import EMPTY_REQUEST, InvalidRequestError, quoted
 from services.gateway.config import GatewayConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -101,7 +101,7 @@ def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfi
     for i, message in enumerate(request.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"messages[{i}].role={message.role!r}: use one of {sorted(CHAT_ROLES)}"
+                f"messages[{i}].role={quoted(message.role)}: use one of {sorted(CHAT_ROLES)}"
             )
     if has_messages and all(blank(m.content) for m in request.messages):
         raise InvalidRequestError("every message is empty or only whitespace: give some content")

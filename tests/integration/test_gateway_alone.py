@@ -58,6 +58,28 @@ def test_cluster_status_with_no_workers(gateway) -> None:
     assert list(status.workers) == [] and status.adapters_registered == 0
 
 
+def test_error_messages_repeat_at_most_the_start_of_a_huge_field(gateway) -> None:
+    """A 5,000-character adapter id came back whole in RegisterAdapter's INVALID_ARGUMENT, a
+    10,000-character one in Generate's refusal: the messages now repeat its first characters
+    and its length."""
+    calls = [
+        lambda: gateway.RegisterAdapter(
+            gateway_pb2.RegisterAdapterRequest(adapter_id="a" * 5000, source="/x"), timeout=10
+        ),
+        lambda: list(
+            gateway.Generate(
+                gateway_pb2.GenerateRequest(adapter_id="b" * 10_000, prompt="hi"), timeout=10
+            )
+        ),
+        lambda: gateway.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="c" * 128), timeout=10),
+    ]
+    for call, length in zip(calls, [5000, 10_000, 128], strict=True):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        details = err.value.details()
+        assert f"... ({length} characters)" in details and len(details) < 300, details
+
+
 @pytest.mark.parametrize("service", ["gateway", "predictor", "worker"])
 def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
     out = subprocess.run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plora.v1 import gateway_pb2
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, quoted
 from services.gateway import validation
 from services.gateway.config import GatewayConfig
 from services.gateway.validation import validate_generate
@@ -77,6 +77,20 @@ def test_unknown_role_is_refused() -> None:
     req.messages.add(role="robot", content="x")
     with pytest.raises(InvalidRequestError, match="role"):
         validate_generate(req, CONFIG)
+
+
+def test_echoed_user_strings_are_bounded() -> None:
+    """Error messages repeated huge user input whole (a 5,000-character adapter id came back
+    in full); :func:`quoted` keeps the first 64 characters and says how long it was."""
+    assert quoted("abc") == "'abc'"
+    assert quoted("x" * 64) == repr("x" * 64)
+    assert quoted("x" * 5000) == f"{'x' * 64!r}... (5000 characters)"
+    assert quoted("a\0b" * 100, 4) == "'a\\x00ba'... (300 characters)"
+    req = gateway_pb2.GenerateRequest()
+    req.messages.add(role="r" * 10_000, content="x")
+    with pytest.raises(InvalidRequestError) as err:
+        validate_generate(req, CONFIG)
+    assert "(10000 characters)" in str(err.value) and len(str(err.value)) < 200
 
 
 def test_the_per_field_checks_are_the_rules_validate_generate_applies() -> None:
