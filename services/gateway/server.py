@@ -16,7 +16,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -55,7 +54,7 @@ from services.common.registry import (
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.validation import validate_generate
+from services.gateway.validation import adapter_source, validate_generate
 from services.predictor.placement import (
     ROUTED_GRACE_S,
     RoundRobinRouter,
@@ -489,9 +488,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"adapter_id {quoted(request.adapter_id)} is invalid: use only letters, digits and "
                 "'.', '_', '-', ':', '/' (1-128 characters, starting with a letter or digit)"
             )
-        if not request.source:
-            raise InvalidRequestError("source is required: a directory in PEFT layout")
-        source = str(Path(request.source).expanduser().resolve())
+        source = adapter_source(request.source)
         published = self.registry.get_model_spec()
         if published is None:
             raise NoHealthyWorkerError(

@@ -10,9 +10,10 @@ tokenizer (prompt longer than the context) are made by the worker, which owns it
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from plora.v1 import gateway_pb2
-from services.common.errors import EMPTY_REQUEST, InvalidRequestError, quoted
+from services.common.errors import EMPTY_REQUEST, MAX_ECHO_PATH, InvalidRequestError, quoted
 from services.gateway.config import GatewayConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -82,6 +83,29 @@ def check_stop(text: str, name: str = "a stop string") -> None:
         raise InvalidRequestError(
             f"{name} must be 1..{MAX_STOP_LENGTH} characters long, got {len(text)}"
         )
+
+
+def adapter_source(source: str) -> str:
+    """The absolute path of a RegisterAdapter ``source`` (``~`` expanded, links resolved).
+    It only looks the path up: whether it holds an adapter is for
+    :func:`~services.common.adapters.inspect_adapter` to say.
+
+    Raises:
+        InvalidRequestError: empty, or a path the system refuses to look up (a NUL byte, a
+            name or a path too long, a directory it may not search).
+    """
+    if not source:
+        raise InvalidRequestError("source is required: a directory in PEFT layout")
+    try:
+        path = Path(source).expanduser().resolve()
+        path.exists()  # raises for a name too long; a missing path is inspect_adapter's
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InvalidRequestError(
+            f"source {quoted(source, MAX_ECHO_PATH)} is not a usable path ({reason}): give "
+            "the directory in PEFT layout that holds the adapter"
+        ) from None
+    return str(path)
 
 
 def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> None:

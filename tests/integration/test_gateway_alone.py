@@ -80,6 +80,25 @@ def test_error_messages_repeat_at_most_the_start_of_a_huge_field(gateway) -> Non
         assert f"... ({length} characters)" in details and len(details) < 300, details
 
 
+@pytest.mark.parametrize(
+    "source",
+    ["/tmp/" + "a" * 300, "/tmp/a\0b", "/tmp/" + "abc/" * 25_000],
+    ids=["300-character name", "NUL byte", "100,000-character path"],
+)
+def test_a_source_path_the_system_refuses_is_invalid_argument(
+    gateway, source: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """These were INTERNAL with a traceback in the gateway's log."""
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.RegisterAdapter(
+            gateway_pb2.RegisterAdapterRequest(adapter_id="a", source=source), timeout=10
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("source '/tmp/")
+    assert "is not a usable path" in err.value.details() and "\n" not in err.value.details()
+    assert "Traceback" not in caplog.text
+
+
 @pytest.mark.parametrize("service", ["gateway", "predictor", "worker"])
 def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
     out = subprocess.run(

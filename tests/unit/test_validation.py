@@ -93,6 +93,31 @@ def test_echoed_user_strings_are_bounded() -> None:
     assert "(10000 characters)" in str(err.value) and len(str(err.value)) < 200
 
 
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        ("/tmp/" + "a" * 300, "(File name too long)"),
+        ("/tmp/a\0b", "(embedded null byte)"),
+        ("/tmp/" + "abc/" * 25_000, "(File name too long)"),
+    ],
+    ids=["300-character name", "NUL byte", "100,000-character path"],
+)
+def test_a_source_the_system_cannot_look_up_is_refused(source: str, reason: str) -> None:
+    """RegisterAdapter gave INTERNAL and a traceback (OSError ENAMETOOLONG, ValueError)."""
+    with pytest.raises(InvalidRequestError) as err:
+        validation.adapter_source(source)
+    message = str(err.value)
+    assert message.startswith("source '/tmp/") and reason in message, message
+    assert "\n" not in message and len(message) < 500
+
+
+def test_a_source_is_made_absolute(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert validation.adapter_source("~/x/../y") == str(tmp_path.resolve() / "y")
+    with pytest.raises(InvalidRequestError, match="source is required"):
+        validation.adapter_source("")
+
+
 def test_the_per_field_checks_are_the_rules_validate_generate_applies() -> None:
     """``plora generate`` checks its flags with these same functions (one rule, one place);
     without a limit, ``max_new_tokens`` is checked only from below (the gateway knows its
