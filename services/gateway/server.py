@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 import threading
 import time
 import uuid
@@ -26,7 +25,6 @@ from services.common.adapters import inspect_adapter
 from services.common.errors import (
     AdapterNotFoundError,
     AdapterPermissionError,
-    InvalidRequestError,
     NoHealthyWorkerError,
     PLoRAError,
     PoolExhaustedError,
@@ -54,7 +52,12 @@ from services.common.registry import (
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.validation import adapter_source, validate_generate
+from services.gateway.validation import (
+    adapter_source,
+    check_adapter_id,
+    check_tenant_id,
+    validate_generate,
+)
 from services.predictor.placement import (
     ROUTED_GRACE_S,
     RoundRobinRouter,
@@ -73,8 +76,6 @@ REGISTRY_PROBE_S = 1.0
 
 #: Seconds an UnloadAdapter call to one worker may take (adapter deletion and registration).
 UNLOAD_TIMEOUT_S = 5.0
-
-_ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 class _TTLCache:
@@ -483,11 +484,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def RegisterAdapter(  # noqa: N802
         self, request: gateway_pb2.RegisterAdapterRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.RegisterAdapterResponse:
-        if not _ADAPTER_ID.match(request.adapter_id):
-            raise InvalidRequestError(
-                f"adapter_id {quoted(request.adapter_id)} is invalid: use only letters, digits and "
-                "'.', '_', '-', ':', '/' (1-128 characters, starting with a letter or digit)"
-            )
+        check_adapter_id(request.adapter_id)
+        check_tenant_id(request.tenant_id)
         source = adapter_source(request.source)
         published = self.registry.get_model_spec()
         if published is None:
@@ -555,6 +553,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def GetAdapter(  # noqa: N802
         self, request: gateway_pb2.GetAdapterRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.GetAdapterResponse:
+        check_adapter_id(request.adapter_id)
+        check_tenant_id(request.tenant_id)
         record = self.registry.get_adapter(request.adapter_id)
         self._check_tenant(record, request.tenant_id)
         resident = [w.worker_id for w in self._workers() if record.adapter_id in w.resident]
@@ -569,6 +569,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def ListAdapters(  # noqa: N802
         self, request: gateway_pb2.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.ListAdaptersResponse:
+        check_tenant_id(request.tenant_id)
         records = self.registry.list_adapters()
         if request.tenant_id:
             records = [r for r in records if r.tenant_id in ("", request.tenant_id)]
@@ -578,6 +579,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def DeleteAdapter(  # noqa: N802
         self, request: gateway_pb2.DeleteAdapterRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.DeleteAdapterResponse:
+        check_adapter_id(request.adapter_id)
+        check_tenant_id(request.tenant_id)
         record = self.registry.get_adapter(request.adapter_id)
         self._check_tenant(record, request.tenant_id)
         self.registry.delete_adapter(request.adapter_id)

@@ -10,6 +10,8 @@ tokenizer (prompt longer than the context) are made by the worker, which owns it
 from __future__ import annotations
 
 import math
+import re
+import unicodedata
 from pathlib import Path
 
 from plora.v1 import gateway_pb2
@@ -18,6 +20,8 @@ from services.gateway.config import GatewayConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_STOP_LENGTH = 256
+MAX_TENANT_ID_LENGTH = 128
+_ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 def blank(text: str) -> bool:
@@ -85,6 +89,36 @@ def check_stop(text: str, name: str = "a stop string") -> None:
         )
 
 
+def check_adapter_id(adapter_id: str) -> None:
+    """Refuse an adapter id that is not 1-128 letters, digits and ``. _ - : /`` starting with a
+    letter or digit (every RPC that names an adapter; Generate only when it names one).
+
+    Raises:
+        InvalidRequestError: the id breaks the rule.
+    """
+    if not _ADAPTER_ID.match(adapter_id):
+        raise InvalidRequestError(
+            f"adapter_id {quoted(adapter_id)} is invalid: use only letters, digits and "
+            "'.', '_', '-', ':', '/' (1-128 characters, starting with a letter or digit)"
+        )
+
+
+def check_tenant_id(tenant_id: str) -> None:
+    """Refuse a ``tenant_id`` longer than :data:`MAX_TENANT_ID_LENGTH` characters or holding
+    whitespace or control characters (empty = no tenant, allowed).
+
+    Raises:
+        InvalidRequestError: the tenant id breaks the rule.
+    """
+    if len(tenant_id) > MAX_TENANT_ID_LENGTH or any(
+        c.isspace() or unicodedata.category(c) == "Cc" for c in tenant_id
+    ):
+        raise InvalidRequestError(
+            f"tenant_id {quoted(tenant_id)} is invalid: use at most {MAX_TENANT_ID_LENGTH} "
+            "characters with no whitespace or control characters (or none, for no tenant)"
+        )
+
+
 def adapter_source(source: str) -> str:
     """The absolute path of a RegisterAdapter ``source`` (``~`` expanded, links resolved).
     It only looks the path up: whether it holds an adapter is for
@@ -114,6 +148,9 @@ def validate_generate(request: gateway_pb2.GenerateRequest, config: GatewayConfi
     Raises:
         InvalidRequestError: a field is missing or out of range.
     """
+    if request.adapter_id:
+        check_adapter_id(request.adapter_id)
+    check_tenant_id(request.tenant_id)
     has_prompt = bool(request.prompt)
     has_messages = len(request.messages) > 0
     if not has_prompt and not has_messages:

@@ -99,6 +99,44 @@ def test_a_source_path_the_system_refuses_is_invalid_argument(
     assert "Traceback" not in caplog.text
 
 
+def test_every_rpc_applies_the_adapter_id_and_tenant_id_rules(gateway) -> None:
+    """Generate looked ``../../x`` up (NOT_FOUND) where RegisterAdapter refused it, and no RPC
+    checked ``tenant_id``: each refuses both now with INVALID_ARGUMENT and one message."""
+    g = gateway_pb2
+    by_adapter = {
+        "Generate": lambda a, t: list(
+            gateway.Generate(g.GenerateRequest(adapter_id=a, tenant_id=t, prompt="hi"), timeout=10)
+        ),
+        "RegisterAdapter": lambda a, t: gateway.RegisterAdapter(
+            g.RegisterAdapterRequest(adapter_id=a, tenant_id=t, source="/x"), timeout=10
+        ),
+        "GetAdapter": lambda a, t: gateway.GetAdapter(
+            g.GetAdapterRequest(adapter_id=a, tenant_id=t), timeout=10
+        ),
+        "DeleteAdapter": lambda a, t: gateway.DeleteAdapter(
+            g.DeleteAdapterRequest(adapter_id=a, tenant_id=t), timeout=10
+        ),
+        "ListAdapters": lambda a, t: gateway.ListAdapters(
+            g.ListAdaptersRequest(tenant_id=t), timeout=10
+        ),
+    }
+    messages = set()
+    for name, call in by_adapter.items():
+        cases = [("ok", "a b", "tenant_id 'a b' is invalid")]
+        if name != "ListAdapters":
+            cases.append(("../../x", "", "adapter_id '../../x' is invalid"))
+        for adapter_id, tenant_id, start in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                call(adapter_id, tenant_id)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert err.value.details().startswith(start), (name, err.value.details())
+            if adapter_id != "ok":
+                messages.add(err.value.details())
+    assert len(messages) == 1  # the same rule, in the same words, everywhere
+    listed = gateway.ListAdapters(g.ListAdaptersRequest(tenant_id="acme"), timeout=10)
+    assert list(listed.adapters) == []
+
+
 @pytest.mark.parametrize("service", ["gateway", "predictor", "worker"])
 def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
     out = subprocess.run(

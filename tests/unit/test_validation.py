@@ -118,6 +118,34 @@ def test_a_source_is_made_absolute(tmp_path, monkeypatch: pytest.MonkeyPatch) ->
         validation.adapter_source("")
 
 
+@pytest.mark.parametrize("adapter_id", ["../../x", "a b", "-a", "a" * 129])
+def test_generate_applies_the_adapter_id_rule_of_register(adapter_id: str) -> None:
+    """``adapter_id="../../x"`` in Generate was looked up (NOT_FOUND) instead of refused."""
+    with pytest.raises(InvalidRequestError) as err:
+        validate_generate(gateway_pb2.GenerateRequest(adapter_id=adapter_id, prompt="hi"), CONFIG)
+    with pytest.raises(InvalidRequestError) as register:
+        validation.check_adapter_id(adapter_id)
+    assert str(err.value) == str(register.value)
+    assert str(err.value).startswith(f"adapter_id {adapter_id[:64]!r}")
+    validate_generate(gateway_pb2.GenerateRequest(adapter_id="a" * 128, prompt="hi"), CONFIG)
+
+
+@pytest.mark.parametrize(
+    "tenant_id", ["a b", "a\tb", "a\nb", "a\x00b", "a\x7f", "a\u2003b", "t" * 129]
+)
+def test_a_tenant_id_with_whitespace_control_characters_or_too_long_is_refused(
+    tenant_id: str,
+) -> None:
+    with pytest.raises(InvalidRequestError, match=r"^tenant_id .* is invalid: use at most 128"):
+        validate_generate(gateway_pb2.GenerateRequest(tenant_id=tenant_id, prompt="hi"), CONFIG)
+
+
+@pytest.mark.parametrize("tenant_id", ["", "acme", "t" * 128, "équipe/ß-1", "a:b@c"])
+def test_a_tenant_id_within_the_rule_is_accepted(tenant_id: str) -> None:
+    validation.check_tenant_id(tenant_id)
+    validate_generate(gateway_pb2.GenerateRequest(tenant_id=tenant_id, prompt="hi"), CONFIG)
+
+
 def test_the_per_field_checks_are_the_rules_validate_generate_applies() -> None:
     """``plora generate`` checks its flags with these same functions (one rule, one place);
     without a limit, ``max_new_tokens`` is checked only from below (the gateway knows its
