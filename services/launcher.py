@@ -162,7 +162,7 @@ class Child:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         log.write(f"==== {stamp} plora up: starting {self.name} ====\n".encode())
         log.flush()
-        self.log_offset = log.tell()
+        self.log_offset = self.echoed = log.tell()
         self.proc = subprocess.Popen(
             stop_with_parent(self.cmd),
             stdout=log,
@@ -409,13 +409,10 @@ class Cluster:
 
     def _wait_ready(self, children: list[Child], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        offsets = {
-            c.name: c.log_path.stat().st_size if c.log_path.exists() else 0 for c in children
-        }
         pending = list(children)
         while pending:
             for c in list(pending):
-                offsets[c.name] = c.echoed = self._echo_progress(c, offsets[c.name], _STARTUP)
+                c.echoed = self._echo_progress(c, c.echoed, _STARTUP)
                 if c.poll_ready():
                     pending.remove(c)
                 elif not c.alive():
