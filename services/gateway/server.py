@@ -223,7 +223,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 cache.put(key, value)
                 return value
         if stale is None:
-            raise down
+            raise RegistryUnavailableError(str(down))  # a new one: requests raise concurrently
         self.metrics.stale_reads.labels(record).inc()
         return stale  # type: ignore[return-value]
 
