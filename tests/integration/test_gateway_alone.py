@@ -369,16 +369,22 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
             )
 
 
+def _start_token_streamer(redis_url: str, step_s: float) -> tuple[grpc.Server, int]:
+    """Start a :class:`_TokenStreamer` server (one token per ``step_s``) and register it in
+    Redis as worker ``w0``; returns the server and its port."""
+    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(step_s), worker)
+    port = worker.add_insecure_port("127.0.0.1:0")
+    worker.start()
+    Registry(connect(redis_url)).heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60)
+    return worker, port
+
+
 def test_stopping_gateway_ends_a_long_stream_with_unavailable_saying_why(redis_url: str) -> None:
     """A stream still running when the gateway stops used to end with gRPC's bare
     "Cancelling all calls" (a client mid-generation when ``plora up`` stopped); it ends a
     second before the grace period runs out, with UNAVAILABLE naming the shutdown."""
-    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.05), worker)
-    port = worker.add_insecure_port("127.0.0.1:0")
-    worker.start()
-    registry = Registry(connect(redis_url))
-    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=30)
+    worker, _ = _start_token_streamer(redis_url, 0.05)
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -421,12 +427,8 @@ def _gateway_before_a_streaming_worker(
     :class:`_TokenStreamer` registered as worker ``w0``, with adapters ``a`` and ``b``
     registered. Yields ``(service, the worker's port, generate(adapter_id))``, which streams
     a two-token request through the gateway."""
-    worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.0), worker)
-    port = worker.add_insecure_port("127.0.0.1:0")
-    worker.start()
+    worker, port = _start_token_streamer(redis_url, 0.0)
     registry = Registry(connect(redis_url))
-    registry.heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60)
     for adapter_id in ("a", "b"):
         registry.put_adapter(AdapterRecord(adapter_id, "/src", version=1, rank=8))
     settings: dict[str, Any] = {"worker_cache_s": 0.0, "adapter_cache_s": 0.0, **config}
