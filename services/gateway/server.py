@@ -10,6 +10,7 @@ the predictor without ever waiting on it. The servicer is thin: validation rules
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -226,6 +227,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise RegistryUnavailableError(str(down))  # a new one: requests raise concurrently
         self.metrics.stale_reads.labels(record).inc()
         return stale  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def _direct_registry(self) -> Iterator[None]:
+        """Around the admin calls, which read and write Redis directly (no cache): while a
+        read has found Redis unreachable and the background check has not found it back,
+        fail at once rather than wait out the socket timeout again (a hung Redis: 5 s per
+        call); a call that finds it unreachable starts that check.
+
+        Raises:
+            RegistryUnavailableError: Redis was or is unreachable.
+        """
+        down = self._registry_down
+        if down is not None:
+            raise RegistryUnavailableError(str(down))
+        try:
+            yield
+        except RegistryUnavailableError as exc:
+            self._registry_unreachable(exc)
+            raise
 
     def _registry_unreachable(self, exc: RegistryUnavailableError) -> None:
         """Note that a read found Redis unreachable and start the check that notices it is
@@ -487,6 +507,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         check_adapter_id(request.adapter_id)
         check_tenant_id(request.tenant_id)
         source = adapter_source(request.source)
+        with self._direct_registry():
+            return self._register(request, source)
+
+    def _register(
+        self, request: gateway_pb2.RegisterAdapterRequest, source: str
+    ) -> gateway_pb2.RegisterAdapterResponse:
+        """RegisterAdapter past its input checks (``source`` resolved)."""
         published = self.registry.get_model_spec()
         if published is None:
             raise NoHealthyWorkerError(
@@ -555,25 +582,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.GetAdapterResponse:
         check_adapter_id(request.adapter_id)
         check_tenant_id(request.tenant_id)
-        record = self.registry.get_adapter(request.adapter_id)
-        self._check_tenant(record, request.tenant_id)
-        resident = [w.worker_id for w in self._workers() if record.adapter_id in w.resident]
-        placed = self.registry.get_placement().get(record.adapter_id, [])
-        return gateway_pb2.GetAdapterResponse(
-            adapter=convert.adapter_info(record),
-            resident_on_workers=resident,
-            placed_on_workers=placed,
-        )
+        with self._direct_registry():
+            record = self.registry.get_adapter(request.adapter_id)
+            self._check_tenant(record, request.tenant_id)
+            resident = [w.worker_id for w in self._workers() if record.adapter_id in w.resident]
+            placed = self.registry.get_placement().get(record.adapter_id, [])
+            return gateway_pb2.GetAdapterResponse(
+                adapter=convert.adapter_info(record),
+                resident_on_workers=resident,
+                placed_on_workers=placed,
+            )
 
     @map_errors
     def ListAdapters(  # noqa: N802
         self, request: gateway_pb2.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.ListAdaptersResponse:
         check_tenant_id(request.tenant_id)
-        records = self.registry.list_adapters()
-        if request.tenant_id:
-            records = [r for r in records if r.tenant_id in ("", request.tenant_id)]
-        return gateway_pb2.ListAdaptersResponse(adapters=[convert.adapter_info(r) for r in records])
+        with self._direct_registry():
+            records = self.registry.list_adapters()
+            if request.tenant_id:
+                records = [r for r in records if r.tenant_id in ("", request.tenant_id)]
+            return gateway_pb2.ListAdaptersResponse(
+                adapters=[convert.adapter_info(r) for r in records]
+            )
 
     @map_errors
     def DeleteAdapter(  # noqa: N802
@@ -581,12 +612,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.DeleteAdapterResponse:
         check_adapter_id(request.adapter_id)
         check_tenant_id(request.tenant_id)
-        record = self.registry.get_adapter(request.adapter_id)
-        self._check_tenant(record, request.tenant_id)
-        self.registry.delete_adapter(request.adapter_id)
-        self._adapters.drop(request.adapter_id)
-        self._broadcast_unload(request.adapter_id)
-        return gateway_pb2.DeleteAdapterResponse(version=record.version)
+        with self._direct_registry():
+            record = self.registry.get_adapter(request.adapter_id)
+            self._check_tenant(record, request.tenant_id)
+            self.registry.delete_adapter(request.adapter_id)
+            self._adapters.drop(request.adapter_id)
+            self._broadcast_unload(request.adapter_id)
+            return gateway_pb2.DeleteAdapterResponse(version=record.version)
 
     def _broadcast_unload(self, adapter_id: str, wait: bool = False) -> None:
         """Drop every copy of an adapter from the healthy workers, best effort (a worker that
@@ -620,15 +652,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def GetClusterStatus(  # noqa: N802
         self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.GetClusterStatusResponse:
-        self._workers_cache.expire("workers")
-        workers = self._workers()
-        published = self.registry.get_model_spec()
-        return gateway_pb2.GetClusterStatusResponse(
-            workers=[convert.worker_status(w) for w in workers],
-            adapters_registered=len(self.registry.list_adapters()),
-            base_model=published[0].name if published else "",
-            predictor_connected=self.events.connected,
-        )
+        with self._direct_registry():
+            self._workers_cache.expire("workers")
+            workers = self._workers()
+            published = self.registry.get_model_spec()
+            return gateway_pb2.GetClusterStatusResponse(
+                workers=[convert.worker_status(w) for w in workers],
+                adapters_registered=len(self.registry.list_adapters()),
+                base_model=published[0].name if published else "",
+                predictor_connected=self.events.connected,
+            )
 
 
 def convert_status(exc: PLoRAError) -> grpc.StatusCode:

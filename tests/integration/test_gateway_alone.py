@@ -243,7 +243,9 @@ def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again
         assert "is the cluster running" not in err_text
 
         own_redis.start()  # empty, on the same port
-        assert list(stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters) == []
+        list_adapters = lambda: stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10)  # noqa: E731
+        _until_served(list_adapters, "admin call after the restart")
+        assert list(list_adapters().adapters) == []
         deadline = time.monotonic() + 10
         while True:  # Generate finds Redis back at the gateway's next background check
             with pytest.raises(grpc.RpcError) as err:
@@ -540,3 +542,59 @@ def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
         finally:
             os.kill(pid, signal.SIGCONT)
         _until_served(lambda: generate("b"), "after SIGCONT")
+
+
+def test_admin_calls_wait_out_a_hung_redis_once_then_fail_at_once(
+    own_redis: OwnRedis, tmp_path
+) -> None:
+    """The admin calls read and write Redis directly (no cache). With a hung Redis each one
+    waited out the 5 s socket timeout before UNAVAILABLE (session 15's note); now the first
+    call to time out marks the registry unreachable and the rest fail at once, naming it,
+    until the gateway's background check finds Redis answering again."""
+    pid = own_redis.pid
+    with _gateway_before_a_streaming_worker(own_redis.url) as (service, _, _):
+        channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        calls = {
+            "RegisterAdapter": lambda: stub.RegisterAdapter(
+                gateway_pb2.RegisterAdapterRequest(adapter_id="c", source=str(tmp_path)),
+                timeout=10,
+            ),
+            "GetAdapter": lambda: stub.GetAdapter(
+                gateway_pb2.GetAdapterRequest(adapter_id="a"), timeout=10
+            ),
+            "ListAdapters": lambda: stub.ListAdapters(
+                gateway_pb2.ListAdaptersRequest(), timeout=10
+            ),
+            "DeleteAdapter": lambda: stub.DeleteAdapter(
+                gateway_pb2.DeleteAdapterRequest(adapter_id="b"), timeout=10
+            ),
+            "GetClusterStatus": lambda: stub.GetClusterStatus(
+                gateway_pb2.GetClusterStatusRequest(), timeout=10
+            ),
+        }
+        try:
+            assert len(calls["ListAdapters"]().adapters) == 2
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    calls["GetAdapter"]()  # the first call waits out the timeout
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert time.monotonic() - started > 4.0
+                for name, call in calls.items():
+                    started = time.monotonic()
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()
+                    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, name
+                    assert "the adapter registry (Redis at" in err.value.details(), name
+                    assert time.monotonic() - started < 1.0, name
+                with pytest.raises(grpc.RpcError) as err:  # input errors still come first
+                    stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="../x"), timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            _until_served(calls["ListAdapters"], "after SIGCONT")
+            assert {a.adapter_id for a in calls["ListAdapters"]().adapters} == {"a", "b"}
+        finally:
+            channel.close()
