@@ -407,12 +407,21 @@ class Cluster:
         self.children.append(child)
         return child
 
-    def _wait_ready(self, children: list[Child], timeout: float) -> None:
+    def _wait_ready(
+        self, children: list[Child], timeout: float, echo: tuple[str, ...] = _STARTUP
+    ) -> None:
+        """Wait until every child answers its health check, echoing its log lines of the
+        ``echo`` levels meanwhile (none: skipped, not kept for later).
+
+        Raises:
+            RuntimeError: a child exited or ``timeout`` seconds passed first.
+            KeyboardInterrupt: a stop was requested.
+        """
         deadline = time.monotonic() + timeout
         pending = list(children)
         while pending:
             for c in list(pending):
-                c.echoed = self._echo_progress(c, c.echoed, _STARTUP)
+                c.echoed = self._echo_progress(c, c.echoed, echo)
                 if c.poll_ready():
                     pending.remove(c)
                 elif not c.alive():
@@ -657,7 +666,9 @@ class Cluster:
                     restarts[c.name] = [*recent, now]
                     self._say(f"{c.name} exited (code {code}); restarting it on the same ports")
                 try:
-                    self._restart(c)
+                    # a retry while Redis is unreachable fails the same way every 5 s: its
+                    # start-up lines were echoed on the first try
+                    self._restart(c, echo=() if c.name in waiting else _STARTUP)
                 except (RuntimeError, TimeoutError) as exc:
                     if c.proc is None or c.proc.returncode != EXIT_REGISTRY_UNAVAILABLE:
                         self._say(f"restart of {c.name} failed: {exc}; stopping")
@@ -674,11 +685,11 @@ class Cluster:
                     self._say(f"{c.name} started again: the adapter registry is reachable")
         return 0
 
-    def _restart(self, child: Child) -> None:
+    def _restart(self, child: Child, echo: tuple[str, ...] = _STARTUP) -> None:
         child.cmd = _pin_ports(child.cmd, child.ports)
         env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
         child.start(env)
-        self._wait_ready([child], self.args.startup_timeout)
+        self._wait_ready([child], self.args.startup_timeout, echo)
         if self.state_file.exists():
             state = json.loads(self.state_file.read_text())
             state["pids"][child.name] = child.proc.pid if child.proc else None

@@ -24,6 +24,7 @@ from services.common.redis_server import EmbeddedRedis
 from services.gateway.config import GatewayConfig
 from services.launcher import (
     POLICY_FLAG_ENV,
+    REGISTRY_RETRY_S,
     Child,
     Cluster,
     _cli_command,
@@ -483,10 +484,16 @@ def test_a_service_that_cannot_reach_an_external_redis_is_retried_not_the_cluste
         watcher = threading.Thread(target=lambda: watched.append(cluster.watch()))
         watcher.start()
         deadline = time.monotonic() + 60
-        while "cannot start while the adapter registry" not in capsys.readouterr().out:
+        out = ""
+        while "cannot start while the adapter registry" not in out:
+            out += capsys.readouterr().out
             assert watcher.is_alive(), "plora up stopped"
             assert time.monotonic() < deadline
             time.sleep(0.2)
+        time.sleep(2.5 * REGISTRY_RETRY_S)  # two more tries fail the same way
+        out += capsys.readouterr().out
+        # the service's own error line is echoed once, not once per try
+        assert len([ln for ln in out.splitlines() if " ERROR " in ln]) == 1, out
         own_redis.start()
         deadline = time.monotonic() + 90
         out = ""
