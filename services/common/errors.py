@@ -60,6 +60,13 @@ class AdapterPermissionError(PLoRAError):
     status_code_name = "PERMISSION_DENIED"
 
 
+class RegistrationConflictError(PLoRAError):
+    """A concurrent registration of the same adapter id reserved a later version and won
+    (ABORTED)."""
+
+    status_code_name = "ABORTED"
+
+
 class PoolExhaustedError(PLoRAError):
     """The device pool cannot hold the adapter now or ever (RESOURCE_EXHAUSTED)."""
 

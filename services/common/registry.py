@@ -269,6 +269,23 @@ def connect(url: str, timeout: float = 5.0) -> redis.Redis:
     return client
 
 
+#: KEYS = (the record's key, the id index); ARGV = (record JSON, its version, adapter id).
+#: Writes the record unless the stored one has a newer version; 1 if written, else 0.
+_PUT_IF_NEWER = """
+local stored = redis.call('GET', KEYS[1])
+if stored then
+  local ok, rec = pcall(cjson.decode, stored)
+  if ok and type(rec) == 'table' and tonumber(rec['version'])
+      and tonumber(rec['version']) > tonumber(ARGV[2]) then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[3])
+return 1
+"""
+
+
 class Registry:
     """Typed access to the keys above. Thread-safe (redis-py pools connections).
 
@@ -286,6 +303,7 @@ class Registry:
         self.client = client
         self.prefix = prefix
         self._outage = _Outage(_location(client))
+        self._put_if_newer = client.register_script(_PUT_IF_NEWER)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -303,12 +321,20 @@ class Registry:
         return int(self.client.incr(self._k("adapter_version", adapter_id)))
 
     @_guarded
-    def put_adapter(self, record: AdapterRecord) -> None:
-        """Write (or replace) an adapter record and index it, atomically."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self._k("adapter", record.adapter_id), json.dumps(asdict(record)))
-        pipe.sadd(self._k("adapters"), record.adapter_id)
-        pipe.execute()
+    def put_adapter(self, record: AdapterRecord) -> bool:
+        """Write (or replace) an adapter record and index it, atomically, unless the stored
+        record has a newer version: of two registrations of one id racing, the one that
+        reserved the later version wins whichever writes last (workers that saw it would
+        refuse the older one as superseded).
+
+        Returns:
+            Whether ``record`` was written (False: a newer version is registered).
+        """
+        written = self._put_if_newer(
+            keys=[self._k("adapter", record.adapter_id), self._k("adapters")],
+            args=[json.dumps(asdict(record)), record.version, record.adapter_id],
+        )
+        return bool(written)
 
     @_guarded
     def get_adapter(self, adapter_id: str) -> AdapterRecord:

@@ -40,7 +40,8 @@ class GatewayMetrics:
         )
         self.retries = Counter(
             "plora_gateway_retries",
-            "Requests retried on another worker before the first token",
+            "Requests sent to a worker again before their first token (another worker after one "
+            "failed, or the adapter's newer version after a worker refused the old one)",
             registry=r,
         )
         self.stale_reads = Counter(

@@ -29,6 +29,7 @@ from services.common.errors import (
     NoHealthyWorkerError,
     PLoRAError,
     PoolExhaustedError,
+    RegistrationConflictError,
     quoted,
 )
 from services.common.grpc_util import (
@@ -285,6 +286,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._adapters, adapter_id, "adapter", lambda: self.registry.get_adapter(adapter_id)
         )
 
+    def _reread_adapter(self, adapter_id: str) -> AdapterRecord | None:
+        """The adapter's record read from Redis now (and cached), or None when that fails
+        (deleted: dropped from the cache; Redis unreachable)."""
+        try:
+            with self._direct_registry():
+                record = self.registry.get_adapter(adapter_id)
+        except AdapterNotFoundError:
+            self._adapters.drop(adapter_id)
+            return None
+        except RegistryUnavailableError:
+            return None
+        self._adapters.put(adapter_id, record)
+        return record
+
     @staticmethod
     def _check_tenant(record: AdapterRecord, tenant_id: str) -> None:
         if record.tenant_id and record.tenant_id != tenant_id:
@@ -439,6 +454,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         timeout = remaining_or(context, self.config.request_timeout_s)
         tried: set[str] = set()
+        refreshed = False  # the adapter's record was read again after a worker refused it
         while True:
             worker = self._choose(adapter, tried)
             tried.add(worker.worker_id)
@@ -485,6 +501,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self.metrics.retries.inc()
                     self._workers_cache.expire("workers")
                     continue
+                if (
+                    exc.code() is grpc.StatusCode.NOT_FOUND
+                    and before_first_token
+                    and adapter is not None
+                    and not refreshed
+                    and context.is_active()
+                ):
+                    # The worker refused this version (superseded: a re-registration this
+                    # gateway's cache had not seen, or it was dropped while loading): once,
+                    # read the record again and, if it is newer, send the request with it.
+                    refreshed = True
+                    fresh = self._reread_adapter(adapter.adapter_id)
+                    if fresh is not None and fresh.version > adapter.version:
+                        self._check_tenant(fresh, request.tenant_id)
+                        logger.info(
+                            "worker %s refused %s v%d (%s); retrying with v%d",
+                            worker.worker_id,
+                            adapter.adapter_id,
+                            adapter.version,
+                            exc.details(),
+                            fresh.version,
+                        )
+                        adapter = fresh
+                        worker_request.adapter.CopyFrom(convert.adapter_info(fresh))
+                        tried.discard(worker.worker_id)
+                        self.metrics.retries.inc()
+                        continue
                 if not context.is_active():
                     return
                 details = exc.details() or exc.code().name
@@ -562,10 +605,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # persistence), with a higher version it would take this one to be superseded
             # by. Workers forget it before the record exists, so no request can race it.
             self._broadcast_unload(record.adapter_id, wait=True)
-        self.registry.put_adapter(record)
+        if not self.registry.put_adapter(record):
+            raise RegistrationConflictError(
+                f"adapter {quoted(request.adapter_id)} was registered again meanwhile, with a "
+                f"later version than this call's {record.version}, which stays registered; "
+                "GetAdapter shows it, register again to replace it"
+            )
         self._adapters.drop(record.adapter_id)
         if previous is not None:
-            self._broadcast_unload(record.adapter_id)
+            # only the older versions: a late unload must spare this one if a request has
+            # already started loading it
+            self._broadcast_unload(record.adapter_id, below_version=record.version)
         logger.info(
             "registered adapter %s v%d (rank %d, %d bytes) from %s",
             record.adapter_id,
@@ -620,17 +670,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._broadcast_unload(request.adapter_id)
             return gateway_pb2.DeleteAdapterResponse(version=record.version)
 
-    def _broadcast_unload(self, adapter_id: str, wait: bool = False) -> None:
-        """Drop every copy of an adapter from the healthy workers, best effort (a worker that
-        is down holds nothing when it comes back): in the background, or with ``wait`` before
-        returning (the calls run in parallel, each for at most ``UNLOAD_TIMEOUT_S``)."""
+    def _broadcast_unload(
+        self, adapter_id: str, wait: bool = False, below_version: int = 0
+    ) -> None:
+        """Drop every copy of an adapter (or, with ``below_version``, its versions older
+        than that one) from the healthy workers, best effort (a worker that is down holds
+        nothing when it comes back): in the background, or with ``wait`` before returning
+        (the calls run in parallel, each for at most ``UNLOAD_TIMEOUT_S``)."""
 
         def run() -> None:
             try:
                 workers = [w for w in self._workers() if w.healthy]
             except RegistryUnavailableError:
                 return  # logged by the registry; best effort, as for a worker that is down
-            request = worker_pb2.UnloadAdapterRequest(adapter_id=adapter_id)
+            request = worker_pb2.UnloadAdapterRequest(
+                adapter_id=adapter_id, below_version=below_version
+            )
             calls = [
                 (w, self._stub(w.address).UnloadAdapter.future(request, timeout=UNLOAD_TIMEOUT_S))
                 for w in workers

@@ -194,7 +194,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def UnloadAdapter(  # noqa: N802
         self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
     ) -> worker_pb2.UnloadAdapterResponse:
-        return worker_pb2.UnloadAdapterResponse(was_loaded=self.store.unload(request.adapter_id))
+        dropped = self.store.unload(request.adapter_id, int(request.below_version))
+        return worker_pb2.UnloadAdapterResponse(was_loaded=dropped)
 
     @map_errors
     def PrefetchAdapters(  # noqa: N802

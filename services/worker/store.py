@@ -1050,25 +1050,43 @@ class AdapterStore:
         with self._lock:
             self._policy.set_forecast(forecast)
 
-    def unload(self, adapter_id: str) -> bool:
+    def unload(self, adapter_id: str, below_version: int = 0) -> bool:
         """Drop ``adapter_id`` from every tier (a leased copy is freed at its last release;
         a pending load fails its leases with ``AdapterNotFoundError``; a queued host staging
         read is cancelled).
+
+        Args:
+            adapter_id: The adapter.
+            below_version: 0 drops every version (deleted, or forgotten by the registry).
+                ``N > 0`` says version ``N`` was registered: only older versions are dropped
+                (evicted as ``"superseded"``) and refused from now on, as if a request for
+                ``N`` had been seen, so an unload that arrives after ``N`` started loading
+                leaves it alone.
 
         Returns:
             Whether anything was dropped.
         """
         with self._lock:
-            dropped = self._host.drop(adapter_id)
-            queued = len(self._staging)
-            self._staging = deque(r for r in self._staging if r.adapter_id != adapter_id)
-            dropped = dropped or len(self._staging) < queued
-            e = self._entries.get(adapter_id)
-            if e is not None:
-                self._detach(e, "unload")
-                dropped = True
-            self._latest.pop(adapter_id, None)
-            return dropped
+            if below_version <= 0:
+                self._latest.pop(adapter_id, None)
+                return self._drop(adapter_id, "unload")
+            latest = self._latest.get(adapter_id)
+            if latest is not None and latest >= below_version:
+                return False  # that version or a newer one was seen here: older ones are gone
+            self._latest[adapter_id] = below_version
+            return self._drop(adapter_id, "superseded")
+
+    def _drop(self, adapter_id: str, reason: str) -> bool:
+        """Remove every tier's copy and queued staging read of ``adapter_id`` (lock held)."""
+        dropped = self._host.drop(adapter_id)
+        queued = len(self._staging)
+        self._staging = deque(r for r in self._staging if r.adapter_id != adapter_id)
+        dropped = dropped or len(self._staging) < queued
+        e = self._entries.get(adapter_id)
+        if e is not None:
+            self._detach(e, reason)
+            dropped = True
+        return dropped
 
     def unload_all(self) -> int:
         """:meth:`unload` every adapter this store holds in any tier, queues or has seen a

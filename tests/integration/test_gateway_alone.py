@@ -17,15 +17,20 @@ from typing import Any
 import grpc
 import pytest
 
-from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2_grpc
+from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services import cli
 from services.common.lifecycle import EXIT_REGISTRY_UNAVAILABLE
+from services.common.make_adapters import write_peft_adapter
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
+from services.common.types import ModelSpec
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.server import GatewayService, GatewayServicer
 from services.predictor.placement import ROUTED_GRACE_S
 from tests.conftest import REPO, OwnRedis
+
+#: A tiny served model for registrations through a gateway with no real worker.
+SPEC = ModelSpec("m", 2, 8, 16, 2, 1, 4, 32, 64, 10000.0, 1e-6, True)
 
 
 @pytest.fixture()
@@ -355,8 +360,22 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
+        #: adapter id -> oldest version served; older ones are refused as a real worker
+        #: refuses a superseded version (NOT_FOUND)
+        self.refuse_below: dict[str, int] = {}
+        self.unloads: list[worker_pb2.UnloadAdapterRequest] = []
+
+    def UnloadAdapter(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.unloads.append(request)
+        return worker_pb2.UnloadAdapterResponse()
 
     def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        adapter = request.adapter
+        if adapter.version < self.refuse_below.get(adapter.adapter_id, 0):
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"adapter {adapter.adapter_id!r} version {adapter.version} was superseded",
+            )
         n = request.request.max_new_tokens
         for i in range(n):
             if not context.is_active():
@@ -371,14 +390,19 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
             )
 
 
-def _start_token_streamer(redis_url: str, step_s: float) -> tuple[grpc.Server, int]:
-    """Start a :class:`_TokenStreamer` server (one token per ``step_s``) and register it in
-    Redis as worker ``w0``; returns the server and its port."""
+def _start_token_streamer(
+    redis_url: str, step_s: float, servicer: _TokenStreamer | None = None
+) -> tuple[grpc.Server, int]:
+    """Start a :class:`_TokenStreamer` server (one token per ``step_s``; ``servicer`` when
+    given) and register it in Redis as worker ``w0``, publishing the tiny :data:`SPEC` as the
+    served model; returns the server and its port."""
     worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(step_s), worker)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer or _TokenStreamer(step_s), worker)
     port = worker.add_insecure_port("127.0.0.1:0")
     worker.start()
-    Registry(connect(redis_url)).heartbeat(WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60)
+    Registry(connect(redis_url)).heartbeat(
+        WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60, model=(SPEC, "float32")
+    )
     return worker, port
 
 
@@ -598,3 +622,83 @@ def test_admin_calls_wait_out_a_hung_redis_once_then_fail_at_once(
             assert {a.adapter_id for a in calls["ListAdapters"]().adapters} == {"a", "b"}
         finally:
             channel.close()
+
+
+def test_a_request_refused_for_a_superseded_version_is_sent_again_with_the_new_one(
+    redis_url: str,
+) -> None:
+    """A gateway's cached record can be older than the registry's (another gateway, or this
+    one within ``adapter_cache_s``); a worker that has seen the newer version refuses the
+    old one (NOT_FOUND). The gateway reads the record again and sends the request once more
+    with the newer version (new-user trial: NOT_FOUND right after a re-registration)."""
+    streamer = _TokenStreamer(0.0)
+    worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
+    registry = Registry(connect(redis_url))
+    registry.put_adapter(AdapterRecord("a", "/src", version=1, rank=8))
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, adapter_cache_s=60.0)
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    request = gateway_pb2.GenerateRequest(prompt="hi", adapter_id="a", max_new_tokens=2)
+    try:
+        assert len(list(stub.Generate(request, timeout=10))) == 2  # caches version 1
+        registry.put_adapter(AdapterRecord("a", "/src", version=2, rank=8))  # elsewhere
+        streamer.refuse_below["a"] = 2
+        assert len(list(stub.Generate(request, timeout=10))) == 2
+        assert service.servicer.metrics.retries._value.get() == 1
+        # refused although the registry has nothing newer: the worker's NOT_FOUND, once
+        streamer.refuse_below["a"] = 3
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=10))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "version 2 was superseded" in err.value.details()
+        assert service.servicer.metrics.retries._value.get() == 1
+    finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)
+
+
+def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborted(
+    redis_url: str, tmp_path
+) -> None:
+    """Re-registration has the workers drop the versions older than the new one only (a late
+    unload dropped the new version while a request loaded it: NOT_FOUND in the new-user
+    trial). Of two registrations of one id racing, the one that reserved the later version
+    stays, and the other answers ABORTED instead of overwriting it."""
+    streamer = _TokenStreamer(0.0)
+    worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
+    source = write_peft_adapter(tmp_path / "a", SPEC, rank=4, alpha=8.0, seed=1)
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    request = gateway_pb2.RegisterAdapterRequest(adapter_id="a", source=str(source))
+    try:
+        assert stub.RegisterAdapter(request, timeout=10).adapter.version == 1
+        assert stub.RegisterAdapter(request, timeout=10).adapter.version == 2
+        deadline = time.monotonic() + 10
+        while len(streamer.unloads) < 2:  # version 1's before its write, version 2's after
+            assert time.monotonic() < deadline, streamer.unloads
+            time.sleep(0.05)
+        assert [(u.adapter_id, u.below_version) for u in streamer.unloads] == [("a", 0), ("a", 2)]
+
+        registry = service.servicer.registry
+        put = registry.put_adapter
+
+        def another_gateway_registers_first(record: AdapterRecord) -> bool:
+            later = AdapterRecord("a", "/elsewhere", version=registry.next_adapter_version("a"))
+            assert put(later)
+            return put(record)
+
+        registry.put_adapter = another_gateway_registers_first  # type: ignore[method-assign]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.RegisterAdapter(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert "with a later version than this call's 3" in err.value.details()
+        got = stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="a"), timeout=10).adapter
+        assert (got.version, got.source) == (4, "/elsewhere")
+    finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)

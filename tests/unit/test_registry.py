@@ -38,6 +38,23 @@ def test_adapter_versions_are_monotonic_even_after_delete(redis_url: str) -> Non
     assert reg.list_adapters() == []
 
 
+def test_of_two_racing_registrations_the_later_version_stays_whichever_writes_last(
+    redis_url: str,
+) -> None:
+    """Concurrent RegisterAdapter calls of one id reserve versions 1 and 2; if version 1's
+    write lands last it must not replace version 2 (a worker that served version 2 would
+    refuse version 1 as superseded: NOT_FOUND until the next registration)."""
+    reg = Registry(connect(redis_url))
+    first, second = reg.next_adapter_version("a"), reg.next_adapter_version("a")
+    assert reg.put_adapter(AdapterRecord("a", "/src/2", version=second, rank=16))
+    assert not reg.put_adapter(AdapterRecord("a", "/src/1", version=first, rank=8))
+    assert (reg.get_adapter("a").version, reg.get_adapter("a").source) == (second, "/src/2")
+    assert reg.put_adapter(AdapterRecord("a", "/src/2b", version=second, rank=16))  # same: kept
+    assert [r.adapter_id for r in reg.list_adapters()] == ["a"]
+    reg.delete_adapter("a")
+    assert reg.put_adapter(AdapterRecord("a", "/src/1", version=first, rank=8))  # none stored
+
+
 def test_a_heartbeat_says_whether_the_registry_knew_the_worker(redis_url: str) -> None:
     """False at the first heartbeat and after Redis lost its data (how a worker learns that
     the adapters' versions restart), True otherwise."""

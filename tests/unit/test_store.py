@@ -278,6 +278,33 @@ def test_unload_all_forgets_every_copy_and_version_so_a_restarted_registry_is_se
         assert s.unload_all() == 1 and s.unload_all() == 0
 
 
+def test_unload_below_a_version_spares_that_version_even_while_it_loads() -> None:
+    """Re-registration (new-user trial): the gateway's unload of the old copies reached a
+    worker after a request for the new version had started loading it there, and dropped it
+    ("version 23 was unloaded while loading", NOT_FOUND to the request). An unload below
+    version N drops only older versions and refuses them from then on."""
+    s, src = store()
+    with s:
+        ready(s.acquire(ref("a", version=1))).release()
+        src.gate = threading.Event()
+        loading = s.acquire(ref("a", version=2))  # supersedes v1 and loads v2
+        time.sleep(0.05)
+        assert not s.unload("a", below_version=2)  # late: v2 is known here, v1 already gone
+        src.gate.set()
+        assert ready(loading).error() is None
+        loading.release()
+        assert [r.version for r in s.resident_adapters()] == [2]
+        # reaching a worker that still holds v2 only: drops it, and v2 is refused from then on
+        ready(s.acquire(ref("b", version=2))).release()
+        assert s.unload("b", below_version=3)
+        assert [r.adapter_id for r in s.resident_adapters()] == ["a"]
+        assert s.stats().host_cache_adapters == 1
+        with pytest.raises(AdapterNotFoundError, match="superseded by version 3"):
+            s.acquire(ref("b", version=2))
+        assert ready(s.acquire(ref("b", version=3))).error() is None
+        assert s.stats().evictions_by_reason.get("superseded") == 2
+
+
 # ---------------------------------------------------------------------- waiting for space
 def test_load_waits_for_a_release_then_succeeds() -> None:
     s, _ = store(pages=8, load_wait_timeout_s=5.0)
