@@ -25,8 +25,17 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Seconds between keepalive pings on an idle channel (milliseconds).
-KEEPALIVE_TIME_MS = 30_000
+#: Milliseconds between a channel's keepalive pings, with or without calls in flight.
+KEEPALIVE_TIME_MS = 10_000
+
+#: Milliseconds a channel waits for a ping's answer (a keepalive ping, or the flow-control
+#: ping gRPC sends with a call) before it closes the connection and fails its calls
+#: UNAVAILABLE: a peer that stopped answering (a frozen process, a paused VM, a cable pulled)
+#: is noticed within about this long (at most KEEPALIVE_TIME_MS more) instead of at the call's
+#: deadline, and a worker's request that had no token yet is retried on another. Both
+#: arguments are needed: with an unanswered flow-control ping in flight, grpc-core defers the
+#: keepalive ping and waits ``grpc.http2.ping_timeout_ms`` (1 minute by default) instead.
+KEEPALIVE_TIMEOUT_MS = 10_000
 
 
 #: Message size limits of every channel and server: large messages are not expected.
@@ -39,10 +48,13 @@ _MESSAGE_LIMITS: list[tuple[str, Any]] = [
 def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
     """Options of every channel: 16 MiB messages, keepalive pings every
     ``keepalive_time_ms`` even with no call in flight (so a dead peer is noticed before the
-    next request, not by it)."""
+    next request, not by it), each answered within :data:`KEEPALIVE_TIMEOUT_MS` or the
+    connection is closed (gRPC keepalive, A8 in grpc/proposal)."""
     return [
         *_MESSAGE_LIMITS,
         ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
 

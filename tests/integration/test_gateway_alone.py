@@ -702,3 +702,81 @@ def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborte
         channel.close()
         service.stop(0)
         worker.stop(0)
+
+
+#: A worker's gRPC server in a process of its own (so the test can freeze it): streams one
+#: token per 10 ms, with the services' server options; prints its port.
+_STREAMER_PROCESS = """
+import sys, time
+from plora.v1 import gateway_pb2, worker_pb2_grpc
+from services.common.grpc_util import create_server
+
+class Streamer(worker_pb2_grpc.WorkerServicer):
+    def Generate(self, request, context):
+        n = request.request.max_new_tokens
+        for i in range(n):
+            time.sleep(0.01)
+            last = i == n - 1
+            yield gateway_pb2.GenerateResponse(
+                text="x", token_ids=[i], worker_id="w1",
+                finish_reason=gateway_pb2.FINISH_REASON_LENGTH if last else 0,
+            )
+
+def register(server):
+    worker_pb2_grpc.add_WorkerServicer_to_server(Streamer(), server)
+    return ["plora.v1.Worker"]
+
+server, port, _ = create_server(register)
+server.start()
+print(port, flush=True)
+server.wait_for_termination()
+"""
+
+
+@pytest.mark.slow
+def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive(
+    redis_url: str,
+) -> None:
+    """A worker that stops answering (SIGSTOP; a paused VM) while it holds a request that
+    has had no token yet: the gateway's channel to it misses a keepalive answer and fails
+    the call UNAVAILABLE, and the request is retried on the other worker. Before, it hung
+    until the client's deadline (new-user trial: DEADLINE_EXCEEDED after 25 s; 600 s
+    without a client deadline), while ``plora status`` already showed the worker down."""
+    frozen = subprocess.Popen(
+        [sys.executable, "-c", _STREAMER_PROCESS], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    healthy, _ = _start_token_streamer(redis_url, 0.01)
+    service = None
+    try:
+        assert frozen.stdout is not None
+        frozen_port = int(frozen.stdout.readline())
+        Registry(connect(redis_url)).heartbeat(
+            WorkerRecord("w1", f"127.0.0.1:{frozen_port}"), ttl_seconds=120
+        )
+        service = GatewayService(
+            GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+        ).start()
+        channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def generate() -> str:
+            request = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=3)
+            return list(stub.Generate(request, timeout=40))[-1].worker_id
+
+        assert {generate() for _ in range(4)} == {"w0", "w1"}  # both channels connected
+        os.kill(frozen.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with futures.ThreadPoolExecutor(2) as pool:
+            served_by = list(pool.map(lambda _: generate(), range(2)))
+        took = time.monotonic() - started
+        assert served_by == ["w0", "w0"]
+        assert took < 25.0, took  # a ping unanswered for 10 s, then w0
+        assert service.servicer.metrics.retries._value.get() >= 1
+        channel.close()
+    finally:
+        if service is not None:
+            service.stop(0)
+        healthy.stop(0)
+        os.kill(frozen.pid, signal.SIGCONT)
+        frozen.kill()
+        frozen.wait()

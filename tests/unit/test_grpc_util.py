@@ -7,6 +7,7 @@ import pytest
 
 from services.common.grpc_util import (
     KEEPALIVE_TIME_MS,
+    KEEPALIVE_TIMEOUT_MS,
     channel_options,
     create_server,
     server_options,
@@ -40,5 +41,9 @@ def test_servers_accept_the_channels_idle_keepalive_pings() -> None:
         server = dict(server_options(keepalive_ms))
         assert client["grpc.keepalive_time_ms"] == keepalive_ms
         assert client["grpc.keepalive_permit_without_calls"] == 1
+        # an unanswered ping fails the connection after 10 s, whichever ping it is (see
+        # tests/integration/test_gateway_alone.py: a frozen worker)
+        assert client["grpc.keepalive_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
+        assert client["grpc.http2.ping_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
         assert server["grpc.keepalive_permit_without_calls"] == 1
         assert 0 < server["grpc.http2.min_ping_interval_without_data_ms"] < keepalive_ms
