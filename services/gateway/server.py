@@ -79,6 +79,9 @@ REGISTRY_PROBE_S = 1.0
 #: Seconds an UnloadAdapter call to one worker may take (adapter deletion and registration).
 UNLOAD_TIMEOUT_S = 5.0
 
+#: Seconds between the background reads of the worker list behind the per-worker gauges.
+WORKER_GAUGES_S = 1.0
+
 
 class _TTLCache:
     """Values read from the registry, thread-safe: fresh for ``ttl`` seconds after they were
@@ -153,6 +156,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # there, its bytes); forgotten once a heartbeat taken ROUTED_GRACE_S later speaks for it
         self._routed: dict[str, dict[str, tuple[float, int]]] = {}
         self._inflight_lock = threading.Lock()
+        self._gauged: set[str] = set()  # workers with per-worker gauge series
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
         self._drain_grace_s = 0.0
@@ -273,13 +277,43 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self._cached(self._workers_cache, "workers", "workers", self._read_workers)
 
     def _read_workers(self) -> list[WorkerRecord]:
+        """The worker list from Redis; sets the per-worker gauges from it (and removes the
+        series of workers gone from it)."""
         workers = self.registry.list_workers()
         self.metrics.workers_healthy.set(sum(w.healthy for w in workers))
+        ids = {w.worker_id for w in workers}
+        with self._inflight_lock:
+            gone, self._gauged = self._gauged - ids, ids
+        for worker_id in gone:
+            for gauge in (
+                self.metrics.heartbeat_age,
+                self.metrics.worker_queue,
+                self.metrics.resident,
+            ):
+                gauge.remove(worker_id)
         for w in workers:
             self.metrics.heartbeat_age.labels(w.worker_id).set(w.heartbeat_age_seconds)
             self.metrics.worker_queue.labels(w.worker_id).set(w.queue_length)
             self.metrics.resident.labels(w.worker_id).set(len(w.resident))
         return workers
+
+    def start_gauges(self) -> None:
+        """Read the worker list every :data:`WORKER_GAUGES_S` in the background (until
+        :meth:`close`), so the per-worker gauges stay current while no request arrives
+        (they were set only by the reads requests made: an idle gateway showed a frozen
+        worker healthy and a drained queue full). Skipped while Redis is known unreachable;
+        the requests' cache is left alone."""
+
+        def run() -> None:
+            while not self._closed.wait(WORKER_GAUGES_S):
+                if self._registry_down is not None:
+                    continue
+                try:
+                    self._read_workers()
+                except RegistryUnavailableError as exc:
+                    self._registry_unreachable(exc)
+
+        threading.Thread(target=run, name="worker-gauges", daemon=True).start()
 
     def _adapter(self, adapter_id: str) -> AdapterRecord:
         return self._cached(
@@ -755,6 +789,7 @@ class GatewayService:
         """Start serving and mark the service SERVING."""
         self.server.start()
         self.servicer.events.start()
+        self.servicer.start_gauges()
         set_serving(self.health, [SERVICE_NAME], True)
         if self.config.ready_file:
             write_ready_file(self.config.ready_file, self.port, self.metrics_port)

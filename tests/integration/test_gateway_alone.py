@@ -780,3 +780,37 @@ def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive
         os.kill(frozen.pid, signal.SIGCONT)
         frozen.kill()
         frozen.wait()
+
+
+def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_url: str) -> None:
+    """The per-worker gauges were set only by the worker-list reads requests made, so an idle
+    gateway went on showing a frozen worker healthy with a 1 s heartbeat age and a drained
+    queue full (new-user trial). They now follow the registry every second, and the series
+    of a worker gone from it are removed."""
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    registry = Registry(connect(redis_url))
+    metrics = service.servicer.metrics
+
+    def until(what: str, check: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 5
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    def series(gauge: Any) -> dict[str, float]:
+        return {s.labels["worker"]: s.value for m in gauge.collect() for s in m.samples if s.labels}
+
+    try:
+        registry.heartbeat(WorkerRecord("w9", "127.0.0.1:1", queue_length=3), ttl_seconds=2)
+        until("healthy", lambda: metrics.workers_healthy._value.get() == 1)
+        until("queue 3", lambda: series(metrics.worker_queue) == {"w9": 3})
+        registry.heartbeat(WorkerRecord("w9", "127.0.0.1:1", queue_length=0), ttl_seconds=2)
+        until("queue 0", lambda: series(metrics.worker_queue) == {"w9": 0})
+        # no more heartbeats: down once its liveness key expires, its age growing meanwhile
+        until("down", lambda: metrics.workers_healthy._value.get() == 0)
+        assert series(metrics.heartbeat_age)["w9"] >= 1.5
+        registry.deregister_worker("w9")
+        until("series removed", lambda: series(metrics.heartbeat_age) == {})
+        assert series(metrics.worker_queue) == {} and series(metrics.resident) == {}
+    finally:
+        service.stop(0)
