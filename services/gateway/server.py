@@ -486,12 +486,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         worker_request = worker_pb2.WorkerGenerateRequest(
             request=forwarded, adapter=convert.adapter_info(adapter) if adapter else None
         )
-        timeout = remaining_or(context, self.config.request_timeout_s)
         tried: set[str] = set()
         refreshed = False  # the adapter's record was read again after a worker refused it
         while True:
             worker = self._choose(adapter, tried)
             tried.add(worker.worker_id)
+            # what is left of the client's deadline (else of request_timeout_s) as the call
+            # starts: a retry does not get the whole of it again, and the worker's deadline
+            # is the client's, so a stream the deadline ends is counted as such there too
+            # (not CANCELLED by this gateway a moment before the worker's own clock passes it)
+            budget = received + self.config.request_timeout_s - time.monotonic()
+            timeout = remaining_or(context, max(0.001, budget))
             call = self._stub(worker.address).Generate(worker_request, timeout=timeout)
             cancel = lambda call=call: call.cancel()  # noqa: E731
             context.add_callback(cancel)

@@ -360,6 +360,10 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
+        #: seconds a request waits before it is refused UNAVAILABLE (a failing worker); None:
+        #: served
+        self.fail_after_s: float | None = None
+        self.time_remaining: list[float] = []  # of each Generate call, as it starts
         #: adapter id -> oldest version served; older ones are refused as a real worker
         #: refuses a superseded version (NOT_FOUND)
         self.refuse_below: dict[str, int] = {}
@@ -370,6 +374,10 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadAdapterResponse()
 
     def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.time_remaining.append(context.time_remaining())
+        if self.fail_after_s is not None:
+            time.sleep(self.fail_after_s)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker failing")
         adapter = request.adapter
         if adapter.version < self.refuse_below.get(adapter.adapter_id, 0):
             context.abort(
@@ -391,17 +399,20 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
 
 
 def _start_token_streamer(
-    redis_url: str, step_s: float, servicer: _TokenStreamer | None = None
+    redis_url: str,
+    step_s: float,
+    servicer: _TokenStreamer | None = None,
+    worker_id: str = "w0",
 ) -> tuple[grpc.Server, int]:
     """Start a :class:`_TokenStreamer` server (one token per ``step_s``; ``servicer`` when
-    given) and register it in Redis as worker ``w0``, publishing the tiny :data:`SPEC` as the
+    given) and register it in Redis as ``worker_id``, publishing the tiny :data:`SPEC` as the
     served model; returns the server and its port."""
     worker = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer or _TokenStreamer(step_s), worker)
     port = worker.add_insecure_port("127.0.0.1:0")
     worker.start()
     Registry(connect(redis_url)).heartbeat(
-        WorkerRecord("w0", f"127.0.0.1:{port}"), ttl_seconds=60, model=(SPEC, "float32")
+        WorkerRecord(worker_id, f"127.0.0.1:{port}"), ttl_seconds=60, model=(SPEC, "float32")
     )
     return worker, port
 
@@ -814,3 +825,31 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
         assert series(metrics.worker_queue) == {} and series(metrics.resident) == {}
     finally:
         service.stop(0)
+
+
+def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: str) -> None:
+    """The gateway gave every attempt of a request the timeout it computed before the first
+    one, so a retry could run past the client's deadline; each worker call now gets what is
+    left of it as the call starts."""
+    failing, serving = _TokenStreamer(0.0), _TokenStreamer(0.0)
+    failing.fail_after_s = 1.0
+    servers = [
+        _start_token_streamer(redis_url, 0.0, failing, "w0")[0],
+        _start_token_streamer(redis_url, 0.0, serving, "w1")[0],
+    ]
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    try:
+        for _ in range(2):  # whichever worker is tried first
+            request = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
+            assert list(stub.Generate(request, timeout=5.0))[-1].worker_id == "w0"  # streamer id
+        retried = [t for t in serving.time_remaining if t < 4.5]
+        assert len(failing.time_remaining) >= 1 and len(retried) == len(failing.time_remaining)
+        assert all(3.0 < t < 4.05 for t in retried), serving.time_remaining
+        assert all(4.5 < t < 5.05 for t in failing.time_remaining), failing.time_remaining
+    finally:
+        channel.close()
+        service.stop(0)
+        for server in servers:
+            server.stop(0)
