@@ -155,6 +155,11 @@ class Child:
     log_offset: int = 0  # where this start's lines begin in the (appended) log
     echoed: int = 0  # how far plora up has echoed the log to its terminal
 
+    @property
+    def is_worker(self) -> bool:
+        """Whether this is one of the cluster's workers (``worker-<i>``)."""
+        return self.name.startswith("worker-")
+
     def start(self, env: dict[str, str]) -> None:
         self.ready_file.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +225,11 @@ _SERVING = (" WARNING ", " ERROR ")
 
 #: Seconds between tries to start again a service that could not reach an external Redis.
 REGISTRY_RETRY_S = 5.0
+
+#: Seconds a crash-looping worker is left stopped while other workers serve, doubled at each
+#: pause up to CRASH_PAUSE_MAX_S (as Kubernetes backs off a CrashLoopBackOff container).
+CRASH_PAUSE_S = 60.0
+CRASH_PAUSE_MAX_S = 600.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -624,11 +634,14 @@ class Cluster:
         """Supervise the children until a signal; returns the exit code.
 
         A child that dies is restarted on the same ports (so its peers reconnect to it), at most
-        ``max_restarts`` times per ``window_s`` seconds; past that the whole cluster stops.
+        ``max_restarts`` times per ``window_s`` seconds; past that, or when its restart fails,
+        a worker is left stopped for :data:`CRASH_PAUSE_S` (doubling up to
+        :data:`CRASH_PAUSE_MAX_S`) and then tried again, as long as another worker serves;
+        otherwise (the gateway, the predictor, the last worker) the whole cluster stops.
         A restart that fails because an external Redis is unreachable
         (:data:`~services.common.lifecycle.EXIT_REGISTRY_UNAVAILABLE`) is tried again every
         ``REGISTRY_RETRY_S`` seconds, uncounted, while the rest of the cluster goes on serving
-        (the gateway from its cached records); any other failed restart stops the cluster.
+        (the gateway from its cached records).
         The embedded Redis is not restarted: it keeps no data, and an empty registry under
         running workers would hand out adapter versions they have already seen (refused as
         stale, or a different adapter under a cached version), so its exit stops the cluster.
@@ -636,6 +649,23 @@ class Cluster:
         restarts: dict[str, list[float]] = {c.name: [] for c in self.children}
         # child name -> when to try again to start it (it could not reach Redis)
         waiting: dict[str, float] = {}
+        # crash-looping worker -> when to try it again, and its last pause (seconds)
+        paused: dict[str, float] = {}
+        pause_s: dict[str, float] = {}
+
+        def pause(c: Child, why: str) -> bool:
+            """Leave worker ``c`` stopped for a while if another worker serves."""
+            others = [o.name for o in self.children if o.is_worker and o is not c and o.alive()]
+            if not c.is_worker or not others:
+                return False
+            pause_s[c.name] = min(CRASH_PAUSE_MAX_S, 2 * pause_s.get(c.name, CRASH_PAUSE_S / 2))
+            paused[c.name] = time.monotonic() + pause_s[c.name]
+            self._say(
+                f"{why}; leaving {c.name} stopped for {pause_s[c.name]:g}s while "
+                f"{', '.join(others)} serve, then trying again. Last log lines:\n{c.log_tail()}"
+            )
+            return True
+
         while not self._stop_after(0.5):
             redis_code = self.redis.exit_code() if self.redis is not None else None
             if redis_code is not None and not self._stop_requested:
@@ -655,13 +685,20 @@ class Cluster:
                 if c.name in waiting:
                     if now < waiting[c.name]:
                         continue
+                elif c.name in paused:
+                    if now < paused[c.name]:
+                        continue
+                    del paused[c.name]
+                    restarts[c.name] = [now]
+                    self._say(f"{c.name}: pause over; starting it again on the same ports")
                 else:
                     recent = [t for t in restarts[c.name] if now - t < window_s]
                     if len(recent) >= max_restarts:
-                        self._say(
-                            f"{c.name} exited (code {code}) {len(recent) + 1} times within "
-                            f"{window_s:.0f}s; stopping. Last log lines:\n{c.log_tail()}"
-                        )
+                        n = len(recent) + 1
+                        why = f"{c.name} exited (code {code}) {n} times within {window_s:.0f}s"
+                        if pause(c, why):
+                            continue
+                        self._say(f"{why}; stopping. Last log lines:\n{c.log_tail()}")
                         return 1
                     restarts[c.name] = [*recent, now]
                     self._say(f"{c.name} exited (code {code}); restarting it on the same ports")
@@ -671,6 +708,8 @@ class Cluster:
                     self._restart(c, echo=() if c.name in waiting else _STARTUP)
                 except (RuntimeError, TimeoutError) as exc:
                     if c.proc is None or c.proc.returncode != EXIT_REGISTRY_UNAVAILABLE:
+                        if pause(c, f"restart of {c.name} failed: {exc}"):
+                            continue
                         self._say(f"restart of {c.name} failed: {exc}; stopping")
                         return 1
                     if c.name not in waiting:

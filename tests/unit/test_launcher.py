@@ -547,3 +547,51 @@ def test_watch_echoes_the_warnings_and_errors_of_serving_services(tmp_path: Path
         child.proc.kill()
         child.proc.wait()
     assert watched == [0]
+
+
+def test_a_crash_looping_worker_is_paused_while_another_worker_serves(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that keeps failing stopped the whole cluster, the healthy worker and the
+    gateway included (new-user trial: ``kill -9`` of one worker four times took every
+    tenant's traffic down). While another worker serves, it is now left stopped for a pause
+    that doubles at each failure, and tried again after it."""
+    monkeypatch.setattr(launcher, "CRASH_PAUSE_S", 0.5)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
+    run = tmp_path / "run"
+
+    def child(name: str, code: str) -> Child:
+        return Child(name, [sys.executable, "-c", code], run / f"{name}.log", run / name)
+
+    serving = child("worker-0", "import time; time.sleep(120)")
+    failing = child("worker-1", "import sys; print('bad adapter file', flush=True); sys.exit(3)")
+    cluster.children = [serving, failing]
+    env = dict(os.environ)
+    serving.start(env)
+    failing.start(env)
+    watched: list[int] = []
+    watcher = threading.Thread(target=lambda: watched.append(cluster.watch()))
+    try:
+        watcher.start()
+        deadline = time.monotonic() + 30
+        out = ""
+        while out.count("leaving worker-1 stopped") < 3:
+            out += capsys.readouterr().out
+            assert watcher.is_alive(), out
+            assert time.monotonic() < deadline, out
+            time.sleep(0.1)
+        assert "leaving worker-1 stopped for 0.5s while worker-0 serve" in out
+        assert "stopped for 1s" in out and "stopped for 2s" in out  # doubling
+        assert "bad adapter file" in out  # its last log lines, to say why
+        assert "stopping" not in out.replace("leaving worker-1 stopped", "")
+        assert serving.alive()
+    finally:
+        cluster.request_stop()
+        watcher.join(30)
+        for c in cluster.children:
+            if c.proc is not None and c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+    assert watched == [0]
