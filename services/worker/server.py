@@ -27,6 +27,7 @@ from services.common.errors import (
     InvalidAdapterError,
     InvalidRequestError,
     PLoRAError,
+    RequestCancelledError,
 )
 from services.common.grpc_util import (
     abort,
@@ -159,6 +160,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield response
         except PLoRAError as exc:
             code = getattr(grpc.StatusCode, exc.status_code_name)
+            if isinstance(exc, RequestCancelledError) and not context.is_active():
+                # the call ended under it: its deadline, or the client (the gateway, which
+                # cancels when its own client's deadline passes, a moment before this one's)
+                code = ended_by_client(context)
             abort(context, exc, req.request_id)
         except Exception as exc:  # noqa: BLE001 - INTERNAL with a reference id
             if already_aborted(context):

@@ -469,6 +469,32 @@ def test_client_deadline_is_counted_as_deadline_exceeded(stub, cluster: dict) ->
     assert "Paris" in text
 
 
+def _worker_request_counts(cluster: dict, code: str) -> float:
+    """Sum over the workers of ``plora_worker_requests_total{code=...}``."""
+    line = f'plora_worker_requests_total{{code="{code}"}} '
+    total = 0.0
+    for name, url in cluster["metrics"].items():
+        if name.startswith("worker"):
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            total += sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+    return total
+
+
+def test_a_short_deadline_is_counted_as_deadline_exceeded_by_the_workers(
+    stub, cluster: dict
+) -> None:
+    """With deadlines of 50-100 ms the gateway cancels its call to the worker as its client's
+    deadline passes, a moment before the worker's own clock passes the same deadline; the
+    worker counted those ``CANCELLED`` (new-user trials), not the code the client saw."""
+    cancelled = _worker_request_counts(cluster, "CANCELLED")
+    for timeout in (0.05, 0.05, 0.05, 0.1, 0.1, 0.1):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(chat("Tell me a long story.", max_new_tokens=64), timeout=timeout))
+        assert err.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(1.0)  # the workers count a stream as it ends
+    assert _worker_request_counts(cluster, "CANCELLED") == cancelled
+
+
 def test_every_service_exports_prometheus_metrics(stub, cluster: dict) -> None:
     collect(stub, chat(max_new_tokens=4))
     texts = {
