@@ -157,6 +157,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._routed: dict[str, dict[str, tuple[float, int]]] = {}
         self._inflight_lock = threading.Lock()
         self._gauged: set[str] = set()  # workers with per-worker gauge series
+        # worker id -> its heartbeat time as this gateway knew it when a call to it failed
+        # (UNAVAILABLE before the first token)
+        self._failed: dict[str, float] = {}
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
         self._drain_grace_s = 0.0
@@ -343,7 +346,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
 
     def _choose(self, adapter: AdapterRecord | None, exclude: set[str]) -> WorkerRecord:
-        workers = [w for w in self._workers() if w.healthy and w.worker_id not in exclude]
+        healthy = [w for w in self._workers() if w.healthy and w.worker_id not in exclude]
+        with self._inflight_lock:
+            # a worker whose call failed is left out until a heartbeat newer than the one it
+            # had then speaks for it (killed: its liveness key outlives it by up to 5 s;
+            # restarted: it heartbeats again), unless every healthy worker failed
+            workers = [w for w in healthy if self._failed.get(w.worker_id) != w.heartbeat_unix]
+        workers = workers or healthy
         if not workers:
             raise NoHealthyWorkerError(
                 "no healthy worker is available; check `plora status` and the workers' logs"
@@ -537,6 +546,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         worker.worker_id,
                         exc.details(),
                     )
+                    with self._inflight_lock:
+                        self._failed[worker.worker_id] = worker.heartbeat_unix
                     self.metrics.retries.inc()
                     self._workers_cache.expire("workers")
                     continue

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -853,3 +854,39 @@ def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: 
         service.stop(0)
         for server in servers:
             server.stop(0)
+
+
+def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
+    redis_url: str,
+) -> None:
+    """After ``kill -9`` of a worker its liveness key outlives it by up to 5 s, and the gateway
+    went on choosing it first, each request paying a refused connection and a retry (trial
+    17: 3-4 such retries after every kill). A worker whose call failed is now left out until
+    a heartbeat newer than the one it had then speaks for it."""
+    serving, _ = _start_token_streamer(redis_url, 0.0)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()  # nothing listens there: connections are refused
+    registry = Registry(connect(redis_url))
+    registry.heartbeat(WorkerRecord("w1", f"127.0.0.1:{dead_port}"), ttl_seconds=60)
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    retries = service.servicer.metrics.retries._value
+    request = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
+    try:
+        for _ in range(6):  # the first to reach w1 fails over; later ones leave it out
+            assert len(list(stub.Generate(request, timeout=10))) == 2
+        assert retries.get() == 1
+        time.sleep(0.01)
+        registry.heartbeat(WorkerRecord("w1", f"127.0.0.1:{dead_port}"), ttl_seconds=60)
+        for _ in range(4):  # a new heartbeat speaks for it: tried again
+            assert len(list(stub.Generate(request, timeout=10))) == 2
+        assert retries.get() == 2
+    finally:
+        channel.close()
+        service.stop(0)
+        serving.stop(0)
