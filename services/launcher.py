@@ -662,7 +662,8 @@ class Cluster:
             paused[c.name] = time.monotonic() + pause_s[c.name]
             self._say(
                 f"{why}; leaving {c.name} stopped for {pause_s[c.name]:g}s while "
-                f"{', '.join(others)} serve, then trying again. Last log lines:\n{c.log_tail()}"
+                f"{', '.join(others)} {'serves' if len(others) == 1 else 'serve'}, then trying "
+                f"again. Last log lines:\n{c.log_tail()}"
             )
             return True
 

@@ -37,6 +37,9 @@ KEEPALIVE_TIME_MS = 10_000
 #: keepalive ping and waits ``grpc.http2.ping_timeout_ms`` (1 minute by default) instead.
 KEEPALIVE_TIMEOUT_MS = 10_000
 
+#: Longest wait (milliseconds) between a channel's attempts to reconnect to a peer that is down.
+MAX_RECONNECT_BACKOFF_MS = 2_000
+
 
 #: Message size limits of every channel and server: large messages are not expected.
 _MESSAGE_LIMITS: list[tuple[str, Any]] = [
@@ -56,6 +59,11 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[st
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
+        # a peer that was down a while (a worker paused after crash-looping, or restarting):
+        # reconnect within 2 s of its coming back, not after grpc's backoff of up to 120 s
+        # (trial: a restarted worker refused for ~5 s though it served and heartbeated)
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

@@ -3,6 +3,10 @@ gRPC servers on loopback."""
 
 from __future__ import annotations
 
+import socket
+import time
+
+import grpc
 import pytest
 
 from services.common.grpc_util import (
@@ -11,6 +15,7 @@ from services.common.grpc_util import (
     channel_options,
     create_server,
     server_options,
+    set_serving,
 )
 
 
@@ -45,5 +50,47 @@ def test_servers_accept_the_channels_idle_keepalive_pings() -> None:
         # tests/integration/test_gateway_alone.py: a frozen worker)
         assert client["grpc.keepalive_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
         assert client["grpc.http2.ping_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
+        assert client["grpc.max_reconnect_backoff_ms"] <= 2_000
         assert server["grpc.keepalive_permit_without_calls"] == 1
         assert 0 < server["grpc.http2.min_ping_interval_without_data_ms"] < keepalive_ms
+
+
+@pytest.mark.slow
+def test_a_channel_reconnects_within_seconds_to_a_peer_that_was_down_a_while() -> None:
+    """A worker left stopped for a minute (a crash-loop pause) served again, but the gateway's
+    channel to it was deep in gRPC's exponential reconnect backoff (up to 120 s) and its
+    calls were refused for seconds more (trial 17). With the channels' options a peer that
+    comes back after 20 s down is reached within about 2 s."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there for now
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
+    stub = health_pb2_grpc.HealthStub(channel)
+
+    def check() -> bool:
+        try:
+            stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            return True
+        except grpc.RpcError:
+            return False
+
+    server = None
+    try:
+        down_until = time.monotonic() + 20
+        while time.monotonic() < down_until:  # calls refused: the backoff grows
+            assert not check()
+            time.sleep(0.1)
+        server, _, health = create_server(lambda s: [], port=port)
+        server.start()
+        set_serving(health, [], True)
+        started = time.monotonic()
+        while not check():
+            assert time.monotonic() - started < 3.5, "no reconnect within 3.5 s"
+            time.sleep(0.05)
+    finally:
+        channel.close()
+        if server is not None:
+            server.stop(None)

@@ -582,7 +582,7 @@ def test_a_crash_looping_worker_is_paused_while_another_worker_serves(
             assert watcher.is_alive(), out
             assert time.monotonic() < deadline, out
             time.sleep(0.1)
-        assert "leaving worker-1 stopped for 0.5s while worker-0 serve" in out
+        assert "leaving worker-1 stopped for 0.5s while worker-0 serves, then" in out
         assert "stopped for 1s" in out and "stopped for 2s" in out  # doubling
         assert "bad adapter file" in out  # its last log lines, to say why
         assert "stopping" not in out.replace("leaving worker-1 stopped", "")
