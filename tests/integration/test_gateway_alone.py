@@ -359,8 +359,9 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
     the request asks: what is tested here is the gateway's end of a stream, which needs no
     model (the real worker's streaming is tested in tests/integration/test_cluster.py)."""
 
-    def __init__(self, step_s: float) -> None:
+    def __init__(self, step_s: float, worker_id: str = "w0") -> None:
         self.step_s = step_s
+        self.worker_id = worker_id  # named in the last message of each stream
         #: seconds a request waits before it is refused UNAVAILABLE (a failing worker); None:
         #: served
         self.fail_after_s: float | None = None
@@ -395,7 +396,7 @@ class _TokenStreamer(worker_pb2_grpc.WorkerServicer):
                 text="x",
                 token_ids=[i],
                 finish_reason=gateway_pb2.FINISH_REASON_LENGTH if last else 0,
-                worker_id="w0",
+                worker_id=self.worker_id,
             )
 
 
@@ -716,26 +717,15 @@ def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborte
         worker.stop(0)
 
 
-#: A worker's gRPC server in a process of its own (so the test can freeze it): streams one
-#: token per 10 ms, with the services' server options; prints its port.
+#: A :class:`_TokenStreamer` (one token per 10 ms, worker id w1) served with the services'
+#: server options in a process of its own, so the test can freeze it; prints its port.
 _STREAMER_PROCESS = """
-import sys, time
-from plora.v1 import gateway_pb2, worker_pb2_grpc
+from plora.v1 import worker_pb2_grpc
 from services.common.grpc_util import create_server
-
-class Streamer(worker_pb2_grpc.WorkerServicer):
-    def Generate(self, request, context):
-        n = request.request.max_new_tokens
-        for i in range(n):
-            time.sleep(0.01)
-            last = i == n - 1
-            yield gateway_pb2.GenerateResponse(
-                text="x", token_ids=[i], worker_id="w1",
-                finish_reason=gateway_pb2.FINISH_REASON_LENGTH if last else 0,
-            )
+from tests.integration.test_gateway_alone import _TokenStreamer
 
 def register(server):
-    worker_pb2_grpc.add_WorkerServicer_to_server(Streamer(), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(_TokenStreamer(0.01, "w1"), server)
     return ["plora.v1.Worker"]
 
 server, port, _ = create_server(register)
@@ -832,7 +822,7 @@ def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: 
     """The gateway gave every attempt of a request the timeout it computed before the first
     one, so a retry could run past the client's deadline; each worker call now gets what is
     left of it as the call starts."""
-    failing, serving = _TokenStreamer(0.0), _TokenStreamer(0.0)
+    failing, serving = _TokenStreamer(0.0, "w0"), _TokenStreamer(0.0, "w1")
     failing.fail_after_s = 1.0
     servers = [
         _start_token_streamer(redis_url, 0.0, failing, "w0")[0],
@@ -844,7 +834,7 @@ def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: 
     try:
         for _ in range(2):  # whichever worker is tried first
             request = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
-            assert list(stub.Generate(request, timeout=5.0))[-1].worker_id == "w0"  # streamer id
+            assert list(stub.Generate(request, timeout=5.0))[-1].worker_id == "w1"
         retried = [t for t in serving.time_remaining if t < 4.5]
         assert len(failing.time_remaining) >= 1 and len(retried) == len(failing.time_remaining)
         assert all(3.0 < t < 4.05 for t in retried), serving.time_remaining
