@@ -511,11 +511,15 @@ class Cluster:
         self._say(
             "preparing the base model (first run converts the GGUF once; later runs reuse it)"
         )
-        from services.worker.model_loader import default_cache_dir, resolve_model  # noqa: PLC0415
+        from services.worker.model_loader import (  # noqa: PLC0415
+            default_cache_dir,
+            resolve_model,
+            spec_from_dir,
+        )
 
         model_dir = resolve_model(a.model, default_cache_dir())
         self._say(f"base model ready: {model_dir}")
-        spec = _model_spec(model_dir)
+        spec = spec_from_dir(model_dir)
         if a.demo_adapters > 0:
             from services.common.make_adapters import check_ranks  # noqa: PLC0415 - torch
 
@@ -785,14 +789,6 @@ def prometheus_targets(metrics: Mapping[str, str]) -> list[dict[str, object]]:
         )
         groups.append({"targets": [address], "labels": labels})
     return groups
-
-
-def _model_spec(model_dir: Path) -> ModelSpec:
-    """The shapes of the base model in ``model_dir`` (named after the directory)."""
-    from services.common.types import ModelSpec  # noqa: PLC0415 - imports torch
-    from services.worker.model_loader import read_config  # noqa: PLC0415
-
-    return ModelSpec.from_hf_config(read_config(model_dir), name=model_dir.name)
 
 
 def _make_dir(path: Path, named: str, what: str, hint: str) -> None:

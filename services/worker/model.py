@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from services.common.errors import ConfigError
 from services.common.types import ModelSpec
 from services.worker.lora_ops import LoRABatch
+from services.worker.model_loader import spec_from_dir
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +279,7 @@ class LlamaModel:
     ) -> LlamaModel:
         """Load from an HF model directory (``config.json`` + safetensors)."""
         model_dir = Path(model_dir)
-        config = json.loads((model_dir / "config.json").read_text("utf-8"))
-        spec = ModelSpec.from_hf_config(config, name=name or model_dir.name)
+        spec = spec_from_dir(model_dir, name)
         logger.info("loading %s weights (%s, %s)", spec.name, device, dtype)
         state = _load_state(model_dir)
         return cls(spec, state, device=device, dtype=dtype)

@@ -217,6 +217,11 @@ def load_model_spec(model: str | None, cache_dir: Path) -> ModelSpec:
         ConfigError: as :func:`resolve_model`.
     """
     model_dir = resolve_model(model, cache_dir)
-    config = read_config(model_dir)
     name = "SmolLM2-135M-Instruct" if model is None or model in DEFAULT_MODEL_ALIASES else ""
-    return ModelSpec.from_hf_config(config, name=name or Path(str(model)).stem)
+    return spec_from_dir(model_dir, name=name or Path(str(model)).stem)
+
+
+def spec_from_dir(model_dir: Path, name: str = "") -> ModelSpec:
+    """The :class:`ModelSpec` of the HF model directory ``model_dir`` (its ``config.json``),
+    named ``name`` or, by default, after the directory."""
+    return ModelSpec.from_hf_config(read_config(model_dir), name=name or Path(model_dir).name)
