@@ -379,24 +379,24 @@ class Cluster:
                 "--gateway-port"
             )
         a = self.args
-        if a.gateway_port:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind((a.host, a.gateway_port))
-                except OSError as exc:
-                    # a name that does not resolve, or an address no interface here has
-                    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-                        raise RuntimeError(
-                            f"--host {a.host!r} is not an address of this machine "
-                            f"({exc.strerror}): give an interface to bind, e.g. 127.0.0.1 or "
-                            "0.0.0.0"
-                        ) from None
+        # Port 0 still binds: it checks the host even where no port is fixed.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((a.host, a.gateway_port))
+            except OSError as exc:
+                # a name that does not resolve, or an address no interface here has
+                if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
                     raise RuntimeError(
-                        f"gateway port {a.host}:{a.gateway_port} is in use ({exc.strerror}): "
-                        "another cluster or service listens there; stop it, or pass "
-                        "--gateway-port (0 = any free port)"
+                        f"--host {a.host!r} is not an address of this machine "
+                        f"({exc.strerror}): give an interface to bind, e.g. 127.0.0.1 or "
+                        "0.0.0.0"
                     ) from None
+                raise RuntimeError(
+                    f"gateway port {a.host}:{a.gateway_port} is in use ({exc.strerror}): "
+                    "another cluster or service listens there; stop it, or pass "
+                    "--gateway-port (0 = any free port)"
+                ) from None
 
     def _say(self, text: str) -> None:
         print(f"plora up: {text}", flush=True)

@@ -180,6 +180,8 @@ def test_plora_up_with_unreachable_redis_fails_cleanly(tmp_path) -> None:
             "redis://127.0.0.1:1/0",
             "--state-file",
             str(tmp_path / "c.json"),
+            "--gateway-port",
+            "0",  # a cluster the developer runs on the default port does not fail this test
         ],
         cwd=REPO,
         capture_output=True,

@@ -265,7 +265,9 @@ def test_plora_up_refuses_to_start_over_a_running_cluster(tmp_path: Path) -> Non
             "such file or directory); give a state file in a writable directory",
         ),
     ]:
-        cluster = Cluster(parser.parse_args(["--state-file", str(state), *argv]))
+        cluster = Cluster(
+            parser.parse_args(["--state-file", str(state), "--gateway-port", "0", *argv])
+        )
         with pytest.raises(RuntimeError, match=re.escape(message)):
             cluster.start()
         cluster.stop()
@@ -296,7 +298,9 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         with monkeypatch.context() as m:
             for name, value in env.items():
                 m.setenv(name, value)
-            cluster = Cluster(parser.parse_args(["--state-file", str(state), *argv]))
+            cluster = Cluster(
+                parser.parse_args(["--state-file", str(state), "--gateway-port", "0", *argv])
+            )
             with pytest.raises(ConfigError, match=message):
                 cluster.start()
             cluster.stop()
