@@ -25,7 +25,11 @@ pytestmark = pytest.mark.slow
 POLICIES = ("plora", "baseline")
 
 
-def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> None:
+def test_replay_azure2021_slice_end_to_end_in_two_rounds(tmp_path: Path, model_dir: Path) -> None:
+    """The CI smoke test of issue 6 on Azure Functions 2021 rows, run with ``--repeats 2``:
+    each round replays both policies (the second round in the reverse order) and writes its own
+    report, and the top level reports the rounds' means and their spread. (One run for both:
+    every cluster start costs ~20 s of the suite.)"""
     trace = shared_data("traces", "azure_functions_2021_first998.csv")
     out = tmp_path / "replay"
     # 240 s of the trace (from 40 s on) compressed 20x: 27 requests in 12 s, 11 function keys
@@ -38,13 +42,50 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
         "--policies", ",".join(POLICIES), "--out", str(out), "--workers", "1",
         "--max-new-tokens", "4", "--concurrency", "64", "--seed", "0",
         "--model", str(model_dir), "--warmup", "2", "--progress-interval", "2",
-        "--ttft-probes", "2",
+        "--ttft-probes", "2", "--repeats", "2",
     ])  # fmt: skip
     code = bench.run(args)
     report = json.loads((out / "report.json").read_text())
-    errors = {p: report[p]["error"] for p in POLICIES if "error" in report[p]}
+    rounds = [json.loads((out / f"round-{i}" / "report.json").read_text()) for i in (1, 2)]
+    errors = {
+        (i, p): r[p]["error"] for i, r in enumerate(rounds, 1) for p in POLICIES if "error" in r[p]
+    }
     assert code == 0 and not errors, f"policies failed: {errors}"
 
+    for i, rnd in enumerate(rounds, 1):
+        _check_round(rnd, out / f"round-{i}")
+    assert rounds[0]["trace"]["requests"] == rounds[1]["trace"]["requests"]
+
+    assert [r["settings"]["round"] for r in rounds] == [1, 2]
+    assert report["settings"]["repeats"] == 2 and "round" not in report["settings"]
+    rep = report["repeats"]
+    assert rep["rounds"] == 2 and rep["order"] == [list(POLICIES), list(reversed(POLICIES))]
+    assert rep["comparison_per_round"] == [r["comparison"] for r in rounds]
+    ttft = [r["comparison"]["ttft_mean_reduction"] for r in rounds]
+    assert rep["spread"]["ttft_mean_reduction"]["min"] == min(ttft)
+    assert set(COMPARISON_KEYS) <= set(report["comparison"])
+    for p in POLICIES:
+        assert report[p]["rounds"] == 2
+        for k in ("ttft_mean_s", "cold_starts", "throughput_req_s"):
+            want = (rounds[0][p][k] + rounds[1][p][k]) / 2
+            assert report[p][k] == pytest.approx(want), (p, k)
+    # The second round ran the baseline first.
+    done = {
+        (i, p): (out / f"round-{i}" / p / "requests.jsonl").stat().st_mtime
+        for i in (1, 2)
+        for p in POLICIES
+    }
+    assert done[1, "plora"] < done[1, "baseline"] < done[2, "baseline"] < done[2, "plora"]
+    md = (out / "report.md").read_text()
+    assert "Over 2 rounds" in md and "| ttft_mean_reduction |" in md
+    for name in ("ttft_cdf.png", "cold_starts_over_time.png", "pool_utilization_over_time.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert not (out / "plora").exists()  # rounds live under round-<i>/ only
+
+
+def _check_round(report: dict, out: Path) -> None:
+    """One round's report (``out/report.json``, already read) and files: every key, every
+    policy's requests, nothing plora lost that the baseline served, the plots."""
     n = report["trace"]["requests"]
     assert 20 <= n <= 60
     assert 0 < report["compulsory_cold_rate"] <= 1
@@ -81,51 +122,6 @@ def test_replay_azure2021_slice_end_to_end(tmp_path: Path, model_dir: Path) -> N
         "pool_utilization_over_time.png",
     ):
         assert (out / name).stat().st_size > 0, name
-
-
-def test_replay_repeats_alternate_the_order_and_report_the_spread(
-    tmp_path: Path, model_dir: Path
-) -> None:
-    """``--repeats 2``: two rounds of both policies (the second in the reverse order), each
-    round's own report, and a top-level report of the rounds' means and their spread."""
-    trace = shared_data("traces", "azure_functions_2021_first998.csv")
-    out = tmp_path / "repeats"
-    args = replay_args([
-        "--trace", str(trace), "--format", "azure2021", "--time-scale", "20",
-        "--start", "2", "--duration", "6", "--adapters", "2", "--ranks", "8",
-        "--policies", ",".join(POLICIES), "--out", str(out), "--workers", "1",
-        "--max-new-tokens", "2", "--model", str(model_dir), "--warmup", "1",
-        "--repeats", "2", "--ttft-probes", "1",
-    ])  # fmt: skip
-    assert bench.run(args) == 0
-    report = json.loads((out / "report.json").read_text())
-    rounds = [json.loads((out / f"round-{i}" / "report.json").read_text()) for i in (1, 2)]
-    assert [r["settings"]["round"] for r in rounds] == [1, 2]
-    assert report["settings"]["repeats"] == 2 and "round" not in report["settings"]
-    rep = report["repeats"]
-    assert rep["rounds"] == 2 and rep["order"] == [list(POLICIES), list(reversed(POLICIES))]
-    assert rep["comparison_per_round"] == [r["comparison"] for r in rounds]
-    ttft = [r["comparison"]["ttft_mean_reduction"] for r in rounds]
-    assert rep["spread"]["ttft_mean_reduction"]["min"] == min(ttft)
-    for p in POLICIES:
-        assert report[p]["rounds"] == 2
-        for k in ("ttft_mean_s", "cold_starts", "throughput_req_s"):
-            want = (rounds[0][p][k] + rounds[1][p][k]) / 2
-            assert report[p][k] == pytest.approx(want), (p, k)
-        for i in (1, 2):
-            assert (out / f"round-{i}" / p / "requests.jsonl").stat().st_size > 0
-    # The second round ran the baseline first.
-    done = {
-        (i, p): (out / f"round-{i}" / p / "requests.jsonl").stat().st_mtime
-        for i in (1, 2)
-        for p in POLICIES
-    }
-    assert done[1, "plora"] < done[1, "baseline"] < done[2, "baseline"] < done[2, "plora"]
-    md = (out / "report.md").read_text()
-    assert "Over 2 rounds" in md and "| ttft_mean_reduction |" in md
-    for name in ("ttft_cdf.png", "cold_starts_over_time.png", "pool_utilization_over_time.png"):
-        assert (out / name).stat().st_size > 0 and (out / "round-2" / name).stat().st_size > 0
-    assert not (out / "plora").exists()  # rounds live under round-<i>/ only
 
 
 def _served(path: Path) -> set[int]:
