@@ -102,10 +102,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         if request.messages:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return self.tokenizer.apply_chat_template(messages)
-        if not request.prompt:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        elif request.prompt:
+            text = request.prompt
+        else:
             raise InvalidRequestError(EMPTY_REQUEST)
-        return self.tokenizer.encode(request.prompt)
+        context = self.engine.max_model_len
+        if self.tokenizer.min_tokens(len(text)) >= context:
+            # refused before encoding: see Tokenizer.min_tokens
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters, more than this worker's context of "
+                f"{context} tokens (prompt + generated) can hold: shorten the prompt"
+            )
+        return self.tokenizer.encode(text)
 
     def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.ServicerContext

@@ -366,6 +366,22 @@ def test_bad_generate_requests_are_invalid_argument(stub, name, request_) -> Non
     assert "Traceback" not in err.value.details()
 
 
+def test_a_prompt_far_over_the_context_is_refused_before_it_is_encoded(stub) -> None:
+    """A new user's 15 MB prompt was encoded whole before the context check: 29 s holding the
+    worker (other requests' first tokens waited 36 s) and 5 GB of ids. A prompt whose length
+    alone rules it out is now refused at once, naming its characters (encoding would have
+    counted tokens); a request after it is served."""
+    huge = gateway_pb2.GenerateRequest(prompt="x " * 1_000_000, max_new_tokens=2)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, huge)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the prompt has 2000000 characters, more than this worker's context of" in (
+        err.value.details()
+    )
+    _, chunks = collect(stub, chat(max_new_tokens=2))
+    assert chunks[-1].finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
+
+
 @pytest.mark.parametrize(
     ("make_source", "code"),
     [
