@@ -2,10 +2,12 @@
 
 Two entry points share one validation path:
 
-- :func:`inspect_adapter` reads the config and only the safetensors *header* (names, dtypes,
-  shapes), checks the adapter against the served base model's :class:`ModelSpec`, and returns an
-  :class:`AdapterManifest` (rank, per-module scaling, bytes in the serving dtype, sha256). The
-  gateway runs it at registration; it never reads tensor data beyond hashing the file.
+- :func:`inspect_adapter` reads the config and the safetensors header (names, dtypes,
+  shapes), checks the adapter against the served base model's :class:`ModelSpec`, scans each
+  tensor's values (NaN/Inf, overflow of the serving dtype; one tensor at a time, memory-mapped)
+  and returns an :class:`AdapterManifest` (rank, per-module scaling, bytes in the serving
+  dtype, sha256). The gateway runs it at registration, so a broken adapter is refused there
+  rather than failing every request that names it.
 - :func:`load_lora_weights` repeats the same checks on the bytes it loads and returns
   :class:`LoRAWeights` (A ``[r, in]``, B ``[out, r]``, per-module scaling) cast to the serving
   dtype. The worker's store runs it.
@@ -814,10 +816,11 @@ def _manifest(
 def inspect_adapter(
     source: str | os.PathLike[str], spec: ModelSpec, dtype: torch.dtype = torch.float32
 ) -> AdapterManifest:
-    """Validate an adapter directory against the base model without loading tensors.
+    """Validate an adapter directory against the base model without keeping its tensors.
 
     Reads ``adapter_config.json`` and the safetensors header, hashes the weights file
-    (streamed), and runs every check of :func:`load_lora_weights` except the NaN/Inf scan.
+    (streamed), and runs every check of :func:`load_lora_weights`, the value scan included
+    (each tensor memory-mapped and reduced once, then dropped).
 
     Args:
         source: Directory in PEFT layout.
@@ -831,11 +834,43 @@ def inspect_adapter(
         InvalidAdapterError: malformed adapter or unsupported feature (INVALID_ARGUMENT).
         IncompatibleAdapterError: does not fit ``spec`` (FAILED_PRECONDITION).
     """
+    from safetensors import SafetensorError, safe_open
+
     path = _adapter_dir(source)
     cfg = read_adapter_config(path)
     weights = _weights_path(path)
     plans = plan_modules(cfg, _read_header(weights), spec, str(path))
-    return _manifest(cfg, plans, sha256_file(weights), dtype)
+    sha = sha256_file(weights)
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            for key, plan in plans.items():
+                name = canonical_module_name(*key)
+                for tkey, label in ((plan.key_a, "lora_A"), (plan.key_b, "lora_B")):
+                    _check_values(f.get_tensor(tkey), dtype, f"{path}: {name} {label}")
+    except SafetensorError as e:
+        raise InvalidAdapterError(f"{weights} could not be read as safetensors: {e}") from None
+    return _manifest(cfg, plans, sha, dtype)
+
+
+def _check_values(t: torch.Tensor, dtype: torch.dtype, where: str) -> None:
+    """Refuse a tensor holding NaN/Inf, or values beyond ``dtype``'s range (they would be Inf
+    once cast to the serving dtype).
+
+    Raises:
+        InvalidAdapterError: naming ``where`` (``"<dir>: <module> lora_A"``).
+    """
+    # One reduction per tensor (aminmax propagates NaN; far cheaper than isfinite().all()).
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise InvalidAdapterError(
+            f"{where} holds NaN or Inf values; the adapter is broken (retrain or re-export it)"
+        )
+    limit = torch.finfo(dtype).max
+    if max(-lo, hi) > limit:
+        raise InvalidAdapterError(
+            f"{where} overflows {dtype} (max |value| {max(-lo, hi):.3g} > {limit:.3g}); serve "
+            "in a wider dtype"
+        )
 
 
 def load_lora_weights(
@@ -897,27 +932,14 @@ def load_lora_weights(
     except SafetensorError as e:
         raise InvalidAdapterError(f"{weights} could not be read as safetensors: {e}") from None
 
-    limit = torch.finfo(dtype).max
     modules: dict[tuple[int, str], LoRAModuleWeights] = {}
     for key, plan in plans.items():
         name = canonical_module_name(*key)
         pair = []
         for tkey, label in ((plan.key_a, "lora_A"), (plan.key_b, "lora_B")):
             src = tensors[tkey]
-            # One reduction per tensor (aminmax propagates NaN; far cheaper than isfinite().all()).
-            lo, hi = (float(v) for v in torch.aminmax(src))
-            if not (math.isfinite(lo) and math.isfinite(hi)):
-                raise InvalidAdapterError(
-                    f"{path}: {name} {label} holds NaN or Inf values; the adapter is broken "
-                    "(retrain or re-export it)"
-                )
-            if max(-lo, hi) > limit:
-                raise InvalidAdapterError(
-                    f"{path}: {name} {label} overflows {dtype} (max |value| "
-                    f"{max(-lo, hi):.3g} > {limit:.3g}); serve in a wider dtype"
-                )
-            t = src.to(device=device, dtype=dtype).contiguous()
-            pair.append(t)
+            _check_values(src, dtype, f"{path}: {name} {label}")
+            pair.append(src.to(device=device, dtype=dtype).contiguous())
         modules[key] = LoRAModuleWeights(lora_a=pair[0], lora_b=pair[1], scaling=plan.scaling)
     manifest = _manifest(cfg, plans, sha, dtype)
     logger.debug(

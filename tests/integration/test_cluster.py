@@ -421,6 +421,34 @@ def test_bad_adapter_registration_leaves_nothing_behind(stub, tmp_path, make_sou
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_an_adapter_holding_nan_is_refused_at_registration(stub, tmp_path, model_dir) -> None:
+    """A new user's adapter with one NaN registered (only the header was read) and then failed
+    every request naming it, as a FAILED_PRECONDITION telling them to restore its files.
+    Registration now scans the values and refuses it; nothing is registered."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    from services.common.make_adapters import write_peft_adapter  # noqa: PLC0415
+    from services.worker.model_loader import spec_from_dir  # noqa: PLC0415
+
+    d = write_peft_adapter(
+        tmp_path / "nan", spec_from_dir(model_dir), rank=8, alpha=16, seed=0,
+        target_modules=("q_proj",),
+    )  # fmt: skip
+    weights = d / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, weights)
+    request = gateway_pb2.RegisterAdapterRequest(adapter_id="nan-one", source=str(d))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterAdapter(request, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "lora_B holds NaN or Inf values" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetAdapter(gateway_pb2.GetAdapterRequest(adapter_id="nan-one"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_client_cancel_stops_generation_on_the_worker(stub, cluster: dict) -> None:
     call = stub.Generate(
         chat("Tell me a very long story about dragons.", max_new_tokens=400), timeout=120

@@ -604,17 +604,23 @@ def test_refuse_unpaired(good, drop):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_refuse_nan_inf_at_load(good, bad):
+def test_refuse_nan_inf_at_registration_and_at_load(good, bad):
+    """A new user registered an adapter holding NaN: ``inspect_adapter`` read only the header,
+    so it registered and every request naming it failed at load. Both now refuse it."""
+
     def fn(t):
         t["base_model.model.model.layers.2.self_attn.v_proj.lora_B.weight"][3, 1] = bad
         return t
 
     _rewrite_tensors(good, fn)
-    inspect_adapter(good, TINY)  # header-only: cannot see values
-    with pytest.raises(
-        InvalidAdapterError, match=r"layers\.2\.self_attn\.v_proj lora_B holds NaN or Inf"
+    for check in (
+        lambda: inspect_adapter(good, TINY),
+        lambda: load_lora_weights(good, TINY, adapter_id="a", version=1),
     ):
-        load_lora_weights(good, TINY, adapter_id="a", version=1)
+        with pytest.raises(
+            InvalidAdapterError, match=r"layers\.2\.self_attn\.v_proj lora_B holds NaN or Inf"
+        ):
+            check()
 
 
 def test_refuse_overflow_in_serving_dtype(good):
@@ -624,8 +630,11 @@ def test_refuse_overflow_in_serving_dtype(good):
 
     _rewrite_tensors(good, fn)
     load_lora_weights(good, TINY, adapter_id="a", version=1, dtype=torch.float32)
+    inspect_adapter(good, TINY, torch.float32)
     with pytest.raises(InvalidAdapterError, match="overflows"):
         load_lora_weights(good, TINY, adapter_id="a", version=1, dtype=torch.float16)
+    with pytest.raises(InvalidAdapterError, match="overflows"):
+        inspect_adapter(good, TINY, torch.float16)
 
 
 def test_refuse_config_rank_mismatch(good):
