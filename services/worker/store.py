@@ -109,6 +109,10 @@ DTYPES: dict[str, torch.dtype] = {
 #: (:meth:`AdapterStore.stage`; one Redis listing each); the simulator uses the same period.
 HOST_STAGING_INTERVAL_S = 2.0
 
+#: Seconds before host staging reads again an adapter version whose staging read failed (a
+#: missing, changed or broken source): each failure is logged once, not every pass.
+STAGE_RETRY_S = 300.0
+
 #: Loader signature: read one adapter version from the source tier (raises domain errors).
 Loader = Callable[[AdapterRef], LoRAWeights]
 
@@ -817,6 +821,8 @@ class AdapterStore:
         # host staging (stage()): queued source reads for the staging thread, one at a time
         self._staging: deque[AdapterRef] = deque()
         self._staging_current: AdapterRef | None = None
+        # adapter_id -> (version, monotonic time) of its last failed staging read
+        self._stage_failed: dict[str, tuple[int, float]] = {}
         self._closed = False
         self._c = _Counters()
         # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
@@ -963,8 +969,8 @@ class AdapterStore:
         staging never evicts a cached adapter. Skipped: adapters already cached (this
         version), resident or loading on the device, being staged now, superseded versions,
         and those that do not fit the free space left by the ones before them. A read that
-        fails (a missing or changed source) is logged and dropped; the demand load reports
-        the error.
+        fails (a missing, changed or broken source) is logged and not tried again for that
+        version for :data:`STAGE_RETRY_S` seconds; the demand load reports the error.
 
         Args:
             refs: Adapter versions, most wanted first.
@@ -980,11 +986,14 @@ class AdapterStore:
             room = self._host.free_bytes - (current.size_bytes if current else 0)
             queue: deque[AdapterRef] = deque()
             seen = {current.adapter_id} if current else set()
+            now = time.monotonic()
             for ref in refs:
                 latest = self._latest.get(ref.adapter_id)
+                failed = self._stage_failed.get(ref.adapter_id)
                 if (
                     ref.adapter_id in seen
                     or (latest is not None and ref.version < latest)
+                    or (failed is not None and failed[0] == ref.version and now < failed[1])
                     or not self._stage_needed(ref, room)
                 ):
                     continue
@@ -1035,10 +1044,18 @@ class AdapterStore:
                             nbytes=packed.nbytes,
                         )
                     )
-        except PLoRAError as err:
-            logger.warning("host staging of %s v%d failed: %s", ref.adapter_id, ref.version, err)
-        except Exception:
-            logger.exception("host staging of %s v%d failed", ref.adapter_id, ref.version)
+        except Exception as err:  # noqa: BLE001 - the demand load reports it to the request
+            with self._lock:
+                again = self._stage_failed.get(ref.adapter_id, (0, 0.0))[0] == ref.version
+                self._stage_failed[ref.adapter_id] = (ref.version, time.monotonic() + STAGE_RETRY_S)
+            log = logger.debug if again else logger.warning
+            if isinstance(err, PLoRAError):
+                log(
+                    "host staging of %s v%d failed (not tried again for %.0f s): %s",
+                    ref.adapter_id, ref.version, STAGE_RETRY_S, err,
+                )  # fmt: skip
+            else:
+                log("host staging of %s v%d failed", ref.adapter_id, ref.version, exc_info=True)
         finally:
             with self._cv:
                 self._staging_current = None
@@ -1079,6 +1096,7 @@ class AdapterStore:
     def _drop(self, adapter_id: str, reason: str) -> bool:
         """Remove every tier's copy and queued staging read of ``adapter_id`` (lock held)."""
         dropped = self._host.drop(adapter_id)
+        self._stage_failed.pop(adapter_id, None)
         queued = len(self._staging)
         self._staging = deque(r for r in self._staging if r.adapter_id != adapter_id)
         dropped = dropped or len(self._staging) < queued

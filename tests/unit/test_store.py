@@ -7,6 +7,7 @@ values are a deterministic function of (adapter id, version), so integrity check
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -23,6 +24,7 @@ from services.common.errors import (
 )
 from services.common.lifecycle import BACKGROUND_NICE
 from services.common.types import LoRAModuleWeights, LoRAWeights
+from services.worker import store as store_module
 from services.worker.adapter_api import AdapterProvider, AdapterRef
 from services.worker.store import (
     AdapterStore,
@@ -550,6 +552,35 @@ def test_host_staging_of_a_bad_source_is_dropped_and_unload_cancels_it() -> None
         bad = ready(s.acquire(ref("bad")))  # the demand load reports the error
         assert isinstance(bad.error(), InvalidAdapterError)
         bad.release()
+
+
+def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new user's 5 broken adapters were read again by every worker every 2 s and logged each
+    time (636 of 696 lines of ``plora up``'s output in 25 minutes). A version whose staging read
+    failed now waits STAGE_RETRY_S before the next try, and its failure is logged once; a new
+    version is tried at once."""
+    monkeypatch.setattr(store_module, "STAGE_RETRY_S", 1.0)
+    s, src = store(host_staging=True)
+    with s, caplog.at_level(logging.DEBUG, logger="services.worker.store"):
+        src.fail["bad"] = InvalidAdapterError("lora_A holds NaN or Inf values")
+        s.stage([ref("bad")])
+        _wait_for(lambda: src.calls == ["bad"] and s.stats().host_stages_queued == 0)
+        _wait_for(lambda: s._staging_current is None)
+        for _ in range(3):  # the next passes, 2 s apart in a worker
+            assert s.stage([ref("bad")]) == 0
+        assert s.stage([ref("bad", version=2)]) == 1  # registered again: a new version
+        _wait_for(lambda: src.calls == ["bad", "bad"] and s._staging_current is None)
+        assert s.stage([ref("bad", version=2)]) == 0
+        time.sleep(1.0)  # STAGE_RETRY_S later
+        assert s.stage([ref("bad", version=2)]) == 1
+        _wait_for(lambda: src.calls == ["bad"] * 3 and s._staging_current is None)
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage().split(" failed")[0] for r in warned] == [
+        "host staging of bad v1",
+        "host staging of bad v2",
+    ]  # the retry of v2 failed again: logged at DEBUG
 
 
 def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
