@@ -39,6 +39,7 @@ import torch
 from services.common.errors import (
     ConfigError,
     DeadlineExceededError,
+    IncompatibleAdapterError,
     InvalidRequestError,
     NoHealthyWorkerError,
     OverloadedError,
@@ -714,6 +715,16 @@ class Engine:
             s.num_cached += n
         if not samplers:
             return
+        finite = torch.isfinite(logits.sum(dim=1)).tolist()  # NaN/Inf anywhere in a row
+        if not all(finite):
+            for s, ok in zip(samplers, finite, strict=True):
+                if not ok:
+                    self._finish(s, None, error=_non_finite_error(s))
+            keep = [i for i, ok in enumerate(finite) if ok]
+            samplers = [samplers[i] for i in keep]
+            logits = logits[keep]
+            if not samplers:
+                return
         next_ids = sample_batch(
             logits, [s.params for s in samplers], [s.generator for s in samplers]
         )
@@ -788,6 +799,23 @@ class Engine:
             self._finish(s, "stop" if stopped else reason, text=text, token_ids=[tok])
             return
         s.stream._put(self._event(s, text, [tok], None))
+
+
+def _non_finite_error(s: _Seq) -> PLoRAError:
+    """The error that ends a sequence whose next-token logits hold NaN/Inf: sampling them
+    would stream garbage (argmax of NaN is token 0) as if it were an answer.
+
+    With an adapter it is the adapter's (``FAILED_PRECONDITION``: e.g. a ``lora_alpha`` of
+    1e30 registers, its scaled products overflow float32); without one, an internal error.
+    """
+    if s.adapter_key is None:
+        return PLoRAError("the base model gave non-finite logits (NaN/Inf) for this prompt")
+    adapter_id, version = s.adapter_key
+    return IncompatibleAdapterError(
+        f"adapter {adapter_id!r} (v{version}) gave non-finite logits (NaN/Inf) for this "
+        "prompt: its weights times its scaling (lora_alpha / r) overflow the serving dtype; "
+        "fix the adapter and register it again"
+    )
 
 
 @contextlib.contextmanager

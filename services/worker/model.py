@@ -331,7 +331,7 @@ class LlamaModel:
 
         Returns:
             ``[len(batch.logits_rows), vocab]`` float32 next-token logits, in the order of
-            ``batch.logits_rows``.
+            ``batch.logits_rows``; all NaN for a row whose final hidden state overflowed.
         """
         spec = self.spec
         nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -454,10 +454,18 @@ class LlamaModel:
         for c in batch.chunks:  # recorded only once every layer has written them
             kv.written(c.slot, c.start_pos + c.num_tokens)
         rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=dev)
-        hl = self._rms(h.index_select(0, rows), self.norm)
+        hs = h.index_select(0, rows)
+        hl = self._rms(hs, self.norm)
         # ``lm_head @ hl.T`` rather than ``F.linear(hl, lm_head)``: the same float32 products,
         # but with few rows and a vocabulary-wide output (49,152 x 576 for SmolLM2) oneDNN/MKL
         # run the linear form on one thread at a fraction of memory bandwidth; measured on
         # this 2-core AVX2 machine, 1 thread: 41.6 -> 19.6 ms at 4 rows, 192 -> 148 ms at 128;
         # 2 threads: 33.9 -> 10.3 ms at 4 rows (the linear form did not parallelise).
-        return torch.mm(self.lm_head, hl.t()).t().float().contiguous()
+        logits = torch.mm(self.lm_head, hl.t()).t().float().contiguous()
+        # A row whose hidden state overflowed (NaN/Inf, or a mean square past float32's range,
+        # which the norm turns into zeros: all-equal logits, argmax token 0) gets NaN logits,
+        # so the engine fails its request instead of streaming that as an answer.
+        overflowed = ~torch.isfinite(hs.float().pow(2).sum(-1))
+        if bool(overflowed.any()):
+            logits[overflowed] = float("nan")
+        return logits

@@ -14,6 +14,7 @@ import torch
 
 from services.common.errors import (
     AdapterNotFoundError,
+    IncompatibleAdapterError,
     InvalidAdapterError,
     InvalidRequestError,
     NoHealthyWorkerError,
@@ -628,6 +629,35 @@ def test_adapter_lost_mid_generation_fails_only_its_requests(
         e.stop()
     assert isinstance(rest[-1].error, PoolExhaustedError)
     assert last.error is None and len(ids) == 12
+    assert provider.live == 0
+
+
+def test_an_adapter_whose_output_overflows_fails_its_request_not_the_batch(
+    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+) -> None:
+    """A new user's adapter with ``lora_alpha`` 1e30 registered and streamed 8 copies of token 0
+    (the argmax of NaN logits) as an answer. Its request now ends with a FAILED_PRECONDITION
+    naming the adapter; the request batched beside it gets the tokens it gets alone."""
+    provider.adapters["huge"] = random_adapter(model.spec, 8, ("q_proj", "down_proj"), 4, 1.25e29)
+    prompt = chat(tok, "Tell me a story.")
+    try:
+        e = make_engine(model, tok, provider)
+        alone_req = EngineRequest("a", prompt, max_new_tokens=6, ignore_eos=True)
+        _, alone, _ = collect(e.submit(alone_req))
+        bad = e.submit(
+            EngineRequest("h", prompt, max_new_tokens=6, ignore_eos=True, adapter=ref("huge"))
+        )
+        good = e.submit(EngineRequest("g", prompt, max_new_tokens=6, ignore_eos=True))
+        events = list(bad)
+        _, ids, last = collect(good)
+    finally:
+        del provider.adapters["huge"]
+        e.stop()
+    assert [ev.token_ids for ev in events] == [[]] and isinstance(
+        events[-1].error, IncompatibleAdapterError
+    )
+    assert "adapter 'huge' (v1) gave non-finite logits" in str(events[-1].error)
+    assert last.error is None and ids == alone
     assert provider.live == 0
 
 
