@@ -21,14 +21,14 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "plora_gateway_ttft_seconds",
-            "Gateway receipt to first token sent to the client",
+            "Gateway receipt to first token sent to the client (every stream that got one)",
             ["adapter_cold"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "plora_gateway_request_duration_seconds",
-            "Gateway receipt to last token sent",
+            "Gateway receipt to last token sent (streams that finished)",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

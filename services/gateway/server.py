@@ -512,16 +512,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ttft: float | None = None
             try:
                 for response in call:
-                    if ttft is None and response.token_ids:
+                    if ttft is None and (response.token_ids or response.finish_reason):
+                        # at the first token, so a stream that ends badly later counts too
                         ttft = time.monotonic() - received
                         self._first_token(worker.worker_id)
+                        cold = str(response.adapter_cold).lower()
+                        self.metrics.ttft.labels(cold).observe(ttft)
                     if response.token_ids:
                         self.metrics.tokens.inc(len(response.token_ids))
                     if response.finish_reason:
-                        cold = str(response.adapter_cold).lower()
-                        self.metrics.ttft.labels(cold).observe(
-                            ttft if ttft is not None else time.monotonic() - received
-                        )
                         self.metrics.e2e.observe(time.monotonic() - received)
                     if self._drain_deadline is not None and not response.finish_reason:
                         if time.monotonic() >= self._drain_deadline:

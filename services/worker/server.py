@@ -146,7 +146,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     first_at = time.monotonic()
                     self.metrics.ttft.observe(first_at - received)
                 response = gateway_pb2.GenerateResponse(
-                    text=event.text, token_ids=event.token_ids, request_id=req.request_id
+                    text=event.text,
+                    token_ids=event.token_ids,
+                    request_id=req.request_id,
+                    adapter_cold=event.adapter_cold,  # on every message: TTFT's label
                 )
                 if event.token_ids:
                     self.metrics.tokens.inc(len(event.token_ids))
@@ -155,7 +158,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     response.usage.prompt_tokens = event.prompt_tokens
                     response.usage.completion_tokens = event.completion_tokens
                     response.worker_id = self.config.worker_id
-                    response.adapter_cold = event.adapter_cold
                     response.adapter_wait_seconds = event.adapter_wait_seconds
                     response.worker_ttft_seconds = event.ttft_seconds or 0.0
                     self.metrics.prompt_tokens.inc(event.prompt_tokens)

@@ -449,13 +449,23 @@ def test_an_adapter_holding_nan_is_refused_at_registration(stub, tmp_path, model
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def _gateway_ttft_count(cluster: dict) -> float:
+    """``plora_gateway_ttft_seconds_count`` summed over its ``adapter_cold`` label."""
+    text = urllib.request.urlopen(cluster["metrics"]["gateway"], timeout=10).read().decode()
+    line = "plora_gateway_ttft_seconds_count{"
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
 def test_client_cancel_stops_generation_on_the_worker(stub, cluster: dict) -> None:
+    before = _gateway_ttft_count(cluster)
     call = stub.Generate(
         chat("Tell me a very long story about dragons.", max_new_tokens=400), timeout=120
     )
     first = next(call)
     assert first.token_ids
     call.cancel()
+    # its first token counts in the gateway's TTFT (it was observed only for finished streams)
+    assert _gateway_ttft_count(cluster) == before + 1
     # The worker must drop the sequence (free its KV slot and adapter lease) promptly.
     deadline = time.monotonic() + 10
     workers = [
