@@ -489,7 +489,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         forwarded = gateway_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
-        forwarded.request_id = request_id
+        # A caller's id is for tracing, not unique: the workers see it with a suffix of this
+        # call's own, so one client's (or tenant's) id in flight never refuses another's.
+        forwarded.request_id = (
+            f"{request_id}~{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        )
         if not forwarded.HasField("max_new_tokens"):
             forwarded.max_new_tokens = self.config.default_max_new_tokens
         worker_request = worker_pb2.WorkerGenerateRequest(
@@ -531,6 +535,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 f"its {self._drain_grace_s:g} s grace period; send the "
                                 "request again once the cluster is back",
                             )
+                    response.request_id = request_id
                     yield response
                 return
             except grpc.RpcError as exc:

@@ -449,6 +449,23 @@ def test_an_adapter_holding_nan_is_refused_at_registration(stub, tmp_path, model
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_the_same_request_id_in_flight_from_two_tenants_is_served_for_both(stub) -> None:
+    """A new user sent 6 requests with ``request_id="same-id"`` from 6 tenants at once: 4 got
+    INVALID_ARGUMENT 'already in flight' from a worker, so one tenant could fail another's
+    requests by reusing its ids. Ids are for tracing: all are served, each echoing its id."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    def one(i: int) -> list[gateway_pb2.GenerateResponse]:
+        req = chat(max_new_tokens=12, request_id="same-id", tenant_id=f"tenant-{i}")
+        return collect(stub, req)[1]
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    for chunks in results:
+        assert chunks[-1].finish_reason != gateway_pb2.FINISH_REASON_UNSPECIFIED
+        assert {c.request_id for c in chunks} == {"same-id"}
+
+
 def _gateway_ttft_count(cluster: dict) -> float:
     """``plora_gateway_ttft_seconds_count`` summed over its ``adapter_cold`` label."""
     text = urllib.request.urlopen(cluster["metrics"]["gateway"], timeout=10).read().decode()
