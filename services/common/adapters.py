@@ -917,7 +917,7 @@ def load_lora_weights(
     if expected_sha256 and sha != expected_sha256:
         raise InvalidAdapterError(
             f"{weights} changed since registration (sha256 {sha[:12]}..., registered "
-            f"{expected_sha256[:12]}...); register the adapter again"
+            f"{expected_sha256[:12]}...)"  # the caller says what to do (restore, re-register)
         )
     if len(data) >= 8:
         (n,) = struct.unpack("<Q", data[:8])

@@ -63,3 +63,15 @@ def test_the_readme_names_no_series_that_is_not_exported() -> None:
     named = set(re.findall(r"`(plora_[a-z0-9_]+)`", _section()))
     stale = named - set(_exported())
     assert not stale, f"README names series no service exports: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_no_created_series_beside_the_documented_ones(service: str) -> None:
+    """A new user found a ``*_created`` series beside every counter and histogram, in no
+    table; they are switched off (``disable_created_metrics``), so a scrape holds only the
+    documented names (and the client library's process/GC ones)."""
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    text = generate_latest(SERVICES[service]().registry).decode()
+    assert "plora_" in text
+    assert "_created" not in text
