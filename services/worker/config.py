@@ -56,6 +56,11 @@ class WorkerConfig:
         threads: Intra-op CPU threads of the engine (``PLORA_WORKER_THREADS``); 0 = all cores.
             Several workers on one host should split the cores (the launcher does): OpenMP
             threads that outnumber the cores wait on each other and run many times slower.
+        stall_timeout_s: Seconds the engine's step loop may go without progress while it has
+            requests before the worker exits (status 70) for its supervisor to restart it, its
+            threads' stacks in the log (``PLORA_STALL_TIMEOUT_S``; 0 = never). vLLM's
+            ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` is 60 s too; a step of the default model takes
+            well under a second, a long prefill of a large model on CPU may need more.
         heartbeat_interval_s / heartbeat_ttl_s: Registry heartbeat period and liveness TTL.
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
@@ -82,6 +87,7 @@ class WorkerConfig:
     load_wait_timeout_s: float = 30.0
     host_staging: str = "on"
     threads: int = 0
+    stall_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     ready_file: str = ""
@@ -110,6 +116,11 @@ class WorkerConfig:
             )
         if self.threads < 0:
             raise ConfigError("threads must be >= 0 (0 = all cores)")
+        if not self.stall_timeout_s >= 0:  # NaN too
+            raise ConfigError(
+                f"--stall-timeout-s / PLORA_STALL_TIMEOUT_S must be >= 0 (0 = never), got "
+                f"{self.stall_timeout_s}"
+            )
         # the engine would refuse these after the model loaded, less clearly
         require_at_least_one(
             self.max_new_tokens_limit, "--max-new-tokens-limit", "PLORA_MAX_NEW_TOKENS_LIMIT"
@@ -231,6 +242,13 @@ class WorkerConfig:
             "(env PLORA_WORKER_THREADS; default 0 = all cores)",
         )
         parser.add_argument(
+            "--stall-timeout-s",
+            type=float,
+            help="seconds the engine may go without progress while it has requests before "
+            "the worker exits (status 70) to be restarted, thread stacks in its log; 0 = "
+            "never (env PLORA_STALL_TIMEOUT_S; default 60)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -304,5 +322,8 @@ class WorkerConfig:
                 ("on", "off"),
             ),
             threads=int_flag_or_env(args.threads, "PLORA_WORKER_THREADS", d.threads),
+            stall_timeout_s=float_flag_or_env(
+                args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
+            ),
             ready_file=args.ready_file or "",
         )

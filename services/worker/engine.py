@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -348,6 +349,8 @@ class Engine:
         self._running: list[_Seq] = []  # index == KV slot
         self._stop = False
         self._thread: threading.Thread | None = None
+        # when the step loop last came round (or work arrived at an idle engine): stalled_for()
+        self._progress = time.monotonic()
         self.steps = 0
         #: CPU seconds the step thread spent in steps (its own thread's CPU clock).
         self.step_cpu_seconds = 0.0
@@ -442,6 +445,8 @@ class Engine:
             if stopped:
                 self._inflight.discard(req.request_id)
             else:
+                if not self._running and not self._waiting:
+                    self._progress = time.monotonic()  # idle until now, not stalled
                 self._waiting.append(seq)
                 if cancelled:  # cancel() came while the lease was being taken
                     self._cancels.add(req.request_id)
@@ -500,8 +505,29 @@ class Engine:
             raise InvalidRequestError("this engine serves the base model only (no adapter store)")
 
     # ------------------------------------------------------------------ the step loop
+    def stalled_for(self) -> float:
+        """Seconds the step loop has gone without coming round while it had requests: 0.0
+        when it is idle or progressing (or not started), ``inf`` when its thread died.
+
+        The loop comes round after every step and every few milliseconds while requests wait
+        for adapter loads, so only a step that never returns (a deadlock, a hung device call)
+        makes this grow past a step's length. The worker's watchdog reads it
+        (``--stall-timeout-s``).
+        """
+        t = self._thread
+        if t is None:
+            return 0.0
+        with self._lock:
+            busy = bool(self._running or self._waiting)
+            since = self._progress
+            stopping = self._stop
+        if not t.is_alive():
+            return 0.0 if stopping else math.inf
+        return time.monotonic() - since if busy else 0.0
+
     def _loop(self) -> None:
         while True:
+            self._progress = time.monotonic()
             with self._cond:
                 if self._stop:
                     return

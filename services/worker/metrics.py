@@ -75,6 +75,12 @@ class WorkerMetrics:
             "Seconds since the last successful heartbeat",
             registry=r,
         )
+        self.engine_stalled = Gauge(
+            "plora_worker_engine_stalled_seconds",
+            "Seconds the engine's step loop has gone without progress while it had requests "
+            "(0 when idle or stepping; past --stall-timeout-s the worker exits to be restarted)",
+            registry=r,
+        )
         self.heartbeat_failures = Counter(
             "plora_worker_heartbeat_failures", "Heartbeats that could not reach Redis", registry=r
         )

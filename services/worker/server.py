@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -339,6 +341,9 @@ class WorkerService:
         self._last_heartbeat = time.monotonic()
         self._last_staging = -HOST_STAGING_INTERVAL_S
         self._published = False  # a heartbeat has reached the registry
+        #: How the stall watchdog ends the process (``os._exit``: the engine thread may hold
+        #: locks a normal exit would wait on).
+        self._exit = os._exit
 
     def _on_store_event(self, event: StoreEvent) -> None:
         """Store events -> Prometheus (called under the store lock: counters only)."""
@@ -489,8 +494,51 @@ class WorkerService:
         m.pool_extents.set(s.mean_extents_per_adapter)
         m.pool_internal_waste.set(s.internal_waste)
 
+    def _watch_engine(self) -> bool:
+        """The stall watchdog (every heartbeat interval): past ``stall_timeout_s`` without
+        progress while the engine has requests (a deadlock, a device call that never returns,
+        its thread dead), log every thread's stack, stop serving, leave the registry and exit
+        with :data:`EXIT_ENGINE_STALLED`, so the supervisor (``plora up``, Docker's restart
+        policy) starts a fresh worker; its streams end UNAVAILABLE and the gateway sends
+        requests that had no token yet to another worker. Without it the worker kept
+        heartbeating healthy and every request routed to it waited out its deadline.
+
+        Returns:
+            Whether it ended the worker (only seen where ``_exit`` returns: tests).
+        """
+        stalled = self.engine.stalled_for()
+        self.metrics.engine_stalled.set(stalled)
+        limit = self.config.stall_timeout_s
+        if not limit or stalled <= limit or self._stop.is_set():
+            return False
+        logger.critical(
+            "the engine made no progress for %.0f s with %d running and %d waiting requests "
+            "(--stall-timeout-s %g): exiting with status %d for the supervisor to restart this "
+            "worker; every thread's stack follows",
+            stalled,
+            self.engine.running,
+            self.engine.queue_length,
+            limit,
+            EXIT_ENGINE_STALLED,
+        )
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():  # noqa: SLF001 - the stacks to debug
+            stack = "".join(traceback.format_stack(frame))
+            logger.critical("thread %s:\n%s", names.get(ident, ident), stack.rstrip())
+        set_serving(self.health, [SERVICE_NAME], False)
+        try:
+            self.registry.deregister_worker(self.config.worker_id)
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; its liveness key expires
+            logger.warning("could not deregister: %s", exc)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit(EXIT_ENGINE_STALLED)
+        return True
+
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
+            if self._watch_engine():
+                return
             try:
                 self.heartbeat()
             except RegistryUnavailableError:  # the registry logs the outage, not each call
@@ -512,6 +560,10 @@ class WorkerService:
         self.engine.stop()
         self.store.close()
         self.metrics_server.shutdown()
+
+
+#: The worker's exit status when its stall watchdog ended it (``EX_SOFTWARE`` of sysexits.h).
+EXIT_ENGINE_STALLED = 70
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,21 +3,39 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common import convert
 from services.common.make_adapters import make_adapter_set
 from services.common.registry import AdapterRecord, Registry, connect
 from services.worker.config import WorkerConfig
-from services.worker.server import WorkerService
+from services.worker.engine import EngineRequest
+from services.worker.server import EXIT_ENGINE_STALLED, SERVICE_NAME, WorkerService
 from tests.conftest import OwnRedis
 
 pytestmark = pytest.mark.slow
+
+
+def _worker(redis_url: str, model_dir: Path, **kw: object) -> WorkerService:
+    """A started worker on free ports: the real model, a 64 MiB pool, one thread, no staging."""
+    cfg = WorkerConfig(
+        port=0,
+        metrics_port=0,
+        redis_url=redis_url,
+        model=str(model_dir),
+        pool_bytes=64 << 20,
+        threads=1,
+        host_staging="off",
+        **kw,  # type: ignore[arg-type]
+    )
+    return WorkerService(cfg).start()
 
 
 def _generate(stub: worker_pb2_grpc.WorkerStub, record: AdapterRecord) -> list:
@@ -38,17 +56,7 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
     made before the worker's first heartbeat to the new Redis could not tell it to drop its
     copy (the new-user trial hit this in 3 of 5 tries). The worker notices the registry lost
     its own record at that heartbeat and forgets every adapter, so version 1 is served."""
-    service = WorkerService(
-        WorkerConfig(
-            port=0,
-            metrics_port=0,
-            redis_url=own_redis.url,
-            model=str(model_dir),
-            pool_bytes=64 << 20,
-            threads=1,
-            host_staging="off",
-        )
-    ).start()
+    service = _worker(own_redis.url, model_dir)
     channel = grpc.insecure_channel(service.address)
     stub = worker_pb2_grpc.WorkerStub(channel)
     (source,) = make_adapter_set(tmp_path, service.spec, count=1, ranks=[8], seed=0)
@@ -74,4 +82,43 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
         assert _generate(stub, old)[-1].finish_reason
     finally:
         channel.close()
+        service.stop()
+
+
+def test_a_stalled_engine_makes_the_worker_leave_the_registry_and_exit(
+    own_redis: OwnRedis, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose engine deadlocked kept heartbeating healthy, so the gateway kept routing
+    requests to it and each waited out its deadline. Past ``stall_timeout_s`` without progress
+    while it has requests, the worker now logs every thread's stack, stops serving, leaves the
+    registry and exits (status 70) for its supervisor to restart it; idle, it never does."""
+    service = _worker(
+        own_redis.url, model_dir, stall_timeout_s=1.0, heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0
+    )
+    exited = threading.Event()
+    codes: list[int] = []
+    service._exit = lambda code: (codes.append(code), exited.set())  # type: ignore[method-assign]
+    release = threading.Event()
+    forward = service.engine.model.forward
+
+    def hung(batch, kv):  # type: ignore[no-untyped-def]  # a step that never returns
+        release.wait(60)
+        return forward(batch, kv)
+
+    registry = Registry(connect(own_redis.url))
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(service.address))
+    try:
+        assert not exited.wait(2.0)  # idle for twice the timeout: not a stall
+        assert [w.worker_id for w in registry.list_workers() if w.healthy] == ["worker-0"]
+        service.engine.model.forward = hung  # type: ignore[method-assign]
+        service.engine.submit(EngineRequest("stuck", [1, 2, 3], max_new_tokens=2))
+        assert exited.wait(10), "the watchdog did not end the stalled worker"
+        assert codes == [EXIT_ENGINE_STALLED]
+        assert not any(w.healthy for w in registry.list_workers())
+        status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert "the engine made no progress for" in caplog.text
+        assert "thread plora-engine:" in caplog.text and "in hung" in caplog.text
+    finally:
+        release.set()
         service.stop()

@@ -55,6 +55,18 @@ def test_worker_host_cache_must_cover_pool() -> None:
         WorkerConfig(pool_bytes=1 << 30, host_cache_bytes=1 << 20)
 
 
+def test_worker_stall_timeout_is_a_flag_or_env_and_not_negative(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert config_from_flags(WorkerConfig).stall_timeout_s == 60.0
+    monkeypatch.setenv("PLORA_STALL_TIMEOUT_S", "0")
+    assert config_from_flags(WorkerConfig).stall_timeout_s == 0.0  # never
+    assert config_from_flags(WorkerConfig, "--stall-timeout-s", "300").stall_timeout_s == 300.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--stall-timeout-s / PLORA_STALL_TIMEOUT_S"):
+            WorkerConfig(stall_timeout_s=bad)
+
+
 def test_worker_host_staging_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config_from_flags(WorkerConfig).host_staging == "on"
     monkeypatch.setenv("PLORA_HOST_STAGING", "off")
