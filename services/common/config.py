@@ -8,6 +8,7 @@ module is the only place that reads ``os.environ`` for configuration (STYLE.md "
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -142,6 +143,19 @@ def require_at_least_one(value: int, flag: str, env: str) -> None:
     """
     if value < 1:
         raise ConfigError(f"{flag} / {env} must be >= 1, got {value}")
+
+
+def require_seconds(value: float, flag: str, env: str, zero_ok: bool = False) -> None:
+    """Refuse a duration that is not a finite number of seconds > 0 (>= 0 with ``zero_ok``),
+    naming the flag (``""`` when there is none) and the variable that set it.
+
+    Raises:
+        ConfigError: ``value`` out of range, NaN or infinite.
+    """
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        name = f"{flag} / {env}" if flag else env
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be a number of seconds {bound}, got {value:g}")
 
 
 def env_or(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 
 from services.common.config import (
@@ -14,6 +13,7 @@ from services.common.config import (
     env_or,
     int_flag_or_env,
     require_at_least_one,
+    require_seconds,
     require_server_ports,
 )
 from services.common.errors import ConfigError
@@ -87,11 +87,8 @@ class GatewayConfig:
                 f"1..{self.max_new_tokens_limit} (the max-new-tokens limit), "
                 f"got {self.default_max_new_tokens}"
             )
-        if not 0.0 <= self.registry_stale_s < math.inf:
-            raise ConfigError(
-                f"PLORA_REGISTRY_STALE_S must be a number of seconds >= 0, "
-                f"got {self.registry_stale_s:g}"
-            )
+        require_seconds(self.registry_stale_s, "", "PLORA_REGISTRY_STALE_S", zero_ok=True)
+        require_seconds(self.request_timeout_s, "", "PLORA_REQUEST_TIMEOUT_S")
         if self.event_queue_size < 1:
             raise ConfigError("event_queue_size must be >= 1")
 

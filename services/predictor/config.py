@@ -12,6 +12,7 @@ from services.common.config import (
     env_or,
     float_flag_or_env,
     int_flag_or_env,
+    require_seconds,
     require_server_ports,
 )
 from services.common.errors import ConfigError
@@ -58,8 +59,8 @@ class PredictorConfig:
         require_server_ports("predictor", self.port, self.metrics_port)
         if self.forecaster not in FORECASTER_NAMES:
             raise ConfigError(f"forecaster must be one of {FORECASTER_NAMES}")
-        if self.tick_s <= 0 or self.horizon_s <= 0:
-            raise ConfigError("tick_s and horizon_s must be positive")
+        require_seconds(self.tick_s, "--tick-s", "PLORA_PREDICTOR_TICK_S")
+        require_seconds(self.horizon_s, "--horizon-s", "PLORA_PREDICTOR_HORIZON_S")
         if self.prefetch not in ("on", "off"):
             raise ConfigError(f"prefetch must be 'on' or 'off', got {self.prefetch!r}")
 

@@ -14,6 +14,7 @@ from services.common.config import (
     int_flag_or_env,
     parse_bytes,
     require_at_least_one,
+    require_seconds,
     require_server_ports,
 )
 from services.common.errors import ConfigError
@@ -111,21 +112,35 @@ class WorkerConfig:
             )
         if self.host_cache_bytes < self.pool_bytes:
             raise ConfigError(
-                f"host_cache_bytes ({self.host_cache_bytes}) must be >= pool_bytes "
-                f"({self.pool_bytes}): the host tier backs every resident adapter"
+                f"--host-cache-bytes / PLORA_HOST_CACHE_BYTES ({self.host_cache_bytes}) must be "
+                f">= --pool-bytes / PLORA_POOL_BYTES ({self.pool_bytes}): the host tier backs "
+                "every resident adapter"
             )
         if self.threads < 0:
-            raise ConfigError("threads must be >= 0 (0 = all cores)")
-        if not self.stall_timeout_s >= 0:  # NaN too
             raise ConfigError(
-                f"--stall-timeout-s / PLORA_STALL_TIMEOUT_S must be >= 0 (0 = never), got "
-                f"{self.stall_timeout_s}"
+                f"--threads / PLORA_WORKER_THREADS must be >= 0 (0 = all cores), got {self.threads}"
             )
+        require_seconds(self.stall_timeout_s, "--stall-timeout-s", "PLORA_STALL_TIMEOUT_S", True)
+        require_seconds(
+            self.load_wait_timeout_s, "--load-wait-timeout-s", "PLORA_LOAD_WAIT_TIMEOUT_S"
+        )
         # the engine would refuse these after the model loaded, less clearly
         require_at_least_one(
             self.max_new_tokens_limit, "--max-new-tokens-limit", "PLORA_MAX_NEW_TOKENS_LIMIT"
         )
         require_at_least_one(self.max_batch_size, "--max-batch-size", "PLORA_MAX_BATCH_SIZE")
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ConfigError(
+                f"--max-num-batched-tokens / PLORA_MAX_NUM_BATCHED_TOKENS "
+                f"({self.max_num_batched_tokens}) must be >= --max-batch-size / "
+                f"PLORA_MAX_BATCH_SIZE ({self.max_batch_size}): every running sequence "
+                "decodes one token per step"
+            )
+        if self.max_model_len < 2:
+            raise ConfigError(
+                f"--max-model-len / PLORA_MAX_MODEL_LEN must be >= 2 (a prompt token and a "
+                f"generated one), got {self.max_model_len}"
+            )
         if self.host_staging not in ("on", "off"):
             raise ConfigError(f"host_staging must be 'on' or 'off', got {self.host_staging!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:

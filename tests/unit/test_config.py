@@ -51,7 +51,7 @@ def test_worker_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_worker_host_cache_must_cover_pool() -> None:
-    with pytest.raises(ConfigError, match="host_cache_bytes"):
+    with pytest.raises(ConfigError, match="--host-cache-bytes / PLORA_HOST_CACHE_BYTES"):
         WorkerConfig(pool_bytes=1 << 30, host_cache_bytes=1 << 20)
 
 
@@ -65,6 +65,43 @@ def test_worker_stall_timeout_is_a_flag_or_env_and_not_negative(
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="--stall-timeout-s / PLORA_STALL_TIMEOUT_S"):
             WorkerConfig(stall_timeout_s=bad)
+
+
+_SECONDS = "must be a number of seconds > 0"
+
+
+@pytest.mark.parametrize(
+    ("config", "variable", "value", "message"),
+    [
+        (GatewayConfig, "PLORA_REQUEST_TIMEOUT_S", "0", f"^PLORA_REQUEST_TIMEOUT_S {_SECONDS}"),
+        (GatewayConfig, "PLORA_REQUEST_TIMEOUT_S", "-5", f"^PLORA_REQUEST_TIMEOUT_S {_SECONDS}"),
+        (PredictorConfig, "PLORA_PREDICTOR_TICK_S", "-1", f"PLORA_PREDICTOR_TICK_S {_SECONDS}"),
+        (PredictorConfig, "PLORA_PREDICTOR_HORIZON_S", "inf", "^--horizon-s / PLORA_PREDICTOR_HO"),
+        (WorkerConfig, "PLORA_WORKER_THREADS", "-2", "^--threads / PLORA_WORKER_THREADS must be"),
+        (WorkerConfig, "PLORA_LOAD_WAIT_TIMEOUT_S", "0", f"PLORA_LOAD_WAIT_TIMEOUT_S {_SECONDS}"),
+        (
+            WorkerConfig,
+            "PLORA_MAX_NUM_BATCHED_TOKENS",
+            "16",
+            r"^--max-num-batched-tokens / PLORA_MAX_NUM_BATCHED_TOKENS \(16\) must be >= "
+            r"--max-batch-size / PLORA_MAX_BATCH_SIZE \(32\)",
+        ),
+        (WorkerConfig, "PLORA_MAX_MODEL_LEN", "1", "^--max-model-len / PLORA_MAX_MODEL_LEN must"),
+    ],
+    ids=lambda x: x if isinstance(x, str) and x.startswith("PLORA_") else "",
+)
+def test_out_of_range_settings_are_refused_naming_flag_and_variable(
+    config: Any, variable: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new operator's ``PLORA_REQUEST_TIMEOUT_S=0`` (or -5) started a cluster whose every
+    request without a client deadline failed DEADLINE_EXCEEDED at once, and
+    ``PLORA_MAX_NUM_BATCHED_TOKENS=16`` failed only once the workers had loaded the model, with
+    a message naming neither; others named a field, not the flag and variable. Each is now
+    refused before anything starts, naming both."""
+    _without_plora_env(monkeypatch)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=message):
+        config_from_flags(config)
 
 
 def test_worker_host_staging_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -294,7 +331,7 @@ def test_a_flag_set_to_zero_is_not_taken_for_unset(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ConfigError, match="--max-batch-size / PLORA_MAX_BATCH_SIZE must be >= 1"):
         config_from_flags(WorkerConfig, "--max-batch-size", "0")
     assert config_from_flags(WorkerConfig).max_batch_size == 8
-    with pytest.raises(ConfigError, match="tick_s and horizon_s must be positive"):
+    with pytest.raises(ConfigError, match="--tick-s / PLORA_PREDICTOR_TICK_S must be a number"):
         config_from_flags(PredictorConfig, "--tick-s", "0")
 
 
