@@ -35,8 +35,10 @@ from services.common.config import (
     DEFAULT_STATE_FILE,
     checked_type,
     env_or,
+    int_flag_or_env,
     parse_ranks,
     port_number,
+    require_server_ports,
 )
 from services.common.errors import ConfigError, PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
@@ -223,6 +225,9 @@ MAX_WORKERS = 4 * max(1, os.cpu_count() or 1)
 _STARTUP = (" INFO ", " WARNING ", " ERROR ")
 _SERVING = (" WARNING ", " ERROR ")
 
+#: The gateway port of ``plora up`` when neither --gateway-port nor PLORA_GATEWAY_PORT is set.
+DEFAULT_GATEWAY_PORT = 50051
+
 #: Seconds between tries to start again a service that could not reach an external Redis.
 REGISTRY_RETRY_S = 5.0
 
@@ -254,7 +259,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="base model: smollm2 (default), a .gguf file or an HF Llama directory",
+        help="base model: smollm2, a .gguf file or an HF Llama directory (default: "
+        "$PLORA_MODEL, as the workers read it, else smollm2)",
     )
     parser.add_argument(
         "--redis-url",
@@ -267,9 +273,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway-port",
         type=port_number,
-        default=50051,
-        help="gateway gRPC port, 0..65535; 0 = any free port (default 50051; the other services "
-        "always take free ports)",
+        default=None,
+        help="gateway gRPC port, 0..65535; 0 = any free port (default: $PLORA_GATEWAY_PORT, as "
+        f"the gateway reads it, else {DEFAULT_GATEWAY_PORT}; the other services always take "
+        "free ports)",
     )
     parser.add_argument(
         "--policy",
@@ -464,6 +471,13 @@ class Cluster:
     def start(self) -> ClusterState:
         """Start everything; returns the state written to the state file."""
         a = self.args
+        # Unset flags fall back to the variables `plora serve` reads for them: the launcher
+        # passes every child its --model and the gateway its --port, which win over them.
+        if a.model is None:
+            a.model = env_or("PLORA_MODEL", None)
+        if a.gateway_port is None:
+            a.gateway_port = int_flag_or_env(None, "PLORA_GATEWAY_PORT", DEFAULT_GATEWAY_PORT)
+            require_server_ports("gateway", a.gateway_port, 0)
         policy_name = a.policy or "plora"
         set_in_env = overridden_policy_env(os.environ)
         policy = policy_flags(POLICIES[policy_name], keep_env=None if a.policy else os.environ)

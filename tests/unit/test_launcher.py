@@ -274,6 +274,32 @@ def test_plora_up_refuses_to_start_over_a_running_cluster(tmp_path: Path) -> Non
         assert cluster.redis is None and not cluster.children
 
 
+def test_plora_up_takes_its_gateway_port_from_plora_gateway_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plora up`` always bound 50051 unless given --gateway-port (the gateway's own
+    PLORA_GATEWAY_PORT was overridden by the flag it passes), so ``make up`` could not move.
+    Without the flag the variable is the port, checked like the flag."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state = tmp_path / "cluster.json"
+    monkeypatch.setenv("PLORA_GATEWAY_PORT", "99999")
+    cluster = Cluster(parser.parse_args(["--state-file", str(state)]))
+    with pytest.raises(ConfigError, match=r"^--port / PLORA_GATEWAY_PORT must be a port 0\.\."):
+        cluster.start()
+    cluster.stop()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        monkeypatch.setenv("PLORA_GATEWAY_PORT", str(port))
+        cluster = Cluster(parser.parse_args(["--state-file", str(state)]))
+        with pytest.raises(RuntimeError, match=f"gateway port 127.0.0.1:{port} is in use"):
+            cluster.start()
+        cluster.stop()
+    assert cluster.redis is None and not cluster.children and not state.exists()
+
+
 def test_plora_up_refuses_a_bad_setting_before_starting_anything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -293,6 +319,8 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         ({}, ["--pool-bytes", "lots"], r"^worker: --pool-bytes / PLORA_POOL_BYTES: 'lots' is"),
         ({}, ["--pool-bytes", "0"], r"^worker: --pool-bytes / PLORA_POOL_BYTES must be at least"),
         ({}, ["--model", "/nonexistent.gguf"], r"^model file /nonexistent.gguf does not exist"),
+        # a new operator's PLORA_MODEL was ignored by plora up, which served SmolLM2
+        ({"PLORA_MODEL": "/nonexistent.gguf"}, [], r"^model file /nonexistent.gguf does not"),
     ]
     for env, argv, message in cases:
         with monkeypatch.context() as m:
