@@ -109,8 +109,9 @@ DTYPES: dict[str, torch.dtype] = {
 #: (:meth:`AdapterStore.stage`; one Redis listing each); the simulator uses the same period.
 HOST_STAGING_INTERVAL_S = 2.0
 
-#: Seconds before host staging reads again an adapter version whose staging read failed (a
-#: missing, changed or broken source): each failure is logged once, not every pass.
+#: Seconds before host staging or a prefetch reads again an adapter version whose source read
+#: failed (a missing, changed or broken source): each failure is logged once, not every pass or
+#: tick. Demand loads still read it (their request gets the error).
 STAGE_RETRY_S = 300.0
 
 #: Loader signature: read one adapter version from the source tier (raises domain errors).
@@ -821,8 +822,9 @@ class AdapterStore:
         # host staging (stage()): queued source reads for the staging thread, one at a time
         self._staging: deque[AdapterRef] = deque()
         self._staging_current: AdapterRef | None = None
-        # adapter_id -> (version, monotonic time) of its last failed staging read
-        self._stage_failed: dict[str, tuple[int, float]] = {}
+        # adapter_id -> (version, monotonic time until which background reads skip it) of its
+        # last failed source read (_source_failed)
+        self._failed_source: dict[str, tuple[int, float]] = {}
         self._closed = False
         self._c = _Counters()
         # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
@@ -934,8 +936,10 @@ class AdapterStore:
             for ref, expected in items:
                 expected = float(expected)
                 latest = self._latest.get(ref.adapter_id)
-                if (latest is not None and ref.version < latest) or (
-                    ref.size_bytes > self._pool.capacity_bytes
+                if (
+                    (latest is not None and ref.version < latest)
+                    or ref.size_bytes > self._pool.capacity_bytes
+                    or self._source_broken(ref, now)
                 ):
                     ignored += 1
                     continue
@@ -989,11 +993,10 @@ class AdapterStore:
             now = time.monotonic()
             for ref in refs:
                 latest = self._latest.get(ref.adapter_id)
-                failed = self._stage_failed.get(ref.adapter_id)
                 if (
                     ref.adapter_id in seen
                     or (latest is not None and ref.version < latest)
-                    or (failed is not None and failed[0] == ref.version and now < failed[1])
+                    or self._source_broken(ref, now)
                     or not self._stage_needed(ref, room)
                 ):
                     continue
@@ -1046,20 +1049,32 @@ class AdapterStore:
                     )
         except Exception as err:  # noqa: BLE001 - the demand load reports it to the request
             with self._lock:
-                again = self._stage_failed.get(ref.adapter_id, (0, 0.0))[0] == ref.version
-                self._stage_failed[ref.adapter_id] = (ref.version, time.monotonic() + STAGE_RETRY_S)
-            log = logger.debug if again else logger.warning
-            if isinstance(err, PLoRAError):
-                log(
-                    "host staging of %s v%d failed (not tried again for %.0f s): %s",
-                    ref.adapter_id, ref.version, STAGE_RETRY_S, err,
-                )  # fmt: skip
-            else:
-                log("host staging of %s v%d failed", ref.adapter_id, ref.version, exc_info=True)
+                self._source_failed(ref, err, "host staging")
         finally:
             with self._cv:
                 self._staging_current = None
                 self._cv.notify_all()
+
+    def _source_broken(self, ref: AdapterRef, now: float) -> bool:
+        """Whether background reads (staging, prefetch) skip ``ref``: its source read failed
+        less than :data:`STAGE_RETRY_S` ago (lock held)."""
+        failed = self._failed_source.get(ref.adapter_id)
+        return failed is not None and failed[0] == ref.version and now < failed[1]
+
+    def _source_failed(self, ref: AdapterRef, err: BaseException, what: str) -> None:
+        """Note a failed source read of ``ref`` (lock held): background reads skip it for
+        :data:`STAGE_RETRY_S`; logged as a warning the first time for this version, at DEBUG
+        after (a broken adapter used to fill the log every pass and every prefetch tick)."""
+        again = self._failed_source.get(ref.adapter_id, (0, 0.0))[0] == ref.version
+        self._failed_source[ref.adapter_id] = (ref.version, time.monotonic() + STAGE_RETRY_S)
+        log = logger.debug if again else logger.warning
+        if isinstance(err, PLoRAError):
+            log(
+                "%s of %s v%d failed (not read in the background again for %.0f s): %s",
+                what, ref.adapter_id, ref.version, STAGE_RETRY_S, err,
+            )  # fmt: skip
+        else:
+            log("%s of %s v%d failed", what, ref.adapter_id, ref.version, exc_info=err)
 
     def set_forecast(self, forecast: Mapping[str, float]) -> None:
         """Replace the demand forecast (``adapter_id -> expected requests``) used by
@@ -1096,7 +1111,7 @@ class AdapterStore:
     def _drop(self, adapter_id: str, reason: str) -> bool:
         """Remove every tier's copy and queued staging read of ``adapter_id`` (lock held)."""
         dropped = self._host.drop(adapter_id)
-        self._stage_failed.pop(adapter_id, None)
+        self._failed_source.pop(adapter_id, None)
         queued = len(self._staging)
         self._staging = deque(r for r in self._staging if r.adapter_id != adapter_id)
         dropped = dropped or len(self._staging) < queued
@@ -1504,12 +1519,17 @@ class AdapterStore:
             except (_PrefetchIgnored, _Detached, _NoRoom):
                 pass
             except PLoRAError as err:
-                logger.warning("load of %s v%d failed: %s", e.ref.adapter_id, e.ref.version, err)
                 with self._lock:
+                    if isinstance(err, PoolExhaustedError):
+                        logger.warning(
+                            "load of %s v%d failed: %s", e.ref.adapter_id, e.ref.version, err
+                        )
+                    else:  # the source: its files, their values, their shapes
+                        self._source_failed(e.ref, err, "load")
                     self._fail(e, err)
             except Exception as err:
-                logger.exception("load of %s v%d failed", e.ref.adapter_id, e.ref.version)
                 with self._lock:
+                    self._source_failed(e.ref, err, "load")
                     self._fail(e, PLoRAError(f"loading adapter {e.ref.adapter_id!r} failed: {err}"))
 
     def _host_copy(self, ref: AdapterRef) -> tuple[PackedAdapter, str, float]:

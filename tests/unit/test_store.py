@@ -583,6 +583,30 @@ def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
     ]  # the retry of v2 failed again: logged at DEBUG
 
 
+def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new operator removed a registered adapter's files and sent one request: the
+    predictor then prefetched it every tick and each worker logged a warning for every try
+    (38 lines in 20 s), each counted as an issued prefetch. A version whose source read failed
+    is now ignored by prefetch for STAGE_RETRY_S and its failure logged once; a request still
+    reads it, and gets the error."""
+    s, src = store()
+    with s, caplog.at_level(logging.DEBUG, logger="services.worker.store"):
+        src.fail["gone"] = InvalidAdapterError("adapter directory '/x' does not exist")
+        for _ in range(2):  # two requests: both read the source, both get the error
+            lease = ready(s.acquire(ref("gone")))
+            assert isinstance(lease.error(), InvalidAdapterError)
+            lease.release()
+        assert src.calls == ["gone", "gone"]
+        for _ in range(3):  # the predictor's ticks
+            assert tuple(s.prefetch([(ref("gone"), 5.0)])) == (0, 0, 1)
+        assert s.prefetch([(ref("gone", version=2), 5.0)]).accepted == 1  # registered again
+        _wait_for(lambda: src.calls == ["gone"] * 3)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [m.split(" failed")[0] for m in warned] == ["load of gone v1", "load of gone v2"]
+
+
 def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
     s, _ = store(pages=8, eviction="predictive")
     with s:
