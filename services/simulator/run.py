@@ -63,8 +63,15 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora simulate``."""
-    parser.add_argument("--trace", required=True, help="trace CSV")
-    parser.add_argument("--format", required=True, choices=TRACE_FORMATS, help="trace format")
+    parser.add_argument(
+        "--trace", default=None, help="trace CSV (required unless --replay-report alone)"
+    )
+    parser.add_argument(
+        "--format",
+        default=None,
+        choices=TRACE_FORMATS,
+        help="trace format (required with --trace)",
+    )
     parser.add_argument("--workers", type=int, default=4, help="workers (default 4)")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="hardware preset")
     parser.add_argument(
@@ -104,10 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replay-report",
         default=None,
-        help="a `plora bench replay` report.json: its slice is also simulated with the cpu "
-        "preset, fitted per policy to the machine as it was during the replay (from the "
+        help="a `plora bench replay` report.json: its slice (trace, time scale, start, "
+        "duration, adapters, pool, workers, from the report's settings) is simulated with the "
+        "cpu preset, fitted per policy to the machine as it was during the replay (from the "
         "replay's solo requests, DIR/<policy>/requests.jsonl beside the report), and both are "
-        "written side by side under 'validation'",
+        "written side by side under 'validation' and printed. Alone (no --trace) that is all "
+        "it runs; with --trace the --trace simulation runs too",
     )
     parser.add_argument(
         "--view-refresh",
@@ -370,8 +379,44 @@ def validate_against_replay(
     return out
 
 
+def _validation(replay_report: str | Path) -> dict[str, Any]:
+    """:func:`validate_against_replay` of a replay report file, with the per-policy fits."""
+    replay = load_replay_report(replay_report)
+    presets, fits = fit_presets_to_replay(replay, Path(replay_report).parent)
+    validation = validate_against_replay(replay, "cpu", preset=presets)
+    validation["fits"] = fits
+    return validation
+
+
+def _print_validation(validation: dict[str, Any]) -> None:
+    print(f"{'validation':<28}{'sim':>10}{'live':>10}{'rel.err':>10}  within")
+    for policy, block in validation["policies"].items():
+        for key, v in block.items():
+            print(
+                f"{policy + ' ' + key:<28}{v['sim']:>10.4f}{v['replay']:>10.4f}"
+                f"{v['rel_error']:>10.3f}  {'yes' if v['within'] else 'NO'}"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``plora simulate``."""
+    if args.trace is None or args.format is None:
+        if args.replay_report and args.trace is None and args.format is None:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            validation = _validation(args.replay_report)
+            (out / "report.json").write_text(
+                json.dumps({"validation": validation}, indent=2, default=_json_default) + "\n"
+            )
+            _print_validation(validation)
+            print(f"wrote {out / 'report.json'}")
+            return 0
+        print(
+            "plora simulate: give --trace and --format (or --replay-report alone, to simulate "
+            "a replay's own slice)",
+            file=sys.stderr,
+        )
+        return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         get_policy(p)  # fail fast on a typo
@@ -449,14 +494,13 @@ def run(args: argparse.Namespace) -> int:
     )
     report["papers"] = paper_comparison(summaries)
     if args.replay_report:
-        replay = load_replay_report(args.replay_report)
-        presets, fits = fit_presets_to_replay(replay, Path(args.replay_report).parent)
-        report["validation"] = validate_against_replay(replay, "cpu", preset=presets)
-        report["validation"]["fits"] = fits
+        report["validation"] = _validation(args.replay_report)
     report["plots"] = write_plots(out, results, summaries, args.slo_ttft, curves)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
     (out / "report.md").write_text(render_markdown(report), encoding="utf-8")
     _print_table(report, policies)
+    if args.replay_report:
+        _print_validation(report["validation"])
     print(f"wrote {out / 'report.json'}")
     return 0
 

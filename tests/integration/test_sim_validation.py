@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.replay import bench
+from services.simulator import run as sim_run
 from services.simulator.run import fit_presets_to_replay, validate_against_replay
 from tests.conftest import shared_data
 from tests.helpers import replay_args
@@ -59,6 +60,12 @@ def test_simulator_matches_a_live_replay(tmp_path: Path, model_dir: Path) -> Non
     }
     print("validation (sim, live, rel. error):", json.dumps(table))
     assert set(result["policies"]) == set(POLICIES)
+    # `plora simulate --replay-report DIR/report.json --out OUT`, as the README writes it (it
+    # required --trace and --format, then simulated those instead of the replay's slice)
+    cli_out = tmp_path / "cli"
+    assert sim_run.main(["--replay-report", str(out / "report.json"), "--out", str(cli_out)]) == 0
+    cli = json.loads((cli_out / "report.json").read_text())["validation"]
+    assert cli["policies"] == json.loads(json.dumps(result["policies"], default=str))
     for p in POLICIES:
         assert report[p]["completed"] == report[p]["requests"] > 100
         for key, v in result["policies"][p].items():

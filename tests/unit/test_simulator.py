@@ -399,6 +399,18 @@ def test_paper_comparison_blocks() -> None:
 
 
 # ------------------------------------------------------------------------------ end to end
+def test_simulate_without_a_trace_or_a_replay_report_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--trace and --format are required unless --replay-report stands alone (it simulates the
+    replay's own slice: see tests/integration/test_sim_validation.py)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv in ([], ["--trace", str(ALIBABA)], ["--format", "alibaba", "--replay-report", "r"]):
+        assert run(parser.parse_args([*argv, "--out", str(tmp_path / "o")])) == 2
+        assert "give --trace and --format (or --replay-report alone" in capsys.readouterr().err
+
+
 def test_simulate_cli_end_to_end(tmp_path: Path) -> None:
     if not ALIBABA.exists():
         pytest.skip(f"{ALIBABA} is absent (shared data not checked out)")
