@@ -5,8 +5,10 @@ the same K adapters (written once, deterministic from ``--seed``, ranks cycled f
 ``--ranks``), the same device pool size, the same trace slice and the same seed. Per policy:
 ``Cluster.start()`` (embedded Redis, predictor when the policy has one, N workers, gateway), the
 adapters are registered, a few base-model requests warm the workers up (no adapter is touched),
-then the slice is replayed open loop (:mod:`services.replay.client`) while
-``GetClusterStatus`` is sampled every second, and the cluster is stopped.
+the cluster settles (every worker's host staging of the registered adapters done, as it is long
+before traffic on a deployed cluster; ``--settle-timeout``), then the slice is replayed open
+loop (:mod:`services.replay.client`) while ``GetClusterStatus`` is sampled every second, and
+the cluster is stopped.
 
 Pool size (``--pool-bytes auto``): per worker, ``--pool-fraction`` (default 1/4) of the total
 bytes of all K adapters (float32, all 7 projections: a rank-r adapter on SmolLM2-135M is
@@ -51,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.policies import POLICIES
+from services.common.policies import POLICIES, get_policy
 from services.common.traces import TRACE_FORMATS, Trace, load_trace, map_keys_to_adapters
 from services.replay.report import (
     COMPARISON_KEYS,
@@ -205,6 +207,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="extra flag passed to every worker (repeatable)",
     )
+    parser.add_argument(
+        "--settle-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait after registration for every worker's host staging to finish "
+        "before the probes and the replay (policies without staging settle at once; "
+        "default 120; 0 = do not wait)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
@@ -320,15 +330,16 @@ def run_policy(
     dict[str, dict[str, float]],
     list[float],
 ]:
-    """Start a fresh cluster with ``policy``, register the adapters, warm up, measure the
-    uncontended TTFT (``--ttft-probes``), replay, stop it.
+    """Start a fresh cluster with ``policy``, register the adapters, warm up, let it settle
+    (:func:`wait_settled`), measure the uncontended TTFT (``--ttft-probes``), replay, stop it.
 
     ``label`` names the run in progress lines (default: the policy).
 
     Returns:
         The request records, the status samples, the wall seconds of each phase
-        (``startup_s``: processes to healthy; ``register_warmup_s``: registration, warm-up and
-        the probes; ``replay_s``: first send to last completion plus the final sample;
+        (``startup_s``: processes to healthy; ``register_warmup_s``: registration and
+        warm-up; ``settle_s``: waiting for host staging; ``probes_s``: the uncontended-TTFT
+        probes; ``replay_s``: first send to last completion plus the final sample;
         ``stop_s``), per service its CPU seconds during the replay (``cpu_s``) and resident
         bytes at its end (``rss_bytes``), from its ``process_*`` metrics, and the probes'
         TTFTs in seconds (:meth:`~services.replay.client.ReplayClient.uncontended_ttft`).
@@ -383,6 +394,19 @@ def run_policy(
             progress_interval_s=args.progress_interval,
             seed=args.seed,
         )
+        timings["register_warmup_s"] = time.monotonic() - mark
+        mark = time.monotonic()
+        # Policies without host staging have nothing to settle.
+        staging = get_policy(policy).host_staging
+        settled = wait_settled(state, args.settle_timeout if staging else 0.0)
+        timings["settle_s"] = time.monotonic() - mark
+        if staging:
+            print(
+                f"[{label}] host staging {'done' if settled else 'NOT done'} after "
+                f"{timings['settle_s']:.1f} s",
+                flush=True,
+            )
+        mark = time.monotonic()
         with ReplayClient(gateway, config) as client:
             uncontended = client.uncontended_ttft(requests, args.ttft_probes)
             if uncontended:
@@ -391,7 +415,7 @@ def run_policy(
                     f"(mean of {len(uncontended)} base-model prefills sent one at a time)",
                     flush=True,
                 )
-            timings["register_warmup_s"] = time.monotonic() - mark
+            timings["probes_s"] = time.monotonic() - mark
             cpu_before = _process_figures(_scrape_metrics(state))
             t0 = time.monotonic()
             with StatusSampler(gateway, t0) as sampler:
@@ -412,6 +436,71 @@ def run_policy(
             f.write(json.dumps(r.to_dict()) + "\n")
     write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
     return records, samples, timings, usage, uncontended
+
+
+def wait_settled(
+    state: Mapping[str, Any],
+    timeout_s: float,
+    quiet_s: float | None = None,
+    poll_s: float = 0.5,
+) -> bool:
+    """Wait until every worker's background host staging is done: no staging read queued
+    (``plora_worker_host_stages_queued`` 0) and no read finished
+    (``plora_worker_host_stages_total`` unchanged) for ``quiet_s`` seconds, two staging passes
+    (:data:`~services.worker.store.HOST_STAGING_INTERVAL_S`), so a pass that has not yet run
+    or a read still in progress is not taken for done.
+
+    On a deployed cluster adapters are registered long before their traffic and staged by
+    then; a replay started right after registration would measure the workers reading every
+    adapter from its source alongside the first requests (11 s per worker for the README's 32
+    adapters). :func:`run_policy` skips the wait (``timeout_s`` 0) for policies without host
+    staging.
+
+    Args:
+        state: The cluster's state (its ``metrics`` URLs by service name).
+        timeout_s: Seconds to wait at most; 0 returns at once.
+        quiet_s: Seconds without staging activity that count as settled (default: two
+            staging passes).
+        poll_s: Seconds between scrapes.
+
+    Returns:
+        Whether the cluster settled within ``timeout_s``.
+    """
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    from services.worker.store import HOST_STAGING_INTERVAL_S  # noqa: PLC0415
+
+    if timeout_s <= 0:
+        return True
+    if quiet_s is None:
+        quiet_s = 2.0 * HOST_STAGING_INTERVAL_S
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, tuple[float, float]] = {}
+    quiet_since = time.monotonic()
+    while True:
+        now: dict[str, tuple[float, float]] = {}
+        for name, text in _scrape_metrics(state).items():
+            figures = {"queued": 0.0, "done": 0.0}
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "plora_worker_host_stages_queued":
+                        figures["queued"] += float(sample.value)
+                    elif sample.name == "plora_worker_host_stages_total":
+                        figures["done"] += float(sample.value)
+            now[name] = (figures["queued"], figures["done"])
+        t = time.monotonic()
+        if now != last or any(queued > 0 for queued, _ in now.values()):
+            last, quiet_since = now, t
+        elif t - quiet_since >= quiet_s:
+            return True
+        if t >= deadline:
+            logger.warning(
+                "cluster did not settle within %.0f s (host staging still running: %s)",
+                timeout_s,
+                now,
+            )
+            return False
+        time.sleep(poll_s)
 
 
 def _scrape_metrics(state: Mapping[str, Any]) -> dict[str, str]:
@@ -514,6 +603,12 @@ def run(args: argparse.Namespace) -> int:
     if args.ttft_probes < 0:
         print(
             f"plora bench replay: --ttft-probes must be >= 0, got {args.ttft_probes}",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.settle_timeout >= 0:
+        print(
+            f"plora bench replay: --settle-timeout must be >= 0 seconds, got {args.settle_timeout}",
             file=sys.stderr,
         )
         return 2
@@ -765,6 +860,7 @@ def _settings(
         "max_new_tokens": args.max_new_tokens,
         "prompt_token_cap": args.prompt_token_cap,
         "concurrency": args.concurrency,
+        "settle_timeout_s": args.settle_timeout,
         "seed": args.seed,
         "model": args.model or "SmolLM2-135M-Instruct (default)",
         "worker_args": list(args.worker_arg),

@@ -536,6 +536,8 @@ def test_trace_info_floor_uses_adapters_and_keys() -> None:
     [
         (["--repeats", "0"], "--repeats must be >= 1, got 0"),
         (["--ttft-probes", "-1"], "--ttft-probes must be >= 0, got -1"),
+        (["--settle-timeout", "-1"], "--settle-timeout must be >= 0 seconds, got -1.0"),
+        (["--settle-timeout", "nan"], "--settle-timeout must be >= 0 seconds, got nan"),
         (["--policies", "plora,fastest"], "unknown policies ['fastest']"),
     ],
 )
@@ -550,3 +552,40 @@ def test_bad_replay_flags_exit_2_before_any_cluster_starts(
     assert bench.run(args) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()  # nothing written, no trace read
+
+
+def test_wait_settled_waits_for_every_worker_host_staging() -> None:
+    """The bench starts probes and replay only once no worker has host staging queued or
+    finishing (scraped from real worker metrics servers), and gives up after its timeout."""
+    import threading
+    import time
+
+    from services.common.metrics import serve_metrics
+    from services.replay.bench import wait_settled
+    from services.worker.metrics import WorkerMetrics
+
+    workers = [WorkerMetrics() for _ in range(2)]
+    servers = [serve_metrics(m.registry, "127.0.0.1", 0) for m in workers]
+    state = {"metrics": {f"worker-{i}": f"http://127.0.0.1:{port}/metrics"
+                         for i, (_, port) in enumerate(servers)}}  # fmt: skip
+    try:
+        workers[1].host_stages_queued.set(3)
+        t0 = time.monotonic()
+        assert not wait_settled(state, timeout_s=0.6, quiet_s=0.2, poll_s=0.05)
+        assert time.monotonic() - t0 >= 0.6
+
+        def stage() -> None:  # worker-1 reads its three adapters, 0.3 s apart
+            for left in (2, 1, 0):
+                time.sleep(0.3)
+                workers[1].host_stages.inc()
+                workers[1].host_stages_queued.set(left)
+
+        threading.Thread(target=stage, daemon=True).start()
+        t0 = time.monotonic()
+        assert wait_settled(state, timeout_s=10, quiet_s=0.5, poll_s=0.05)
+        waited = time.monotonic() - t0
+        assert 0.9 + 0.5 <= waited < 5, waited  # the last read, then the quiet window
+        assert wait_settled(state, timeout_s=0)  # 0 = do not wait
+    finally:
+        for server, _ in servers:
+            server.shutdown()
