@@ -257,6 +257,21 @@ def test_redis_is_not_published_on_the_host() -> None:
     assert "not published" in _readme_docker_section()
 
 
+def test_long_running_services_restart_and_redis_keeps_the_registry() -> None:
+    """Every service but the one-shot comes back after a crash or a host reboot, and Redis
+    comes back with the adapters registered before (an append-only file in a named volume):
+    without it, a Redis crash left the cluster down and a restart forgot every adapter."""
+    for name, service in COMPOSE["services"].items():
+        if name != INIT:
+            assert service.get("restart") in {"unless-stopped", "always"}, name
+    redis = COMPOSE["services"]["redis"]
+    command = redis["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    mounts = dict(entry.split(":")[:2][::-1] for entry in redis["volumes"])
+    assert mounts["/data"] in COMPOSE["volumes"]  # redis:7's working directory, a named volume
+    assert "keeps the adapter registry" in " ".join(_readme_docker_section().split())
+
+
 @pytest.mark.parametrize("worker", WORKERS)
 def test_workers_get_a_thread_count_the_user_can_override(
     worker: str, monkeypatch: pytest.MonkeyPatch
