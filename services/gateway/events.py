@@ -18,6 +18,13 @@ import grpc
 from plora.v1 import predictor_pb2, predictor_pb2_grpc
 from services.common.grpc_util import CHANNEL_OPTIONS
 
+#: Longest pause (seconds) between two connection attempts while the predictor is down. Each
+#: attempt also waits up to 2 s for the channel (whose own reconnect backoff is capped at 2 s,
+#: ``CHANNEL_OPTIONS``), so a predictor that comes back is reconnected to within ~2 s (README,
+#: "Quick start"); a refused local connection every ~3 s costs nothing. It was 5 s, and a
+#: restarted predictor waited up to that long for its event stream.
+RECONNECT_BACKOFF_MAX_S = 1.0
+
 logger = logging.getLogger(__name__)
 
 
@@ -103,4 +110,4 @@ class EventStreamer:
             self._set_connected(False)
             # While disconnected, events keep arriving; the bounded queue drops the excess.
             self._stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, RECONNECT_BACKOFF_MAX_S)
