@@ -95,7 +95,7 @@ class GatewayMetrics:
         )
         self.resident = Gauge(
             "plora_gateway_worker_resident_adapters",
-            "Adapters resident on each worker",
+            "Adapters resident on each worker (0 while it is not healthy)",
             ["worker"],
             registry=r,
         )

@@ -23,6 +23,7 @@ import grpc
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, predictor_pb2, worker_pb2, worker_pb2_grpc
 from services.common import convert
 from services.common.adapters import inspect_adapter
+from services.common.config import settings_line
 from services.common.errors import (
     AdapterNotFoundError,
     AdapterPermissionError,
@@ -297,7 +298,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for w in workers:
             self.metrics.heartbeat_age.labels(w.worker_id).set(w.heartbeat_age_seconds)
             self.metrics.worker_queue.labels(w.worker_id).set(w.queue_length)
-            self.metrics.resident.labels(w.worker_id).set(len(w.resident))
+            self.metrics.resident.labels(w.worker_id).set(len(w.resident) if w.healthy else 0)
         return workers
 
     def start_gauges(self) -> None:
@@ -689,7 +690,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._direct_registry():
             record = self.registry.get_adapter(request.adapter_id)
             self._check_tenant(record, request.tenant_id)
-            resident = [w.worker_id for w in self._workers() if record.adapter_id in w.resident]
+            resident = [
+                w.worker_id
+                for w in self._workers()
+                if w.healthy and record.adapter_id in w.resident
+            ]
             placed = self.registry.get_placement().get(record.adapter_id, [])
             return gateway_pb2.GetAdapterResponse(
                 adapter=convert.adapter_info(record),
@@ -814,6 +819,7 @@ class GatewayService:
         if self.config.ready_file:
             write_ready_file(self.config.ready_file, self.port, self.metrics_port)
         logger.info("gateway serving on %s:%d", self.config.host, self.port)
+        logger.info("settings: %s", settings_line(self.config))
         return self
 
     def stop(self, grace: float = 5.0) -> None:

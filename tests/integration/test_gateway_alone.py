@@ -790,7 +790,8 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
     """The per-worker gauges were set only by the worker-list reads requests made, so an idle
     gateway went on showing a frozen worker healthy with a 1 s heartbeat age and a drained
     queue full (new-user trial). They now follow the registry every second, and the series
-    of a worker gone from it are removed."""
+    of a worker gone from it are removed. A down worker's last resident list is shown as
+    nothing resident (gauge and GetClusterStatus), since its pool is gone."""
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
     registry = Registry(connect(redis_url))
     metrics = service.servicer.metrics
@@ -804,19 +805,32 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
     def series(gauge: Any) -> dict[str, float]:
         return {s.labels["worker"]: s.value for m in gauge.collect() for s in m.samples if s.labels}
 
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+
+    def status_resident() -> list[str]:
+        (w,) = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=5).workers
+        return list(w.resident_adapters)
+
     try:
         registry.heartbeat(WorkerRecord("w9", "127.0.0.1:1", queue_length=3), ttl_seconds=2)
         until("healthy", lambda: metrics.workers_healthy._value.get() == 1)
         until("queue 3", lambda: series(metrics.worker_queue) == {"w9": 3})
-        registry.heartbeat(WorkerRecord("w9", "127.0.0.1:1", queue_length=0), ttl_seconds=2)
+        record = WorkerRecord("w9", "127.0.0.1:1", queue_length=0, resident=["a", "b"])
+        registry.heartbeat(record, ttl_seconds=2)
         until("queue 0", lambda: series(metrics.worker_queue) == {"w9": 0})
+        assert series(metrics.resident) == {"w9": 2} and status_resident() == ["a", "b"]
         # no more heartbeats: down once its liveness key expires, its age growing meanwhile
         until("down", lambda: metrics.workers_healthy._value.get() == 0)
         assert series(metrics.heartbeat_age)["w9"] >= 1.5
+        # a down worker's pool is gone: its last resident list is not shown as resident
+        until("resident 0", lambda: series(metrics.resident) == {"w9": 0})
+        assert status_resident() == []
         registry.deregister_worker("w9")
         until("series removed", lambda: series(metrics.heartbeat_age) == {})
         assert series(metrics.worker_queue) == {} and series(metrics.resident) == {}
     finally:
+        channel.close()
         service.stop(0)
 
 
