@@ -158,6 +158,36 @@ def require_seconds(value: float, flag: str, env: str, zero_ok: bool = False) ->
         raise ConfigError(f"{name} must be a number of seconds {bound}, got {value:g}")
 
 
+def settings_line(config: Any) -> str:
+    """A service's effective settings as one log line, ``name=value`` per dataclass field in
+    declaration order, after flags, ``PLORA_*`` variables and defaults were merged (what an
+    operator checks first when a cluster misbehaves: which batch size, threads, tick, ...).
+
+    URL fields (``*_url``) are written without their password
+    (:func:`services.common.registry.redact_url`).
+
+    Args:
+        config: A service configuration dataclass (``WorkerConfig``, ``GatewayConfig``,
+            ``PredictorConfig``).
+
+    Raises:
+        TypeError: ``config`` is not a dataclass instance.
+    """
+    import dataclasses  # noqa: PLC0415
+
+    from services.common.registry import redact_url  # noqa: PLC0415 - pulls in redis
+
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"expected a configuration dataclass, got {type(config).__name__}")
+    parts = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name.endswith("_url") and isinstance(value, str):
+            value = redact_url(value)
+        parts.append(f"{f.name}={value!r}" if isinstance(value, str) else f"{f.name}={value}")
+    return ", ".join(parts)
+
+
 def env_or(name: str, default: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """Return the environment variable ``name`` if set and non-empty, else ``default``."""
     value = (os.environ if env is None else env).get(name)

@@ -22,6 +22,7 @@ import torch
 
 from plora.v1 import predictor_pb2, predictor_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common import convert
+from services.common.config import settings_line
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
 from services.common.lifecycle import lower_thread_priority, run_service, write_ready_file
@@ -331,6 +332,7 @@ class PredictorService:
             self.port,
             self.config.forecaster,
         )
+        logger.info("settings: %s", settings_line(self.config))
         return self
 
     def stop(self, grace: float = 2.0) -> None:

@@ -23,6 +23,7 @@ import torch
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common import convert
 from services.common.adapters import load_lora_weights
+from services.common.config import settings_line
 from services.common.errors import (
     EMPTY_REQUEST,
     AdapterSourceError,
@@ -404,6 +405,7 @@ class WorkerService:
         if self.config.ready_file:
             write_ready_file(self.config.ready_file, self.port, self.metrics_port)
         logger.info("worker %s serving on %s", self.config.worker_id, self.address)
+        logger.info("settings: %s", settings_line(self.config))
         return self
 
     def heartbeat(self) -> None:

@@ -369,3 +369,20 @@ def test_registry_stale_s_refuses_negative_or_infinite_seconds(
             config_from_flags(GatewayConfig)
     monkeypatch.setenv("PLORA_REGISTRY_STALE_S", "0")
     assert config_from_flags(GatewayConfig).registry_stale_s == 0.0
+
+
+@pytest.mark.parametrize("service", [WorkerConfig, GatewayConfig, PredictorConfig])
+def test_settings_line_gives_every_effective_setting_without_the_redis_password(
+    service: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each service logs this line at start: every field, after env and flags merged."""
+    from services.common.config import settings_line
+
+    monkeypatch.setenv("PLORA_REDIS_URL", "redis://tenant:s3cret@redis.internal:6379/2")
+    config = config_from_flags(service)
+    line = settings_line(config)
+    names = [m.group(1) for m in re.finditer(r"(?:^|, )(\w+)=", line)]
+    assert names == [f.name for f in dataclasses.fields(config)]
+    assert "s3cret" not in line and "redis_url='redis://tenant:***@redis.internal:6379/2'" in line
+    with pytest.raises(TypeError, match="configuration dataclass"):
+        settings_line(type(config))
