@@ -112,7 +112,7 @@ HOST_STAGING_INTERVAL_S = 2.0
 #: Seconds before host staging or a prefetch reads again an adapter version whose source read
 #: failed (a missing, changed or broken source): each failure is logged once, not every pass or
 #: tick. Demand loads still read it (their request gets the error).
-STAGE_RETRY_S = 300.0
+SOURCE_RETRY_S = 300.0
 
 #: Loader signature: read one adapter version from the source tier (raises domain errors).
 Loader = Callable[[AdapterRef], LoRAWeights]
@@ -974,7 +974,7 @@ class AdapterStore:
         version), resident or loading on the device, being staged now, superseded versions,
         and those that do not fit the free space left by the ones before them. A read that
         fails (a missing, changed or broken source) is logged and not tried again for that
-        version for :data:`STAGE_RETRY_S` seconds; the demand load reports the error.
+        version for :data:`SOURCE_RETRY_S` seconds; the demand load reports the error.
 
         Args:
             refs: Adapter versions, most wanted first.
@@ -1057,21 +1057,21 @@ class AdapterStore:
 
     def _source_broken(self, ref: AdapterRef, now: float) -> bool:
         """Whether background reads (staging, prefetch) skip ``ref``: its source read failed
-        less than :data:`STAGE_RETRY_S` ago (lock held)."""
+        less than :data:`SOURCE_RETRY_S` ago (lock held)."""
         failed = self._failed_source.get(ref.adapter_id)
         return failed is not None and failed[0] == ref.version and now < failed[1]
 
     def _source_failed(self, ref: AdapterRef, err: BaseException, what: str) -> None:
         """Note a failed source read of ``ref`` (lock held): background reads skip it for
-        :data:`STAGE_RETRY_S`; logged as a warning the first time for this version, at DEBUG
+        :data:`SOURCE_RETRY_S`; logged as a warning the first time for this version, at DEBUG
         after (a broken adapter used to fill the log every pass and every prefetch tick)."""
         again = self._failed_source.get(ref.adapter_id, (0, 0.0))[0] == ref.version
-        self._failed_source[ref.adapter_id] = (ref.version, time.monotonic() + STAGE_RETRY_S)
+        self._failed_source[ref.adapter_id] = (ref.version, time.monotonic() + SOURCE_RETRY_S)
         log = logger.debug if again else logger.warning
         if isinstance(err, PLoRAError):
             log(
                 "%s of %s v%d failed (not read in the background again for %.0f s): %s",
-                what, ref.adapter_id, ref.version, STAGE_RETRY_S, err,
+                what, ref.adapter_id, ref.version, SOURCE_RETRY_S, err,
             )  # fmt: skip
         else:
             log("%s of %s v%d failed", what, ref.adapter_id, ref.version, exc_info=err)

@@ -559,9 +559,9 @@ def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
 ) -> None:
     """A new user's 5 broken adapters were read again by every worker every 2 s and logged each
     time (636 of 696 lines of ``plora up``'s output in 25 minutes). A version whose staging read
-    failed now waits STAGE_RETRY_S before the next try, and its failure is logged once; a new
+    failed now waits SOURCE_RETRY_S before the next try, and its failure is logged once; a new
     version is tried at once."""
-    monkeypatch.setattr(store_module, "STAGE_RETRY_S", 1.0)
+    monkeypatch.setattr(store_module, "SOURCE_RETRY_S", 1.0)
     s, src = store(host_staging=True)
     with s, caplog.at_level(logging.DEBUG, logger="services.worker.store"):
         src.fail["bad"] = InvalidAdapterError("lora_A holds NaN or Inf values")
@@ -573,7 +573,7 @@ def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
         assert s.stage([ref("bad", version=2)]) == 1  # registered again: a new version
         _wait_for(lambda: src.calls == ["bad", "bad"] and s._staging_current is None)
         assert s.stage([ref("bad", version=2)]) == 0
-        time.sleep(1.0)  # STAGE_RETRY_S later
+        time.sleep(1.0)  # SOURCE_RETRY_S later
         assert s.stage([ref("bad", version=2)]) == 1
         _wait_for(lambda: src.calls == ["bad"] * 3 and s._staging_current is None)
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -589,7 +589,7 @@ def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
     """A new operator removed a registered adapter's files and sent one request: the
     predictor then prefetched it every tick and each worker logged a warning for every try
     (38 lines in 20 s), each counted as an issued prefetch. A version whose source read failed
-    is now ignored by prefetch for STAGE_RETRY_S and its failure logged once; a request still
+    is now ignored by prefetch for SOURCE_RETRY_S and its failure logged once; a request still
     reads it, and gets the error."""
     s, src = store()
     with s, caplog.at_level(logging.DEBUG, logger="services.worker.store"):
