@@ -340,11 +340,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @staticmethod
     def _check_tenant(record: AdapterRecord, tenant_id: str) -> None:
+        """Serving and reading: an adapter registered with a tenant is for that tenant only;
+        one registered without one is shared by everyone.
+
+        Raises:
+            AdapterPermissionError: ``record`` belongs to another tenant.
+        """
         if record.tenant_id and record.tenant_id != tenant_id:
             raise AdapterPermissionError(
                 f"adapter {quoted(record.adapter_id)} belongs to another tenant; "
                 "set tenant_id to the adapter's owner"
             )
+
+    @staticmethod
+    def _check_owner(record: AdapterRecord, tenant_id: str, action: str) -> None:
+        """Replacing and deleting: only the owner, i.e. the same ``tenant_id`` exactly. A
+        shared adapter (registered without a tenant) is the operator's: calls without a
+        tenant_id replace or delete it, and no tenant can, or one tenant could swap the
+        weights every tenant is served, take the id over and lock the others out of it.
+
+        Raises:
+            AdapterPermissionError: ``tenant_id`` is not the owner.
+        """
+        if record.tenant_id == tenant_id:
+            return
+        hint = "; choose another id" if action == "replaces" else ""
+        if not record.tenant_id:
+            raise AdapterPermissionError(
+                f"adapter {quoted(record.adapter_id)} is shared (registered without a "
+                f"tenant_id): only a call without tenant_id {action} it{hint}"
+            )
+        raise AdapterPermissionError(
+            f"adapter {quoted(record.adapter_id)} is owned by another tenant: only a call with "
+            f"its owner's tenant_id {action} it{hint}"
+        )
 
     def _choose(self, adapter: AdapterRecord | None, exclude: set[str]) -> WorkerRecord:
         healthy = [w for w in self._workers() if w.healthy and w.worker_id not in exclude]
@@ -635,11 +664,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             previous = self.registry.get_adapter(request.adapter_id)
         except AdapterNotFoundError:
             previous = None
-        if previous is not None and previous.tenant_id and previous.tenant_id != request.tenant_id:
-            raise AdapterPermissionError(
-                f"adapter id {quoted(request.adapter_id)} is owned by another tenant; choose "
-                "another id"
-            )
+        if previous is not None:
+            self._check_owner(previous, request.tenant_id, "replaces")
         record = AdapterRecord(
             adapter_id=request.adapter_id,
             source=source,
@@ -723,7 +749,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         check_tenant_id(request.tenant_id)
         with self._direct_registry():
             record = self.registry.get_adapter(request.adapter_id)
-            self._check_tenant(record, request.tenant_id)
+            self._check_owner(record, request.tenant_id, "deletes")
             self.registry.delete_adapter(request.adapter_id)
             self._adapters.drop(request.adapter_id)
             self._broadcast_unload(request.adapter_id)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -896,3 +897,62 @@ def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
         channel.close()
         service.stop(0)
         serving.stop(0)
+
+
+def test_only_an_adapters_owner_replaces_or_deletes_it_and_shared_ones_are_the_operators(
+    redis_url: str, tmp_path
+) -> None:
+    """An adapter registered without a tenant is shared: every tenant is served it, but one
+    tenant re-registering it swapped the weights everyone got, took the id over and locked
+    the others (and the operator) out; any tenant could delete it (new-user trial 20). Now
+    only calls with the owner's exact tenant_id (none, for a shared adapter) replace or
+    delete it; the owner's own calls and serving are unchanged."""
+    worker, _ = _start_token_streamer(redis_url, 0.0)
+    v1 = write_peft_adapter(tmp_path / "v1", SPEC, rank=4, alpha=8.0, seed=1)
+    v2 = write_peft_adapter(tmp_path / "v2", SPEC, rank=4, alpha=8.0, seed=2)
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+
+    def register(adapter_id: str, source: Path, tenant_id: str = "") -> int:
+        request = gateway_pb2.RegisterAdapterRequest(
+            adapter_id=adapter_id, source=str(source), tenant_id=tenant_id
+        )
+        return stub.RegisterAdapter(request, timeout=10).adapter.version
+
+    def delete(adapter_id: str, tenant_id: str = "") -> int:
+        request = gateway_pb2.DeleteAdapterRequest(adapter_id=adapter_id, tenant_id=tenant_id)
+        return stub.DeleteAdapter(request, timeout=10).version
+
+    def refused(call: Callable[[], object], words: str) -> None:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+        assert words in err.value.details(), err.value.details()
+
+    def owner_and_source(adapter_id: str, tenant_id: str = "") -> tuple[str, str]:
+        request = gateway_pb2.GetAdapterRequest(adapter_id=adapter_id, tenant_id=tenant_id)
+        got = stub.GetAdapter(request, timeout=10).adapter
+        return got.tenant_id, got.source
+
+    try:
+        assert register("shared", v1) == 1
+        refused(lambda: register("shared", v2, "tenant-b"), "is shared (registered without")
+        refused(lambda: delete("shared", "tenant-a"), "only a call without tenant_id deletes")
+        # still shared, still v1, served to every tenant
+        assert owner_and_source("shared", "tenant-a") == ("", str(v1))
+        assert owner_and_source("shared", "tenant-b") == ("", str(v1))
+        assert register("shared", v2) == 2  # the operator replaces it
+        assert delete("shared") == 2
+
+        assert register("mine", v1, "tenant-a") == 1
+        refused(lambda: register("mine", v2), "is owned by another tenant")
+        refused(lambda: register("mine", v2, "tenant-b"), "choose another id")
+        refused(lambda: delete("mine"), "only a call with its owner's tenant_id deletes")
+        assert register("mine", v2, "tenant-a") == 2
+        assert owner_and_source("mine", "tenant-a") == ("tenant-a", str(v2))
+        assert delete("mine", "tenant-a") == 2
+    finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)
