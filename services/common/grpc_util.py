@@ -148,6 +148,59 @@ def remaining_or(context: grpc.ServicerContext, default: float) -> float:
 DEADLINE_SLACK_S = 0.1
 
 
+#: Status codes of failures on the serving side (a worker lost, an adapter that cannot be
+#: served, no pool room, a bug): logged at WARNING, which ``plora up`` echoes to its terminal.
+#: Every other failure (bad input, unknown or another tenant's adapter, the client's own
+#: deadline or cancel) is the caller's and is logged at INFO.
+SERVER_SIDE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def log_request_failure(
+    log: logging.Logger,
+    request_id: str,
+    code: grpc.StatusCode,
+    detail: str,
+    seconds: float,
+    adapter_id: str = "",
+    tenant_id: str = "",
+) -> None:
+    """One log line for a Generate call that did not end OK, so a request id a client
+    reports can be found in the logs (the gateway logs the id the workers see,
+    ``<caller's id>~<8 hex>``, so one grep finds both services' lines).
+
+    Args:
+        log: The service's logger.
+        request_id: The id as this service knows it.
+        code: The status the call ended with (not OK).
+        detail: The status message ("" when the client ended it).
+        seconds: Wall seconds from receipt to the end.
+        adapter_id: The adapter asked for ("" = the base model).
+        tenant_id: The caller's tenant ("" = none).
+    """
+    level = logging.WARNING if code in SERVER_SIDE_CODES else logging.INFO
+    log.log(
+        level,
+        "request %s (adapter %s, tenant %s) ended %s after %.3f s%s",
+        request_id,
+        adapter_id or "-",
+        tenant_id or "-",
+        code.name,
+        seconds,
+        f": {detail}" if detail else "",
+    )
+
+
 def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
     """Status to count for a stream the client ended before it finished:
     ``DEADLINE_EXCEEDED`` when the client's deadline has passed (within

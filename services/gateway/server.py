@@ -39,6 +39,7 @@ from services.common.grpc_util import (
     already_aborted,
     create_server,
     ended_by_client,
+    log_request_failure,
     map_errors,
     remaining_or,
     set_serving,
@@ -477,29 +478,45 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> Iterator[gateway_pb2.GenerateResponse]:
         received = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
+        # A caller's id is for tracing, not unique: the workers see it with a suffix of this
+        # call's own, so one client's (or tenant's) id in flight never refuses another's.
+        call_id = f"{request_id}~{uuid.uuid4().hex[:8]}" if request.request_id else request_id
         self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
+        detail = ""
         try:
-            yield from self._generate(request, request_id, received, context)
+            yield from self._generate(request, request_id, call_id, received, context)
         except PLoRAError as exc:
-            code = convert_status(exc)
+            code, detail = convert_status(exc), str(exc)
             abort(context, exc, request_id)
         except Exception as exc:  # noqa: BLE001
             if already_aborted(context):
                 code = context.code()  # type: ignore[attr-defined]  # not in types-grpcio
+                detail = context.details() or ""  # type: ignore[attr-defined]
                 raise
-            code = grpc.StatusCode.INTERNAL
+            code, detail = grpc.StatusCode.INTERNAL, repr(exc)
             abort(context, exc, request_id)
         finally:
             if not context.is_active() and code is grpc.StatusCode.OK:
                 code = ended_by_client(context)
             self.metrics.requests.labels(code.name).inc()
             self.metrics.in_flight.dec()
+            if code is not grpc.StatusCode.OK:
+                log_request_failure(
+                    logger,
+                    call_id,
+                    code,
+                    detail,
+                    time.monotonic() - received,
+                    request.adapter_id,
+                    request.tenant_id,
+                )
 
     def _generate(
         self,
         request: gateway_pb2.GenerateRequest,
         request_id: str,
+        call_id: str,
         received: float,
         context: grpc.ServicerContext,
     ) -> Iterator[gateway_pb2.GenerateResponse]:
@@ -519,11 +536,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         forwarded = gateway_pb2.GenerateRequest()
         forwarded.CopyFrom(request)
-        # A caller's id is for tracing, not unique: the workers see it with a suffix of this
-        # call's own, so one client's (or tenant's) id in flight never refuses another's.
-        forwarded.request_id = (
-            f"{request_id}~{uuid.uuid4().hex[:8]}" if request.request_id else request_id
-        )
+        forwarded.request_id = call_id
         if not forwarded.HasField("max_new_tokens"):
             forwarded.max_new_tokens = self.config.default_max_new_tokens
         worker_request = worker_pb2.WorkerGenerateRequest(
@@ -698,11 +711,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # already started loading it
             self._broadcast_unload(record.adapter_id, below_version=record.version)
         logger.info(
-            "registered adapter %s v%d (rank %d, %d bytes) from %s",
+            "registered adapter %s v%d (rank %d, %d bytes, tenant %s) from %s",
             record.adapter_id,
             record.version,
             record.rank,
             record.size_bytes,
+            record.tenant_id or "-",
             source,
         )
         return gateway_pb2.RegisterAdapterResponse(adapter=convert.adapter_info(record))
@@ -753,6 +767,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.registry.delete_adapter(request.adapter_id)
             self._adapters.drop(request.adapter_id)
             self._broadcast_unload(request.adapter_id)
+            logger.info(
+                "deleted adapter %s v%d (tenant %s)",
+                record.adapter_id,
+                record.version,
+                record.tenant_id or "-",
+            )
             return gateway_pb2.DeleteAdapterResponse(version=record.version)
 
     def _broadcast_unload(

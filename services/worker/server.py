@@ -37,6 +37,7 @@ from services.common.grpc_util import (
     already_aborted,
     create_server,
     ended_by_client,
+    log_request_failure,
     map_errors,
     remaining_or,
     set_serving,
@@ -125,6 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         received = time.monotonic()
         req = request.request
         code = grpc.StatusCode.OK
+        detail = ""
         stream = None
         try:
             adapter = convert.adapter_ref(request.adapter) if request.adapter.adapter_id else None
@@ -173,16 +175,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         self.metrics.cold_start_wait.observe(event.adapter_wait_seconds)
                 yield response
         except PLoRAError as exc:
-            code = getattr(grpc.StatusCode, exc.status_code_name)
+            code, detail = getattr(grpc.StatusCode, exc.status_code_name), str(exc)
             if isinstance(exc, RequestCancelledError) and not context.is_active():
                 # the call ended under it: its deadline, or the client (the gateway, which
                 # cancels when its own client's deadline passes, a moment before this one's)
-                code = ended_by_client(context)
+                code, detail = ended_by_client(context), ""
             abort(context, exc, req.request_id)
         except Exception as exc:  # noqa: BLE001 - INTERNAL with a reference id
             if already_aborted(context):
                 raise
-            code = grpc.StatusCode.INTERNAL
+            code, detail = grpc.StatusCode.INTERNAL, repr(exc)
             abort(context, exc, req.request_id)
         finally:
             if stream is not None:
@@ -190,6 +192,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if code is grpc.StatusCode.OK and not context.is_active():
                 code = ended_by_client(context)
             self.metrics.requests.labels(code.name).inc()
+            if code is not grpc.StatusCode.OK:
+                log_request_failure(
+                    logger,
+                    req.request_id,
+                    code,
+                    detail,
+                    time.monotonic() - received,
+                    request.adapter.adapter_id,
+                    req.tenant_id,
+                )
 
     @map_errors
     def LoadAdapter(  # noqa: N802

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -952,6 +953,55 @@ def test_only_an_adapters_owner_replaces_or_deletes_it_and_shared_ones_are_the_o
         assert register("mine", v2, "tenant-a") == 2
         assert owner_and_source("mine", "tenant-a") == ("tenant-a", str(v2))
         assert delete("mine", "tenant-a") == 2
+    finally:
+        channel.close()
+        service.stop(0)
+        worker.stop(0)
+
+
+def test_a_failed_request_is_logged_with_the_id_the_workers_saw(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's failed request could not be found in any log (new-user trial 20): the
+    gateway now logs every Generate that did not end OK with the id the workers see
+    (``<caller's id>~<8 hex>``), the adapter and tenant, the status and its message: WARNING
+    for the serving side's failures, INFO for the caller's own (bad input, unknown adapter,
+    deadline). A request that ends OK adds no line."""
+    caplog.set_level(logging.INFO, logger="services.gateway.server")
+    streamer = _TokenStreamer(0.0)
+    worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
+    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+
+    def generate(request_id: str, **fields: Any) -> grpc.StatusCode:
+        request = gateway_pb2.GenerateRequest(
+            request_id=request_id, prompt="hi", max_new_tokens=2, **fields
+        )
+        try:
+            list(stub.Generate(request, timeout=10))
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    def lines(request_id: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage().startswith(f"request {request_id}~")]
+
+    try:
+        assert generate("fine") == grpc.StatusCode.OK and not lines("fine")
+        assert generate("unknown", adapter_id="nope", tenant_id="t1") == grpc.StatusCode.NOT_FOUND
+        (record,) = lines("unknown")
+        assert record.levelno == logging.INFO
+        assert re.fullmatch(
+            r"request unknown~[0-9a-f]{8} \(adapter nope, tenant t1\) ended NOT_FOUND after "
+            r"\d+\.\d{3} s: .*nope.*",
+            record.getMessage(),
+        ), record.getMessage()
+        streamer.fail_after_s = 0.0
+        assert generate("lost") == grpc.StatusCode.UNAVAILABLE
+        (record,) = lines("lost")
+        assert record.levelno == logging.WARNING
+        assert "(adapter -, tenant -) ended UNAVAILABLE after" in record.getMessage()
     finally:
         channel.close()
         service.stop(0)

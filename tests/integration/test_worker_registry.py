@@ -55,7 +55,9 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
     worker that had served version 3 refused version 1 as superseded, and a registration
     made before the worker's first heartbeat to the new Redis could not tell it to drop its
     copy (the new-user trial hit this in 3 of 5 tries). The worker notices the registry lost
-    its own record at that heartbeat and forgets every adapter, so version 1 is served."""
+    its own record at that heartbeat and forgets every adapter, so version 1 is served.
+    (Also: the worker logs its settings at start, and each request that failed with its id.)"""
+    caplog.set_level(logging.INFO, logger="services.worker.server")
     service = _worker(own_redis.url, model_dir)
     channel = grpc.insecure_channel(service.address)
     stub = worker_pb2_grpc.WorkerStub(channel)
@@ -68,6 +70,11 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
             _generate(stub, old)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "superseded by version 3" in err.value.details()
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(m.startswith("settings: worker_id='worker-0', ") for m in messages)
+        (failed,) = [m for m in messages if m.startswith("request t ")]
+        assert "(adapter a, tenant -) ended NOT_FOUND after " in failed
+        assert "superseded by version 3" in failed
 
         caplog.set_level(logging.WARNING, logger="services.worker.server")
         own_redis.kill()
