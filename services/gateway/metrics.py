@@ -74,6 +74,14 @@ class GatewayMetrics:
         self.workers_healthy = Gauge(
             "plora_gateway_workers_healthy", "Workers with a live heartbeat", registry=r
         )
+        self.worker_down = Counter(
+            "plora_gateway_worker_down",
+            "Times each worker was seen going from healthy to down (its liveness key expired: "
+            "killed, frozen, stopped); a restart faster than the 5 s liveness TTL shows in the "
+            "worker's own process_start_time_seconds instead",
+            ["worker"],
+            registry=r,
+        )
         self.heartbeat_age = Gauge(
             "plora_gateway_worker_heartbeat_age_seconds",
             "Age of each worker's last heartbeat",

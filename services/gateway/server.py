@@ -159,6 +159,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._routed: dict[str, dict[str, tuple[float, int]]] = {}
         self._inflight_lock = threading.Lock()
         self._gauged: set[str] = set()  # workers with per-worker gauge series
+        self._healthy_ids: set[str] = set()  # healthy at the last worker-list read
         # worker id -> its heartbeat time as this gateway knew it when a call to it failed
         # (UNAVAILABLE before the first token)
         self._failed: dict[str, float] = {}
@@ -287,8 +288,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         workers = self.registry.list_workers()
         self.metrics.workers_healthy.set(sum(w.healthy for w in workers))
         ids = {w.worker_id for w in workers}
+        healthy = {w.worker_id for w in workers if w.healthy}
         with self._inflight_lock:
+            known = self._gauged
             gone, self._gauged = self._gauged - ids, ids
+            went_down = (self._healthy_ids & ids) - healthy
+            came_back = (healthy & known) - self._healthy_ids
+            self._healthy_ids = healthy
+        for worker_id in sorted(went_down):
+            self.metrics.worker_down.labels(worker_id).inc()
+            logger.warning("worker %s is down (no heartbeat within its liveness TTL)", worker_id)
+        for worker_id in sorted(came_back):
+            logger.info("worker %s is healthy again", worker_id)
         for worker_id in gone:
             for gauge in (
                 self.metrics.heartbeat_age,

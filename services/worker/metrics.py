@@ -159,6 +159,19 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.host_stage_failures = Counter(
+            "plora_worker_host_stage_failures",
+            "Host staging reads that failed (a missing, changed or broken source; that version "
+            "is not staged again for 5 minutes)",
+            registry=r,
+        )
+        self.load_failures = Counter(
+            "plora_worker_adapter_load_failures",
+            "Adapter loads into the device pool that failed, by error (AdapterSourceError: "
+            "files gone or changed; PoolExhaustedError: no room in time; ...)",
+            ["reason"],
+            registry=r,
+        )
         self.host_stages_queued = Gauge(
             "plora_worker_host_stages_queued",
             "Host staging reads queued for the staging thread",

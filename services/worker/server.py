@@ -376,6 +376,10 @@ class WorkerService:
         elif event.kind == "host_stage":
             m.host_stages.inc()
             m.host_stage_latency.observe(event.seconds)
+        elif event.kind == "host_stage_failed":
+            m.host_stage_failures.inc()
+        elif event.kind == "load_failed":
+            m.load_failures.labels(event.reason).inc()
 
     def _load_adapter(self, ref: AdapterRef) -> LoRAWeights:
         """Read a registered adapter's source.

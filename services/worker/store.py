@@ -460,11 +460,12 @@ class StoreEvent:
             allocation spread over several runs; ``nbytes`` its live bytes),
             ``"cold_start"``, ``"prefetch_issued"``, ``"prefetch_used"``,
             ``"prefetch_wasted"``, ``"prefetch_ignored"``, ``"host_stage"`` (a staging read
-            finished, :meth:`AdapterStore.stage`).
+            finished, :meth:`AdapterStore.stage`), ``"host_stage_failed"`` (one failed).
         adapter_id: The adapter ("" for compaction).
         version: Its version (0 when not applicable).
         tier: For loads: ``"source"`` or ``"host"``.
-        reason: For evictions: ``"demand"``, ``"prefetch"``, ``"superseded"``, ``"unload"``.
+        reason: For evictions: ``"demand"``, ``"prefetch"``, ``"superseded"``, ``"unload"``;
+            for failed loads: the error's class name (``"AdapterSourceError"``, ...).
         seconds: Load latency, or cold-start wait.
         nbytes: Bytes loaded, evicted, or moved.
     """
@@ -1050,6 +1051,7 @@ class AdapterStore:
         except Exception as err:  # noqa: BLE001 - the demand load reports it to the request
             with self._lock:
                 self._source_failed(ref, err, "host staging")
+                self._emit(StoreEvent("host_stage_failed", ref.adapter_id, ref.version))
         finally:
             with self._cv:
                 self._staging_current = None
@@ -1417,7 +1419,26 @@ class AdapterStore:
                     self._free_alloc(e)
                 elif e.state is _State.RESIDENT:
                     self._unpark()  # it can be evicted now
+                elif any(p is e for p in self._parked):
+                    # every request that waited for it is gone (cancelled, deadline)
+                    self._parked = [p for p in self._parked if p is not e]
+                    self._abandon(e)
                 self._cv.notify_all()
+
+    def _abandon(self, e: _Entry) -> None:
+        """Drop a demand load parked for room that no request waits for any more (their
+        clients cancelled or their deadlines passed): it used to wait out
+        ``load_wait_timeout_s`` and then log a failure nobody was waiting on. Its source read
+        stays in the host cache (lock held)."""
+        if self._entries.get(e.ref.adapter_id) is e:
+            del self._entries[e.ref.adapter_id]
+        e.detached = True
+        e.state = _State.FAILED
+        e.packed = None
+        e.event.set()
+        logger.debug(
+            "dropped the load of %s v%d: no request waits for it", e.ref.adapter_id, e.ref.version
+        )
 
     def _pinned(self) -> set[int]:
         return {
@@ -1686,6 +1707,9 @@ class AdapterStore:
                         self._c.prefetch_ignored += 1
                         self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
                         raise _PrefetchIgnored()
+                    if e.refcount == 0:  # its requests ended while it was queued again
+                        self._abandon(e)
+                        raise _Detached()
                     now = time.monotonic()
                     if e.room_deadline is None:
                         e.room_deadline = now + self.config.load_wait_timeout_s

@@ -828,9 +828,15 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
         # a down worker's pool is gone: its last resident list is not shown as resident
         until("resident 0", lambda: series(metrics.resident) == {"w9": 0})
         assert status_resident() == []
+        assert series(metrics.worker_down) == {"w9": 1}  # counted once, for dashboards
+        registry.heartbeat(record, ttl_seconds=2)  # back
+        until("healthy again", lambda: metrics.workers_healthy._value.get() == 1)
+        until("down again", lambda: metrics.workers_healthy._value.get() == 0)
+        assert series(metrics.worker_down) == {"w9": 2}
         registry.deregister_worker("w9")
         until("series removed", lambda: series(metrics.heartbeat_age) == {})
         assert series(metrics.worker_queue) == {} and series(metrics.resident) == {}
+        assert series(metrics.worker_down) == {"w9": 2}  # a counter keeps its count
     finally:
         channel.close()
         service.stop(0)

@@ -75,3 +75,26 @@ def test_no_created_series_beside_the_documented_ones(service: str) -> None:
     text = generate_latest(SERVICES[service]().registry).decode()
     assert "plora_" in text
     assert "_created" not in text
+
+
+def test_store_failures_reach_the_worker_counters() -> None:
+    """Failed loads and staging reads were only logged (new-user trial 20): an operator's
+    dashboard had no series for them. The worker counts the store's events."""
+    from types import SimpleNamespace
+
+    from services.worker.server import WorkerService
+    from services.worker.store import StoreEvent
+
+    metrics = WorkerMetrics()
+    worker = SimpleNamespace(metrics=metrics)
+    for event in (
+        StoreEvent("load_failed", "a", 1, reason="AdapterSourceError"),
+        StoreEvent("load_failed", "b", 1, reason="PoolExhaustedError"),
+        StoreEvent("load_failed", "a", 2, reason="AdapterSourceError"),
+        StoreEvent("host_stage_failed", "c", 1),
+    ):
+        WorkerService._on_store_event(worker, event)  # type: ignore[arg-type]
+    value = metrics.registry.get_sample_value
+    assert value("plora_worker_adapter_load_failures_total", {"reason": "AdapterSourceError"}) == 2
+    assert value("plora_worker_adapter_load_failures_total", {"reason": "PoolExhaustedError"}) == 1
+    assert value("plora_worker_host_stage_failures_total") == 1

@@ -320,6 +320,31 @@ def test_load_waits_for_a_release_then_succeeds() -> None:
         assert s.stats().evictions_by_reason == {"demand": 1}
 
 
+def test_a_load_waiting_for_room_is_dropped_when_no_request_waits_for_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request whose client gave up (deadline, cancel) released its lease, but its load
+    stayed parked for the whole load_wait_timeout_s and then logged "no room" with nobody
+    waiting (new-user trial 20). It is dropped at the last release, quietly; a later request
+    loads it afresh."""
+    s, _ = store(pages=8, load_wait_timeout_s=5.0)
+    events: list[StoreEvent] = []
+    s._on_event = events.append
+    with s, caplog.at_level(logging.WARNING, logger="services.worker.store"):
+        a = ready(s.acquire(ref("a", 4)))  # whole pool, in use
+        b1, b2 = s.acquire(ref("b", 2)), s.acquire(ref("b", 2))
+        _wait_for(lambda: s.stats().waiting_loads == 1)
+        b1.release()
+        assert s.stats().waiting_loads == 1  # another request still waits for it
+        b2.release()
+        assert s.stats().waiting_loads == 0 and s.loading_adapters() == []
+        a.release()
+        time.sleep(0.2)
+        assert [r.adapter_id for r in s.resident_adapters()] == ["a"]  # b was not loaded
+        assert ready(s.acquire(ref("b", 2))).error() is None  # a new request loads it
+    assert not caplog.records and not [e for e in events if e.kind == "load_failed"]
+
+
 def test_a_load_waiting_for_room_does_not_block_loads_that_fit() -> None:
     # one loader thread: "b" waits for room (all but 2 pages pinned by "a"); "c" fits in
     # those 2 pages and must not queue behind "b" until its deadline
@@ -563,6 +588,8 @@ def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
     version is tried at once."""
     monkeypatch.setattr(store_module, "SOURCE_RETRY_S", 1.0)
     s, src = store(host_staging=True)
+    events: list[StoreEvent] = []
+    s._on_event = events.append
     with s, caplog.at_level(logging.DEBUG, logger="services.worker.store"):
         src.fail["bad"] = InvalidAdapterError("lora_A holds NaN or Inf values")
         s.stage([ref("bad")])
@@ -581,6 +608,9 @@ def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
         "host staging of bad v1",
         "host staging of bad v2",
     ]  # the retry of v2 failed again: logged at DEBUG
+    # every failed read is counted (plora_worker_host_stage_failures_total)
+    failed = [(e.adapter_id, e.version) for e in events if e.kind == "host_stage_failed"]
+    assert failed == [("bad", 1), ("bad", 2), ("bad", 2)]
 
 
 def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
@@ -592,6 +622,8 @@ def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
     is now ignored by prefetch for SOURCE_RETRY_S and its failure logged once; a request still
     reads it, and gets the error."""
     s, src = store()
+    events: list[StoreEvent] = []
+    s._on_event = events.append
     with s, caplog.at_level(logging.DEBUG, logger="services.worker.store"):
         src.fail["gone"] = InvalidAdapterError("adapter directory '/x' does not exist")
         for _ in range(2):  # two requests: both read the source, both get the error
@@ -605,6 +637,9 @@ def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
         _wait_for(lambda: src.calls == ["gone"] * 3)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert [m.split(" failed")[0] for m in warned] == ["load of gone v1", "load of gone v2"]
+    # every failed load is counted by its error (plora_worker_adapter_load_failures_total)
+    failed = [(e.version, e.reason) for e in events if e.kind == "load_failed"]
+    assert failed == [(1, "InvalidAdapterError")] * 2 + [(2, "InvalidAdapterError")]
 
 
 def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
