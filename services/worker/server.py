@@ -64,6 +64,12 @@ from services.worker.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+#: Seconds between two checks of the adapters a worker holds against the registry
+#: (:meth:`~services.worker.store.AdapterStore.reconcile`; with host staging on, every staging
+#: pass checks too): an adapter deleted or registered again while the gateway's unload could
+#: not reach this worker is dropped within this long.
+RECONCILE_INTERVAL_S = 10.0
 _FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,
     "stop": gateway_pb2.FINISH_REASON_STOP,
@@ -353,6 +359,7 @@ class WorkerService:
         )
         self._last_heartbeat = time.monotonic()
         self._last_staging = -HOST_STAGING_INTERVAL_S
+        self._last_reconcile = -RECONCILE_INTERVAL_S
         self._published = False  # a heartbeat has reached the registry
         #: How the stall watchdog ends the process (``os._exit``: the engine thread may hold
         #: locks a normal exit would wait on).
@@ -477,13 +484,25 @@ class WorkerService:
             expected = {k: float(v) for k, v in forecast["expected"].items()}
             self.store.set_forecast(expected)
         now = time.monotonic()
-        if self.store.config.host_staging and now - self._last_staging >= HOST_STAGING_INTERVAL_S:
-            self._last_staging = now
-            records = sorted(
-                self.registry.list_adapters(),
-                key=lambda r: (-expected.get(r.adapter_id, 0.0), r.adapter_id),
-            )
-            self.store.stage([convert.adapter_ref(r) for r in records])
+        staging = (
+            self.store.config.host_staging and now - self._last_staging >= HOST_STAGING_INTERVAL_S
+        )
+        if staging or now - self._last_reconcile >= RECONCILE_INTERVAL_S:
+            # one listing of the registry serves both: staging's candidates, and dropping what
+            # was deleted or replaced while this worker missed the gateway's unload
+            records = self.registry.list_adapters()
+            self._last_reconcile = now
+            dropped = self.store.reconcile({r.adapter_id: r.version for r in records}, now)
+            if dropped:
+                logger.info(
+                    "dropped %d adapters deleted or registered again while this worker missed "
+                    "the gateway's unload",
+                    dropped,
+                )
+            if staging:
+                self._last_staging = now
+                records.sort(key=lambda r: (-expected.get(r.adapter_id, 0.0), r.adapter_id))
+                self.store.stage([convert.adapter_ref(r) for r in records])
         self._last_heartbeat = now
 
     def _export_metrics(self, s: StoreStats, resident: int, room: int) -> None:

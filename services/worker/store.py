@@ -817,6 +817,7 @@ class AdapterStore:
         self._entries: dict[str, _Entry] = {}  # adapter_id -> current entry (any state)
         self._holders: dict[int, _Entry] = {}  # allocation handle -> entry holding it
         self._latest: dict[str, int] = {}  # adapter_id -> newest version seen
+        self._latest_at: dict[str, float] = {}  # adapter_id -> when (monotonic) it was seen
         self._jobs: list[tuple[int, float, int, _Entry]] = []
         self._seq = itertools.count()
         self._parked: list[_Entry] = []  # demand loads waiting for room, oldest first
@@ -1103,12 +1104,51 @@ class AdapterStore:
         with self._lock:
             if below_version <= 0:
                 self._latest.pop(adapter_id, None)
+                self._latest_at.pop(adapter_id, None)
                 return self._drop(adapter_id, "unload")
             latest = self._latest.get(adapter_id)
             if latest is not None and latest >= below_version:
                 return False  # that version or a newer one was seen here: older ones are gone
             self._latest[adapter_id] = below_version
+            self._latest_at[adapter_id] = time.monotonic()
             return self._drop(adapter_id, "superseded")
+
+    def reconcile(self, registered: Mapping[str, int], as_of: float) -> int:
+        """Drop what the registry no longer has: every adapter this store holds or has seen
+        whose id is not registered any more (deleted: evicted as ``"unload"``), or whose
+        registered version is newer than the newest seen here (``"superseded"``), as the
+        gateway's :meth:`unload` would have. That call is best effort: a worker frozen or
+        unreachable while it was made (deleted, or registered again) kept the old copy
+        resident, listed in its status, until the pool needed the room.
+
+        Only adapters whose newest version was seen before ``as_of`` are judged, so one
+        registered (or loaded) after the listing was read is never taken for deleted.
+
+        Args:
+            registered: ``adapter_id -> version`` of every registered adapter, read from the
+                registry after ``as_of``.
+            as_of: ``time.monotonic()`` just before the registry was read.
+
+        Returns:
+            How many adapters were dropped from a tier or queue.
+        """
+        dropped = 0
+        with self._lock:
+            held = set(self._latest) | set(self._entries) | set(self._host.ids())
+            for adapter_id in sorted(held):
+                seen = self._latest_at.get(adapter_id)
+                if seen is None or seen >= as_of:
+                    continue
+                version = registered.get(adapter_id)
+                if version is None:
+                    self._latest.pop(adapter_id, None)
+                    self._latest_at.pop(adapter_id, None)
+                    dropped += self._drop(adapter_id, "unload")
+                elif version > self._latest.get(adapter_id, 0):
+                    self._latest[adapter_id] = version
+                    self._latest_at[adapter_id] = time.monotonic()
+                    dropped += self._drop(adapter_id, "superseded")
+        return dropped
 
     def _drop(self, adapter_id: str, reason: str) -> bool:
         """Remove every tier's copy and queued staging read of ``adapter_id`` (lock held)."""
@@ -1296,6 +1336,7 @@ class AdapterStore:
             )
         if latest is None or ref.version > latest:
             self._latest[ref.adapter_id] = ref.version
+            self._latest_at[ref.adapter_id] = time.monotonic()
             e = self._entries.get(ref.adapter_id)
             if e is not None and e.ref.version != ref.version:
                 self._detach(e, "superseded")

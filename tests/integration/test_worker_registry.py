@@ -17,7 +17,12 @@ from services.common.make_adapters import make_adapter_set
 from services.common.registry import AdapterRecord, Registry, connect
 from services.worker.config import WorkerConfig
 from services.worker.engine import EngineRequest
-from services.worker.server import EXIT_ENGINE_STALLED, SERVICE_NAME, WorkerService
+from services.worker.server import (
+    EXIT_ENGINE_STALLED,
+    RECONCILE_INTERVAL_S,
+    SERVICE_NAME,
+    WorkerService,
+)
 from tests.conftest import OwnRedis
 
 pytestmark = pytest.mark.slow
@@ -63,6 +68,7 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
     stub = worker_pb2_grpc.WorkerStub(channel)
     (source,) = make_adapter_set(tmp_path, service.spec, count=1, ranks=[8], seed=0)
     record = AdapterRecord("a", str(source), version=3, rank=8)
+    Registry(connect(own_redis.url)).put_adapter(record)  # else the worker's check drops it
     try:
         assert _generate(stub, record)[-1].finish_reason
         old = AdapterRecord("a", str(source), version=1, rank=8)
@@ -75,6 +81,16 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
         (failed,) = [m for m in messages if m.startswith("request t ")]
         assert "(adapter a, tenant -) ended NOT_FOUND after " in failed
         assert "superseded by version 3" in failed
+
+        # deleted while the gateway's unload could not reach this worker: its next check
+        # against the registry drops it (every RECONCILE_INTERVAL_S; run here at once)
+        assert [r.adapter_id for r in service.store.resident_adapters()] == ["a"]
+        Registry(connect(own_redis.url)).delete_adapter("a")
+        service._last_reconcile = -RECONCILE_INTERVAL_S
+        service.heartbeat()
+        assert service.store.resident_adapters() == []
+        assert any("dropped 1 adapters deleted" in r.getMessage() for r in caplog.records)
+        Registry(connect(own_redis.url)).put_adapter(record)
 
         caplog.set_level(logging.WARNING, logger="services.worker.server")
         own_redis.kill()

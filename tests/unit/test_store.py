@@ -642,6 +642,32 @@ def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
     assert failed == [(1, "InvalidAdapterError")] * 2 + [(2, "InvalidAdapterError")]
 
 
+def test_reconcile_drops_what_the_registry_deleted_or_replaced_while_unload_was_missed() -> None:
+    """A worker frozen while adapters were deleted or registered again never got the
+    gateway's unload and kept the old copies resident (listed in its status) until the pool
+    needed the room (new-user trial 20). Its periodic check against the registry drops them;
+    an adapter first seen after the registry was read is left alone."""
+    s, _ = store(pages=32, host_staging=True)
+    with s:
+        for name in ("keep", "gone", "old"):
+            ready(s.acquire(ref(name, 2))).release()
+        leased = ready(s.acquire(ref("leased", 2)))
+        as_of = time.monotonic()
+        ready(s.acquire(ref("new", 2))).release()  # registered after the listing was read
+        registered = {"keep": 1, "old": 2}  # "gone" and "leased" deleted, "old" replaced
+        assert s.reconcile(registered, as_of) == 3
+        assert {r.adapter_id for r in s.resident_adapters()} == {"keep", "new"}
+        # a leased copy serves its request to the end, and is freed at its release
+        assert torch.equal(leased.flat(), expected_flat("leased", 2))
+        leased.release()
+        stats = s.stats().evictions_by_reason
+        assert stats.get("unload") == 2 and stats.get("superseded") == 1
+        with pytest.raises(AdapterNotFoundError, match="superseded by version 2"):
+            s.acquire(ref("old"))  # version 1 is refused from now on
+        assert s.reconcile(registered, time.monotonic()) == 1  # "new" is not registered
+        assert s.reconcile(registered | {"old": 2}, time.monotonic()) == 0
+
+
 def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
     s, _ = store(pages=8, eviction="predictive")
     with s:
