@@ -148,24 +148,6 @@ def remaining_or(context: grpc.ServicerContext, default: float) -> float:
 DEADLINE_SLACK_S = 0.1
 
 
-#: Status codes of failures on the serving side (a worker lost, an adapter that cannot be
-#: served, no pool room, a bug): logged at WARNING, which ``plora up`` echoes to its terminal.
-#: Every other failure (bad input, unknown or another tenant's adapter, the client's own
-#: deadline or cancel) is the caller's and is logged at INFO.
-SERVER_SIDE_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.ABORTED,
-        grpc.StatusCode.DATA_LOSS,
-        grpc.StatusCode.UNIMPLEMENTED,
-    }
-)
-
-
 def log_request_failure(
     log: logging.Logger,
     request_id: str,
@@ -175,9 +157,12 @@ def log_request_failure(
     adapter_id: str = "",
     tenant_id: str = "",
 ) -> None:
-    """One log line for a Generate call that did not end OK, so a request id a client
+    """One INFO line for a Generate call that did not end OK, so a request id a client
     reports can be found in the logs (the gateway logs the id the workers see,
-    ``<caller's id>~<8 hex>``, so one grep finds both services' lines).
+    ``<caller's id>~<8 hex>``, so one grep finds both services' lines). INFO, not WARNING:
+    what made requests fail (a worker down, a Redis outage, an adapter whose files are gone)
+    is logged once as a warning where it happens, and a line per request at that level would
+    flood ``plora up``'s terminal during an outage.
 
     Args:
         log: The service's logger.
@@ -188,9 +173,7 @@ def log_request_failure(
         adapter_id: The adapter asked for ("" = the base model).
         tenant_id: The caller's tenant ("" = none).
     """
-    level = logging.WARNING if code in SERVER_SIDE_CODES else logging.INFO
-    log.log(
-        level,
+    log.info(
         "request %s (adapter %s, tenant %s) ended %s after %.3f s%s",
         request_id,
         adapter_id or "-",
