@@ -71,6 +71,7 @@ from services.common.errors import (
     InvalidAdapterError,
     PLoRAError,
     PoolExhaustedError,
+    RequestCancelledError,
 )
 from services.common.lifecycle import lower_thread_priority
 from services.common.types import LoRAModuleWeights, LoRAWeights
@@ -739,6 +740,10 @@ class _NoRoom(Exception):
     """A demand load found no room: every resident adapter is leased (it is parked)."""
 
 
+#: Why a demand load is dropped when every request that waited for it ended.
+_NO_WAITER = "every request waiting for this adapter load ended"
+
+
 @dataclass
 class _Counters:
     device_hits: int = 0
@@ -1102,16 +1107,20 @@ class AdapterStore:
             Whether anything was dropped.
         """
         with self._lock:
-            if below_version <= 0:
-                self._latest.pop(adapter_id, None)
-                self._latest_at.pop(adapter_id, None)
-                return self._drop(adapter_id, "unload")
-            latest = self._latest.get(adapter_id)
-            if latest is not None and latest >= below_version:
-                return False  # that version or a newer one was seen here: older ones are gone
-            self._latest[adapter_id] = below_version
-            self._latest_at[adapter_id] = time.monotonic()
-            return self._drop(adapter_id, "superseded")
+            return self._unload(adapter_id, below_version)
+
+    def _unload(self, adapter_id: str, below_version: int) -> bool:
+        """:meth:`unload` with the lock held."""
+        if below_version <= 0:
+            self._latest.pop(adapter_id, None)
+            self._latest_at.pop(adapter_id, None)
+            return self._drop(adapter_id, "unload")
+        latest = self._latest.get(adapter_id)
+        if latest is not None and latest >= below_version:
+            return False  # that version or a newer one was seen here: older ones are gone
+        self._latest[adapter_id] = below_version
+        self._latest_at[adapter_id] = time.monotonic()
+        return self._drop(adapter_id, "superseded")
 
     def reconcile(self, registered: Mapping[str, int], as_of: float) -> int:
         """Drop what the registry no longer has: every adapter this store holds or has seen
@@ -1139,15 +1148,8 @@ class AdapterStore:
                 seen = self._latest_at.get(adapter_id)
                 if seen is None or seen >= as_of:
                     continue
-                version = registered.get(adapter_id)
-                if version is None:
-                    self._latest.pop(adapter_id, None)
-                    self._latest_at.pop(adapter_id, None)
-                    dropped += self._drop(adapter_id, "unload")
-                elif version > self._latest.get(adapter_id, 0):
-                    self._latest[adapter_id] = version
-                    self._latest_at[adapter_id] = time.monotonic()
-                    dropped += self._drop(adapter_id, "superseded")
+                # deleted: every version; registered again: the versions below the new one
+                dropped += self._unload(adapter_id, registered.get(adapter_id, 0))
         return dropped
 
     def _drop(self, adapter_id: str, reason: str) -> bool:
@@ -1461,25 +1463,12 @@ class AdapterStore:
                 elif e.state is _State.RESIDENT:
                     self._unpark()  # it can be evicted now
                 elif any(p is e for p in self._parked):
-                    # every request that waited for it is gone (cancelled, deadline)
+                    # every request that waited for it is gone (cancelled, deadline): drop it,
+                    # uncounted, rather than wait out load_wait_timeout_s and log a failure
+                    # nobody waits on (its source read stays in the host cache)
                     self._parked = [p for p in self._parked if p is not e]
-                    self._abandon(e)
+                    self._fail(e, RequestCancelledError(_NO_WAITER), count=False)
                 self._cv.notify_all()
-
-    def _abandon(self, e: _Entry) -> None:
-        """Drop a demand load parked for room that no request waits for any more (their
-        clients cancelled or their deadlines passed): it used to wait out
-        ``load_wait_timeout_s`` and then log a failure nobody was waiting on. Its source read
-        stays in the host cache (lock held)."""
-        if self._entries.get(e.ref.adapter_id) is e:
-            del self._entries[e.ref.adapter_id]
-        e.detached = True
-        e.state = _State.FAILED
-        e.packed = None
-        e.event.set()
-        logger.debug(
-            "dropped the load of %s v%d: no request waits for it", e.ref.adapter_id, e.ref.version
-        )
 
     def _pinned(self) -> set[int]:
         return {
@@ -1749,7 +1738,7 @@ class AdapterStore:
                         self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
                         raise _PrefetchIgnored()
                     if e.refcount == 0:  # its requests ended while it was queued again
-                        self._abandon(e)
+                        self._fail(e, RequestCancelledError(_NO_WAITER), count=False)
                         raise _Detached()
                     now = time.monotonic()
                     if e.room_deadline is None:
