@@ -466,8 +466,6 @@ def wait_settled(
     Returns:
         Whether the cluster settled within ``timeout_s``.
     """
-    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
-
     from services.worker.store import HOST_STAGING_INTERVAL_S  # noqa: PLC0415
 
     if timeout_s <= 0:
@@ -478,16 +476,11 @@ def wait_settled(
     last: dict[str, tuple[float, float]] = {}
     quiet_since = time.monotonic()
     while True:
-        now: dict[str, tuple[float, float]] = {}
-        for name, text in _scrape_metrics(state).items():
-            figures = {"queued": 0.0, "done": 0.0}
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name == "plora_worker_host_stages_queued":
-                        figures["queued"] += float(sample.value)
-                    elif sample.name == "plora_worker_host_stages_total":
-                        figures["done"] += float(sample.value)
-            now[name] = (figures["queued"], figures["done"])
+        now = {
+            name: (f.get("plora_worker_host_stages_queued", 0.0),
+                   f.get("plora_worker_host_stages_total", 0.0))
+            for name, f in _sample_sums(_scrape_metrics(state), _STAGING_SERIES).items()
+        }  # fmt: skip
         t = time.monotonic()
         if now != last or any(queued > 0 for queued, _ in now.values()):
             last, quiet_since = now, t
@@ -526,18 +519,30 @@ def _save_metrics(texts: dict[str, str], out_dir: Path) -> None:
         (out_dir / f"{name}.prom").write_text(text, encoding="utf-8")
 
 
-def _process_figures(texts: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Per service, ``process_cpu_seconds_total`` and ``process_resident_memory_bytes``."""
+#: The worker series :func:`wait_settled` reads.
+_STAGING_SERIES = frozenset({"plora_worker_host_stages_queued", "plora_worker_host_stages_total"})
+
+
+def _sample_sums(texts: dict[str, str], wanted: frozenset[str]) -> dict[str, dict[str, float]]:
+    """Per service (of those exporting any), the sum over labels of each ``wanted`` sample
+    name in its Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
-    wanted = {"process_cpu_seconds_total", "process_resident_memory_bytes"}
     out: dict[str, dict[str, float]] = {}
     for name, text in texts.items():
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name in wanted:
-                    out.setdefault(name, {})[sample.name] = float(sample.value)
+                    figures = out.setdefault(name, {})
+                    figures[sample.name] = figures.get(sample.name, 0.0) + float(sample.value)
     return out
+
+
+def _process_figures(texts: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per service, ``process_cpu_seconds_total`` and ``process_resident_memory_bytes``."""
+    return _sample_sums(
+        texts, frozenset({"process_cpu_seconds_total", "process_resident_memory_bytes"})
+    )
 
 
 def _service_usage(
