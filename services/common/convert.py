@@ -52,9 +52,7 @@ def pool_stats(pool: dict[str, Any]) -> gateway_pb2.PoolStats:
 
 
 def worker_status(record: WorkerRecord) -> gateway_pb2.WorkerStatus:
-    """``WorkerRecord`` -> ``plora.v1.WorkerStatus``; a worker that is not healthy lists no
-    resident adapters (its last heartbeat's list is no longer served from: a dead worker's pool
-    is gone, and a restarted one starts empty)."""
+    """``WorkerRecord`` -> ``plora.v1.WorkerStatus``."""
     return gateway_pb2.WorkerStatus(
         worker_id=record.worker_id,
         address=record.address,
@@ -62,7 +60,7 @@ def worker_status(record: WorkerRecord) -> gateway_pb2.WorkerStatus:
         heartbeat_age_seconds=record.heartbeat_age_seconds,
         queue_length=record.queue_length,
         running=record.running,
-        resident_adapters=sorted(record.resident) if record.healthy else [],
+        resident_adapters=sorted(record.resident),
         pool=pool_stats(record.pool),
         device=record.device,
         metrics_url=record.metrics_url,

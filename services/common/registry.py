@@ -424,7 +424,10 @@ class Registry:
 
     @_guarded
     def list_workers(self) -> list[WorkerRecord]:
-        """Every known worker with ``healthy`` set from its liveness key, sorted by id."""
+        """Every known worker with ``healthy`` set from its liveness key, sorted by id. A
+        worker that is not healthy lists no ``resident`` adapters: its last heartbeat's list
+        is no longer served from (a dead worker's pool is gone, a restarted one starts empty),
+        so status, ``GetAdapter`` and the per-worker gauges never show it as resident."""
         ids = sorted(_text(x) for x in self.client.smembers(self._k("workers")))
         if not ids:
             return []
@@ -440,6 +443,8 @@ class Registry:
                 continue
             rec = WorkerRecord.from_json(raw)
             rec.healthy = bool(alive)
+            if not rec.healthy:
+                rec.resident = []
             workers.append(rec)
         return workers
 

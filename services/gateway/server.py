@@ -310,7 +310,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for w in workers:
             self.metrics.heartbeat_age.labels(w.worker_id).set(w.heartbeat_age_seconds)
             self.metrics.worker_queue.labels(w.worker_id).set(w.queue_length)
-            self.metrics.resident.labels(w.worker_id).set(len(w.resident) if w.healthy else 0)
+            self.metrics.resident.labels(w.worker_id).set(len(w.resident))
         return workers
 
     def start_gauges(self) -> None:
@@ -741,11 +741,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         with self._direct_registry():
             record = self.registry.get_adapter(request.adapter_id)
             self._check_tenant(record, request.tenant_id)
-            resident = [
-                w.worker_id
-                for w in self._workers()
-                if w.healthy and record.adapter_id in w.resident
-            ]
+            resident = [w.worker_id for w in self._workers() if record.adapter_id in w.resident]
             placed = self.registry.get_placement().get(record.adapter_id, [])
             return gateway_pb2.GetAdapterResponse(
                 adapter=convert.adapter_info(record),

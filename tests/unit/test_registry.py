@@ -74,7 +74,7 @@ def test_worker_liveness_follows_the_heartbeat_ttl(redis_url: str) -> None:
     assert w.healthy and w.resident == ["a"] and w.heartbeat_age_seconds < 1
     time.sleep(0.5)
     (w,) = reg.list_workers()
-    assert not w.healthy
+    assert not w.healthy and w.resident == []  # a down worker's pool is not served from
     reg.deregister_worker("w0")
     assert reg.list_workers() == []
 
