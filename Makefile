@@ -40,9 +40,9 @@ test-fast: setup
 
 ## lint: ruff lint rules and formatting (check only), then mypy type checks
 lint: setup
-	$(VENV)/bin/ruff check services tests
-	$(VENV)/bin/ruff format --check services tests
-	$(VENV)/bin/mypy services
+	$(VENV)/bin/ruff check services plora tests
+	$(VENV)/bin/ruff format --check services plora tests
+	$(VENV)/bin/mypy services plora
 
 clean:
 	rm -rf $(VENV) plora/v1/*_pb2*.py plora/v1/*_pb2.pyi $(GEN_STAMP)

@@ -118,7 +118,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "plora.cli",
             "up",
             "--state-file",
             str(state_file),

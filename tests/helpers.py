@@ -49,7 +49,7 @@ def tiny_llama(seed: int = 0):
 
 def replay_args(flags: list[str]) -> argparse.Namespace:
     """``flags`` parsed exactly as ``plora bench replay`` parses them."""
-    from services.replay import bench
+    from plora.replay import bench
 
     parser = argparse.ArgumentParser(prog="plora bench replay")
     bench.add_arguments(parser)

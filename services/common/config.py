@@ -74,7 +74,7 @@ def parse_ranks(text: str) -> list[int]:
     """The argparse ``type`` of a list of LoRA ranks (``plora make-adapters --ranks``,
     ``plora up --demo-ranks``): comma-separated positive integers, as the workers accept an
     adapter's ``r``. The upper bound depends on the model: the verbs check it once the model is
-    known (:func:`services.common.make_adapters.check_ranks`).
+    known (:func:`plora.make_adapters.check_ranks`).
 
     Raises:
         argparse.ArgumentTypeError: an empty list, or an item that is not a positive integer.

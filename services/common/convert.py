@@ -7,7 +7,6 @@ from typing import Any
 
 from plora.v1 import gateway_pb2
 from services.common.registry import AdapterRecord, WorkerRecord
-from services.worker.adapter_api import AdapterRef
 
 
 def adapter_info(record: AdapterRecord) -> gateway_pb2.AdapterInfo:
@@ -30,18 +29,6 @@ def adapter_record(info: gateway_pb2.AdapterInfo) -> AdapterRecord:
         use_rslora=info.use_rslora,
         created_unix_ms=info.created_unix_ms,
         num_modules=info.num_modules,
-    )
-
-
-def adapter_ref(info: gateway_pb2.AdapterInfo | AdapterRecord) -> AdapterRef:
-    """``plora.v1.AdapterInfo`` or a registry ``AdapterRecord`` (same field names) -> the
-    engine/store's ``AdapterRef``."""
-    return AdapterRef(
-        adapter_id=info.adapter_id,
-        version=int(info.version),
-        source=info.source,
-        size_bytes=int(info.size_bytes),
-        sha256=info.sha256,
     )
 
 

@@ -36,6 +36,33 @@ class AdapterRef:
     size_bytes: int = 0
     sha256: str = ""
 
+    @classmethod
+    def of(cls, info: AdapterFields) -> AdapterRef:
+        """The ref of a registry ``AdapterRecord`` or a ``plora.v1.AdapterInfo`` (both carry
+        these field names)."""
+        return cls(
+            adapter_id=info.adapter_id,
+            version=int(info.version),
+            source=info.source,
+            size_bytes=int(info.size_bytes),
+            sha256=info.sha256,
+        )
+
+
+class AdapterFields(Protocol):
+    """What :meth:`AdapterRef.of` reads: a registry record or a ``plora.v1.AdapterInfo``."""
+
+    @property
+    def adapter_id(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def sha256(self) -> str: ...
+
 
 class AdapterLease(Protocol):
     """A reference-counted claim on one resident (or loading) adapter."""

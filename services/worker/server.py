@@ -135,7 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         detail = ""
         stream = None
         try:
-            adapter = convert.adapter_ref(request.adapter) if request.adapter.adapter_id else None
+            adapter = AdapterRef.of(request.adapter) if request.adapter.adapter_id else None
             engine_request = EngineRequest(
                 request_id=req.request_id,
                 prompt_token_ids=self._prompt_ids(req),
@@ -213,7 +213,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def LoadAdapter(  # noqa: N802
         self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
     ) -> worker_pb2.LoadAdapterResponse:
-        ref = convert.adapter_ref(request.adapter)
+        ref = AdapterRef.of(request.adapter)
         start = time.monotonic()
         lease = self.store.acquire(ref)
         try:
@@ -238,7 +238,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def PrefetchAdapters(  # noqa: N802
         self, request: worker_pb2.PrefetchAdaptersRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrefetchAdaptersResponse:
-        items = [(convert.adapter_ref(i.adapter), float(i.expected_count)) for i in request.items]
+        items = [(AdapterRef.of(i.adapter), float(i.expected_count)) for i in request.items]
         result = self.store.prefetch(items)
         for outcome, n in result._asdict().items():
             self.metrics.prefetch_requests.labels(outcome).inc(n)
@@ -502,7 +502,7 @@ class WorkerService:
             if staging:
                 self._last_staging = now
                 records.sort(key=lambda r: (-expected.get(r.adapter_id, 0.0), r.adapter_id))
-                self.store.stage([convert.adapter_ref(r) for r in records])
+                self.store.stage([AdapterRef.of(r) for r in records])
         self._last_heartbeat = now
 
     def _export_metrics(self, s: StoreStats, resident: int, room: int) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from plora import cli
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services import cli
 from services.common.lifecycle import BACKGROUND_NICE
 from tests.conftest import REPO, shared_data
 
@@ -60,7 +60,7 @@ def test_cli_generate_streams_paris(cluster: dict) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "plora.cli",
             "generate",
             "--gateway",
             cluster["gateway"],
@@ -81,7 +81,7 @@ def test_cli_generate_streams_paris(cluster: dict) -> None:
 def test_cli_output_into_a_closed_pipe_stops_quietly(cluster: dict) -> None:
     """`plora adapters list | head -1`: the reader leaves early; no traceback, SIGPIPE status."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "adapters", "list", "--gateway", cluster["gateway"]],
+        [sys.executable, "-m", "plora.cli", "adapters", "list", "--gateway", cluster["gateway"]],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -93,13 +93,13 @@ def test_cli_output_into_a_closed_pipe_stops_quietly(cluster: dict) -> None:
     assert "Traceback" not in err and "BrokenPipeError" not in err
 
 
-# `python -m services.cli` with Ctrl-C working as in a terminal whatever started the suite: a
+# `python -m plora.cli` with Ctrl-C working as in a terminal whatever started the suite: a
 # shell without job control starts background jobs with SIGINT ignored, children inherit
 # that, and Python then installs no KeyboardInterrupt handler. (Not a preexec_fn: Python code
 # between fork and exec in this process, which has gRPC's threads, aborted the child in CI.)
 _CLI_WITH_CTRL_C = (
     "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.argv[0] = 'plora'; runpy.run_module('services.cli', run_name='__main__')"
+    "sys.argv[0] = 'plora'; runpy.run_module('plora.cli', run_name='__main__')"
 )
 
 
@@ -427,7 +427,7 @@ def test_an_adapter_holding_nan_is_refused_at_registration(stub, tmp_path, model
     Registration now scans the values and refuses it; nothing is registered."""
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
-    from services.common.make_adapters import write_peft_adapter  # noqa: PLC0415
+    from plora.make_adapters import write_peft_adapter  # noqa: PLC0415
     from services.worker.model_loader import spec_from_dir  # noqa: PLC0415
 
     d = write_peft_adapter(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from plora.make_adapters import write_peft_adapter
 from services.common.adapters import load_lora_weights
-from services.common.make_adapters import write_peft_adapter
 from services.worker.adapter_api import AdapterRef
 from services.worker.engine import Engine, EngineConfig, EngineRequest
 from services.worker.model import LlamaModel

@@ -20,10 +20,10 @@ from typing import Any
 import grpc
 import pytest
 
+from plora import cli
+from plora.make_adapters import write_peft_adapter
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services import cli
 from services.common.lifecycle import EXIT_REGISTRY_UNAVAILABLE
-from services.common.make_adapters import write_peft_adapter
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
 from services.common.types import ModelSpec
 from services.gateway.config import GatewayConfig
@@ -151,7 +151,7 @@ def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "plora.cli",
             "serve",
             service,
             "--redis-url",
@@ -176,7 +176,7 @@ def test_plora_up_with_unreachable_redis_fails_cleanly(tmp_path) -> None:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "plora.cli",
             "up",
             "--redis-url",
             "redis://127.0.0.1:1/0",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from services.replay import bench
-from services.replay.report import COMPARISON_KEYS, POLICY_KEYS
+from plora.replay import bench
+from plora.replay.report import COMPARISON_KEYS, POLICY_KEYS
 from tests.conftest import REPO, _pid_alive, shared_data
 from tests.helpers import replay_args
 
@@ -155,7 +155,7 @@ def test_sigterm_stops_the_benchmark_cluster(tmp_path: Path, model_dir: Path) ->
     out = tmp_path / "killed"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "services.cli", "bench", "replay", "--trace", str(trace),
+            sys.executable, "-m", "plora.cli", "bench", "replay", "--trace", str(trace),
             "--format", "azure2021", "--time-scale", "20", "--start", "2", "--duration", "12",
             "--adapters", "2", "--ranks", "8", "--policies", "plora,baseline", "--out", str(out),
             "--workers", "1", "--max-new-tokens", "4", "--model", str(model_dir),

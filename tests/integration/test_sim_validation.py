@@ -4,7 +4,7 @@ TTFT mean and cold start rate must agree within 25 % for every policy (issue 7's
 
 The machine's speed (prefill and decode step, adapter load, gateway overhead) is read from the
 replay's *solo* requests only, those alone on their worker (see
-:mod:`services.simulator.calibrate`); the validated figures come from everything else:
+:mod:`plora.simulator.calibrate`); the validated figures come from everything else:
 queueing, batching, residency, eviction, prefetch and routing.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from services.replay import bench
-from services.simulator import run as sim_run
-from services.simulator.run import fit_presets_to_replay, validate_against_replay
+from plora.replay import bench
+from plora.simulator import run as sim_run
+from plora.simulator.run import fit_presets_to_replay, validate_against_replay
 from tests.conftest import shared_data
 from tests.helpers import replay_args
 

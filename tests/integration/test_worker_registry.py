@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from plora.make_adapters import make_adapter_set
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common import convert
-from services.common.make_adapters import make_adapter_set
 from services.common.registry import AdapterRecord, Registry, connect
 from services.worker.config import WorkerConfig
 from services.worker.engine import EngineRequest

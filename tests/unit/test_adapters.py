@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from plora.make_adapters import write_peft_adapter
 from services.common.adapters import (
     AdapterManifest,
     LoraAdapterConfig,
@@ -34,7 +35,6 @@ from services.common.errors import (
     IncompatibleAdapterError,
     InvalidAdapterError,
 )
-from services.common.make_adapters import write_peft_adapter
 from services.common.types import PROJECTION_MODULES, SMOLLM2_135M, ModelSpec
 from services.worker.adapter_api import AdapterRef
 from services.worker.server import WorkerService

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.common import make_adapters
+from plora import cli, make_adapters
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services import cli, launcher
-from services.common import make_adapters
+from plora import cli, launcher, make_adapters
 from services.gateway.config import GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
@@ -43,7 +42,7 @@ ADAPTERS_MOUNT = "/adapters"
 
 def _env_vars_read_by_services() -> set[str]:
     names: set[str] = set()
-    for path in (REPO / "services").rglob("*.py"):
+    for path in [*(REPO / "services").rglob("*.py"), *(REPO / "plora").rglob("*.py")]:
         names |= set(re.findall(r'"(PLORA_[A-Z0-9_]+)"', path.read_text()))
     return names
 

@@ -20,7 +20,7 @@ INTERRUPTED_IMPORT = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGINT)
             return None
     sys.meta_path.insert(0, SigintOnGrpc())
-    from services.console import main
+    from plora.console import main
     sys.argv = ["plora", "status"]
     sys.exit(main())
     """

@@ -1,4 +1,4 @@
-"""Tests of services.predictor.evaluate: hand-computed metrics on tiny traces, and the CLI."""
+"""Tests of plora.evaluate: hand-computed metrics on tiny traces, and the CLI."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.traces import Trace
-from services.predictor.evaluate import add_arguments, evaluate_trace, run, tick_benchmark
+from plora.evaluate import add_arguments, evaluate_trace, run, tick_benchmark
+from plora.traces import Trace
 from services.predictor.forecast import make_forecaster
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "traces"

@@ -17,12 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from services import launcher
-from services.common.errors import ConfigError
-from services.common.policies import POLICIES, PolicySpec, get_policy
-from services.common.redis_server import EmbeddedRedis
-from services.gateway.config import GatewayConfig
-from services.launcher import (
+from plora import launcher
+from plora.launcher import (
     POLICY_FLAG_ENV,
     REGISTRY_RETRY_S,
     Child,
@@ -35,6 +31,10 @@ from services.launcher import (
     prometheus_targets,
     try_command,
 )
+from plora.policies import POLICIES, PolicySpec, get_policy
+from services.common.errors import ConfigError
+from services.common.redis_server import EmbeddedRedis
+from services.gateway.config import GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from tests.conftest import REPO, OwnRedis, _pid_alive
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
     """
     import argparse, os, random, signal, subprocess, sys, time
     from pathlib import Path
-    from services.launcher import Child, Cluster, add_arguments
+    from plora.launcher import Child, Cluster, add_arguments
 
     tmp = Path(sys.argv[1])
     parser = argparse.ArgumentParser()
@@ -389,7 +389,7 @@ def test_plora_up_refuses_meaningless_numbers_as_usage_errors(
     """A new user's ``plora up --workers 0`` failed after ~20 s with a misleading message,
     ``--gateway-port 99999`` with an OverflowError traceback and ``--demo-ranks 8,abc`` with a
     ValueError one; each is now refused by argparse (exit 2) before anything starts."""
-    from services import cli  # noqa: PLC0415
+    from plora import cli  # noqa: PLC0415
 
     state = tmp_path / "cluster.json"
     with pytest.raises(SystemExit) as exit_:
@@ -415,7 +415,7 @@ KILLED_PARENT = textwrap.dedent(
     import os, sys, time
     from pathlib import Path
     from services.common.redis_server import EmbeddedRedis
-    from services.launcher import Child
+    from plora.launcher import Child
 
     tmp = Path(sys.argv[1])
     child = Child("worker-0", [sys.executable, "-c", "import time; time.sleep(120)"],

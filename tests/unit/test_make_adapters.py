@@ -1,4 +1,4 @@
-"""Tests of services/common/make_adapters.py: PEFT-exact files, determinism, scale, CLI."""
+"""Tests of plora/make_adapters.py: PEFT-exact files, determinism, scale, CLI."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.common.adapters import inspect_adapter, load_lora_weights, sha256_file
-from services.common.errors import ConfigError
-from services.common.make_adapters import (
+from plora.make_adapters import (
     DEFAULT_RELATIVE_DELTA,
     adapter_name,
     add_arguments,
@@ -25,6 +23,8 @@ from services.common.make_adapters import (
     run,
     write_peft_adapter,
 )
+from services.common.adapters import inspect_adapter, load_lora_weights, sha256_file
+from services.common.errors import ConfigError
 from services.common.types import PROJECTION_MODULES
 from tests.helpers import TINY, tiny_llama
 

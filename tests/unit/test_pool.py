@@ -506,8 +506,8 @@ def test_make_policy() -> None:
 
 # ---------------------------------------------------------------------- bench helpers
 def test_smollm2_rank_unit_bytes() -> None:
+    from plora.bench.pool import adapter_bytes
     from services.common.types import SMOLLM2_135M
-    from services.worker.bench_pool import adapter_bytes
 
     # per layer: q 576+576, k 576+192, v 576+192, o 576+576, gate/up 576+1536, down 1536+576
     assert adapter_bytes(SMOLLM2_135M, 1, 4) == 10176 * 30 * 4 == 1_221_120
@@ -519,13 +519,13 @@ def test_smollm2_rank_unit_bytes() -> None:
     [(4096, 4096, 0.0), (4097, 4096, 4095 / 8192), (1, 64, 63 / 64)],
 )
 def test_page_waste(nbytes: int, page: int, waste: float) -> None:
-    from services.worker.bench_pool import page_waste
+    from plora.bench.pool import page_waste
 
     assert page_waste(nbytes, page) == pytest.approx(waste)
 
 
 def test_assign_ranks_is_seeded_and_order_independent() -> None:
-    from services.worker.bench_pool import assign_ranks
+    from plora.bench.pool import assign_ranks
 
     keys = [f"G{i:04d}" for i in range(200)]
     a = assign_ranks(keys, (8, 16, 32, 64, 128), seed=0)
@@ -540,7 +540,7 @@ def test_bench_pool_small_replay(tmp_path) -> None:  # noqa: ANN001
     import json
     from pathlib import Path
 
-    from services.worker import bench_pool
+    from plora.bench import pool as bench_pool
 
     trace = Path(bench_pool.DEFAULT_TRACE)
     if not trace.exists():

@@ -1,4 +1,4 @@
-"""Table-driven tests of the replay statistics (services.replay.report) and the pure helpers of
+"""Table-driven tests of the replay statistics (plora.replay.report) and the pure helpers of
 the replay client and CLI (prompt synthesis, request building, pool sizing, trace floor)."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.traces import Trace
-from services.replay.bench import auto_pool_bytes, trace_info
-from services.replay.client import PROMPT_WORDS, build_requests, synth_prompt
-from services.replay.report import (
+from plora.replay.bench import auto_pool_bytes, trace_info
+from plora.replay.client import PROMPT_WORDS, build_requests, synth_prompt
+from plora.replay.report import (
     CLIENT_DROPPED,
     COMPARISON_KEYS,
     OK,
@@ -38,6 +37,7 @@ from services.replay.report import (
     ttft_cdf,
     write_plots,
 )
+from plora.traces import Trace
 from tests.helpers import replay_args
 
 
@@ -443,9 +443,9 @@ def test_service_usage_from_each_service_process_metrics() -> None:
     standard ``process_*`` series) and reports the replay's share of the CPU."""
     from prometheus_client import generate_latest
 
+    from plora.replay.bench import _process_figures, _service_usage
     from services.gateway.metrics import GatewayMetrics
     from services.predictor.metrics import PredictorMetrics
-    from services.replay.bench import _process_figures, _service_usage
     from services.worker.metrics import WorkerMetrics
 
     def texts() -> dict[str, str]:
@@ -544,7 +544,7 @@ def test_trace_info_floor_uses_adapters_and_keys() -> None:
 def test_bad_replay_flags_exit_2_before_any_cluster_starts(
     flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.replay import bench  # noqa: PLC0415
+    from plora.replay import bench  # noqa: PLC0415
 
     out = tmp_path / "out"
     trace = ["--trace", str(tmp_path / "none.csv"), "--format", "alibaba"]
@@ -560,8 +560,8 @@ def test_wait_settled_waits_for_every_worker_host_staging() -> None:
     import threading
     import time
 
+    from plora.replay.bench import wait_settled
     from services.common.metrics import serve_metrics
-    from services.replay.bench import wait_settled
     from services.worker.metrics import WorkerMetrics
 
     workers = [WorkerMetrics() for _ in range(2)]

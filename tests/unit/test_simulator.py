@@ -9,17 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.policies import POLICIES, get_policy
-from services.common.traces import Trace
-from services.simulator.calibrate import fit_replay, solo_mask
-from services.simulator.engine import (
+from plora.policies import POLICIES, get_policy
+from plora.simulator.calibrate import fit_replay, solo_mask
+from plora.simulator.engine import (
     ClusterSimulation,
     SimConfig,
     build_adapter_set,
     make_feed,
     simulate,
 )
-from services.simulator.presets import (
+from plora.simulator.presets import (
     ALIBABA_LOAD_LATENCY_CSV,
     CPU_PRESET,
     H100_8B_PRESET,
@@ -27,7 +26,7 @@ from services.simulator.presets import (
     get_preset,
     load_source_latencies,
 )
-from services.simulator.report import (
+from plora.simulator.report import (
     compare_to_replay,
     paper_comparison,
     search_min_workers,
@@ -35,7 +34,8 @@ from services.simulator.report import (
     slo_vs_load,
     summarize,
 )
-from services.simulator.run import add_arguments, run
+from plora.simulator.run import add_arguments, run
+from plora.traces import Trace
 
 DATA = Path("../shared/data/traces")
 ALIBABA = DATA / "alibaba_genai2026_lora_requests_nov.csv"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SIM = sorted((ROOT / "services" / "simulator").glob("*.py"))
+SIM = sorted((ROOT / "plora" / "simulator").glob("*.py"))
 PRODUCTION = {
-    "services.common.traces": ROOT / "services/common/traces.py",
+    "plora.traces": ROOT / "plora/traces.py",
     "services.predictor.forecast": ROOT / "services/predictor/forecast.py",
     "services.worker.pool": ROOT / "services/worker/pool.py",
     "services.worker.eviction": ROOT / "services/worker/eviction.py",
@@ -19,7 +19,7 @@ PRODUCTION = {
 }
 #: What the simulator must import from each production module (the policy entry points).
 REQUIRED_IMPORTS = {
-    "services.common.traces": {"map_keys_to_adapters"},
+    "plora.traces": {"map_keys_to_adapters"},
     "services.predictor.forecast": {"make_forecaster"},
     "services.worker.pool": {"make_allocator"},
     "services.worker.eviction": {"make_policy", "Candidate"},

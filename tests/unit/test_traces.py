@@ -1,4 +1,4 @@
-"""Tests of services.common.traces: synthetic CSVs in tmp_path (exact values) and the real files."""
+"""Tests of plora.traces: synthetic CSVs in tmp_path (exact values) and the real files."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.common.traces import (
+from plora.traces import (
     TRACE_FORMATS,
     Arrival,
     Trace,

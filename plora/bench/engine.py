@@ -431,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:  # pragma: no cover - convenience entry point
-    """``python -m services.worker.bench_engine``."""
+    """``python -m plora.bench.engine``."""
     logging.basicConfig(level=os.environ.get("PLORA_LOG_LEVEL", "INFO"))
     parser = argparse.ArgumentParser(description=__doc__)
     add_arguments(parser)

@@ -3,7 +3,7 @@
 Open loop: request ``i`` is sent at ``t0 + arrivals[i].t`` whatever the cluster's state; a slow
 cluster does not slow the arrivals down. In-flight calls are bounded by ``concurrency`` (one
 thread per call); an arrival that finds ``concurrency`` calls in flight is not sent and is
-recorded as failed with status :data:`~services.replay.report.CLIENT_DROPPED`.
+recorded as failed with status :data:`~plora.replay.report.CLIENT_DROPPED`.
 
 Prompts: the trace gives a prompt length in tokens; the client sends a deterministic raw prompt
 (no chat template) of ``min(prompt_tokens, prompt_token_cap)`` words drawn from a list of
@@ -23,15 +23,15 @@ from dataclasses import dataclass, replace
 import grpc
 import numpy as np
 
-from plora.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.grpc_util import CHANNEL_OPTIONS
-from services.replay.report import (
+from plora.replay.report import (
     CLIENT_DROPPED,
     OK,
     RequestRecord,
     StatusSample,
     WorkerSample,
 )
+from plora.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.grpc_util import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class ReplayClient:
         Nothing else is in flight, so each is one prefill with no queue, no batch to share and
         no adapter load: a lower bound on what any routing, prefetch or eviction policy can
         give those prompts on this cluster (a request for an adapter adds its LoRA work). Their
-        mean is the report's ``ttft_uncontended_s`` (:mod:`services.replay.report`).
+        mean is the report's ``ttft_uncontended_s`` (:mod:`plora.replay.report`).
 
         Args:
             requests: The replay's requests (their prompts are reused, not their adapters).
@@ -441,7 +441,7 @@ class StatusSampler:
     """Samples ``GetClusterStatus`` every ``interval_s`` in a background thread.
 
     Use as a context manager around a replay; :attr:`samples` holds the
-    :class:`~services.replay.report.StatusSample` s (time relative to ``t0``). A failed call is
+    :class:`~plora.replay.report.StatusSample` s (time relative to ``t0``). A failed call is
     logged and skipped (the sample is missing, not zero).
     """
 

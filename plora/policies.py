@@ -2,9 +2,9 @@
 
 ``plora`` and ``baseline`` follow ARCHITECTURE.md (the Predictive-LoRA policy and the
 S-LoRA-style baseline); every other entry is an ablation that removes one piece of ``plora``.
-``plora up --policy``, ``plora bench replay --policies`` (:mod:`services.launcher`, which turns a
+``plora up --policy``, ``plora bench replay --policies`` (:mod:`plora.launcher`, which turns a
 spec into each service's flags) and ``plora simulate --policies``
-(:mod:`services.simulator.engine`) all read :data:`POLICIES`, so a policy means the same pieces
+(:mod:`plora.simulator.engine`) all read :data:`POLICIES`, so a policy means the same pieces
 live and simulated.
 """
 

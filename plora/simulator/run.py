@@ -1,7 +1,7 @@
 """``plora simulate``: run a trace through the simulated cluster under several policies.
 
 Writes ``DIR/report.json``, ``DIR/report.md`` (settings, trace, one block per policy with
-:data:`services.simulator.report.POLICY_KEYS`, ``comparison``, ``papers``, optional
+:data:`plora.simulator.report.POLICY_KEYS`, ``comparison``, ``papers``, optional
 ``validation`` against a replay report) and the plots, and prints a short table.
 
 Example::
@@ -24,11 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from services.common.policies import POLICIES, get_policy
-from services.common.traces import TRACE_FORMATS, Trace, load_trace
-from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
-from services.simulator.calibrate import fit_replay, read_records
-from services.simulator.engine import (
+from plora.policies import POLICIES, get_policy
+from plora.simulator.calibrate import fit_replay, read_records
+from plora.simulator.engine import (
     AdapterSet,
     SimConfig,
     SimResult,
@@ -36,15 +34,15 @@ from services.simulator.engine import (
     make_feed,
     simulate,
 )
-from services.simulator.feed import DemandFeed
-from services.simulator.presets import (
+from plora.simulator.feed import DemandFeed
+from plora.simulator.presets import (
     ALIBABA_LOAD_LATENCY_CSV,
     PRESET_NAMES,
     Preset,
     get_preset,
     load_source_latencies,
 )
-from services.simulator.report import (
+from plora.simulator.report import (
     POLICY_KEYS,
     compare_pair,
     compare_to_replay,
@@ -57,6 +55,8 @@ from services.simulator.report import (
     summarize,
     write_plots,
 )
+from plora.traces import TRACE_FORMATS, Trace, load_trace
+from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def replay_matched_inputs(
     adapter count and ranks, pool bytes per worker, workers, ``max_new_tokens`` (every request's
     output length) and ``prompt_token_cap`` (prompts capped, plus
     :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one calibrated at
-    run time by :func:`services.simulator.calibrate.calibrated_cpu_preset`) replaces the named
+    run time by :func:`plora.simulator.calibrate.calibrated_cpu_preset`) replaces the named
     one.
 
     Raises:
@@ -315,7 +315,7 @@ def fit_presets_to_replay(
     replay_report: dict[str, Any], replay_dir: str | Path, base: Preset | None = None
 ) -> tuple[dict[str, Preset], dict[str, dict[str, Any]]]:
     """Per policy of a replay, the cpu preset fitted to the machine as it was during that
-    policy's run (:func:`services.simulator.calibrate.fit_replay` on
+    policy's run (:func:`plora.simulator.calibrate.fit_replay` on
     ``replay_dir/<policy>/requests.jsonl``); adapter sizes and ranks are those the simulator
     gives the replay's adapters (:func:`replay_matched_inputs`).
 
@@ -342,12 +342,12 @@ def validate_against_replay(
     preset: Preset | Mapping[str, Preset] | None = None,
 ) -> dict[str, Any]:
     """Simulate the replay's slice under its policies and compare (see
-    :func:`services.simulator.report.compare_to_replay`); the simulated summaries are included
+    :func:`plora.simulator.report.compare_to_replay`); the simulated summaries are included
     under ``"sim"``, the step and load figures used per policy under ``"presets"``.
 
     ``preset`` replaces the named preset, for every policy or (a mapping) per policy: each
     policy's replay ran on a fresh cluster at another time, on a host whose speed drifts (see
-    :mod:`services.simulator.calibrate`)."""
+    :mod:`plora.simulator.calibrate`)."""
     names = [p for p in replay_report.get("policies", []) if p in POLICIES]
     sim: dict[str, Any] = {"policies": names}
     used: dict[str, Preset] = {}
@@ -544,7 +544,7 @@ def _print_table(report: dict[str, Any], policies: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m services.simulator.run``)."""
+    """Standalone entry (``python -m plora.simulator.run``)."""
     parser = argparse.ArgumentParser(prog="plora simulate", description=__doc__)
     add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -675,7 +675,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 )
             lines.append(f"| {sv} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["Definitions: see `services/replay/report.py` (module docstring).", ""]
+    lines += ["Definitions: see `plora/replay/report.py` (module docstring).", ""]
     return "\n".join(lines)
 
 

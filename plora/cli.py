@@ -33,23 +33,23 @@ from services.gateway import validation
 
 #: Verbs implemented in other modules: (path of subcommands) -> module with add_arguments/run.
 _DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
-    ("up",): ("services.launcher", "run the whole local cluster in the foreground"),
+    ("up",): ("plora.launcher", "run the whole local cluster in the foreground"),
     ("make-adapters",): (
-        "services.common.make_adapters",
+        "plora.make_adapters",
         "write PEFT-format adapters for the served base model",
     ),
     ("bench", "engine"): (
-        "services.worker.bench_engine",
+        "plora.bench.engine",
         "engine throughput vs transformers and PEFT",
     ),
-    ("bench", "pool"): ("services.worker.bench_pool", "paged vs contiguous adapter pool"),
+    ("bench", "pool"): ("plora.bench.pool", "paged vs contiguous adapter pool"),
     ("bench", "replay"): (
-        "services.replay.bench",
+        "plora.replay.bench",
         "replay a trace against a fresh live cluster per policy",
     ),
-    ("simulate",): ("services.simulator.run", "trace-driven cluster simulator at GPU scale"),
+    ("simulate",): ("plora.simulator.run", "trace-driven cluster simulator at GPU scale"),
     ("eval", "predictor"): (
-        "services.predictor.evaluate",
+        "plora.evaluate",
         "replay a trace through the forecasters",
     ),
 }

@@ -7,7 +7,7 @@ the same K adapters (written once, deterministic from ``--seed``, ranks cycled f
 adapters are registered, a few base-model requests warm the workers up (no adapter is touched),
 the cluster settles (every worker's host staging of the registered adapters done, as it is long
 before traffic on a deployed cluster; ``--settle-timeout``), then the slice is replayed open
-loop (:mod:`services.replay.client`) while ``GetClusterStatus`` is sampled every second, and
+loop (:mod:`plora.replay.client`) while ``GetClusterStatus`` is sampled every second, and
 the cluster is stopped.
 
 Pool size (``--pool-bytes auto``): per worker, ``--pool-fraction`` (default 1/4) of the total
@@ -20,7 +20,7 @@ Writes ``DIR/report.json``, ``DIR/report.md``, ``DIR/ttft_cdf.png``,
 ``DIR/<policy>/requests.jsonl`` (one record per request), ``DIR/<policy>/samples.json``, each
 service's Prometheus metrics at the end of the replay ``DIR/<policy>/metrics/*.prom`` and the
 cluster's logs ``DIR/<policy>/logs/*.log``. Definitions of every figure:
-:mod:`services.replay.report`.
+:mod:`plora.replay.report`.
 
 ``--repeats N`` (N > 1) runs N rounds of every policy, the order alternating between rounds
 (``plora,baseline``, then ``baseline,plora``, ...) so that neither always meets the machine
@@ -53,9 +53,8 @@ from typing import Any
 
 import numpy as np
 
-from services.common.policies import POLICIES, get_policy
-from services.common.traces import TRACE_FORMATS, Trace, load_trace, map_keys_to_adapters
-from services.replay.report import (
+from plora.policies import POLICIES, get_policy
+from plora.replay.report import (
     COMPARISON_KEYS,
     POLICY_KEYS,
     RequestRecord,
@@ -69,6 +68,7 @@ from services.replay.report import (
     write_json,
     write_plots,
 )
+from plora.traces import TRACE_FORMATS, Trace, load_trace, map_keys_to_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -228,8 +228,8 @@ def prepare_adapters(
     ranks and seed and every directory exists (generation is deterministic, so the files would
     be identical).
     """
+    from plora.make_adapters import make_adapter_set  # noqa: PLC0415
     from services.common.adapters import inspect_adapter  # noqa: PLC0415
-    from services.common.make_adapters import make_adapter_set  # noqa: PLC0415
     from services.worker.model_loader import default_cache_dir, load_model_spec  # noqa: PLC0415
 
     spec = load_model_spec(model, default_cache_dir())
@@ -285,7 +285,7 @@ def trace_info(trace: Trace, adapter_of: dict[str, str]) -> dict[str, Any]:
 def _cluster_args(
     args: argparse.Namespace, policy: str, run_dir: Path, pool_bytes: int, adapters_dir: Path
 ) -> argparse.Namespace:
-    from services import launcher  # noqa: PLC0415
+    from plora import launcher  # noqa: PLC0415
 
     flags = [
         "--state-file",
@@ -342,14 +342,14 @@ def run_policy(
         probes; ``replay_s``: first send to last completion plus the final sample;
         ``stop_s``), per service its CPU seconds during the replay (``cpu_s``) and resident
         bytes at its end (``rss_bytes``), from its ``process_*`` metrics, and the probes'
-        TTFTs in seconds (:meth:`~services.replay.client.ReplayClient.uncontended_ttft`).
+        TTFTs in seconds (:meth:`~plora.replay.client.ReplayClient.uncontended_ttft`).
     """
     import grpc  # noqa: PLC0415
 
+    from plora.launcher import Cluster  # noqa: PLC0415
+    from plora.replay.client import ClientConfig, ReplayClient, StatusSampler  # noqa: PLC0415
     from plora.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: PLC0415
     from services.common.grpc_util import CHANNEL_OPTIONS  # noqa: PLC0415
-    from services.launcher import Cluster  # noqa: PLC0415
-    from services.replay.client import ClientConfig, ReplayClient, StatusSampler  # noqa: PLC0415
 
     label = label or policy
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -592,7 +592,7 @@ def _signals_interrupt() -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     """``plora bench replay``: see the module docstring. Returns 0, or 1 when a policy failed."""
-    from services.replay.client import build_requests  # noqa: PLC0415
+    from plora.replay.client import build_requests  # noqa: PLC0415
 
     started = time.monotonic()
     unknown = [p for p in args.policies if p not in POLICIES]

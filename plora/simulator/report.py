@@ -1,6 +1,6 @@
 """Statistics, comparisons and plots of ``plora simulate`` reports (pure functions + plotting).
 
-Definitions match the replay benchmark (:mod:`services.replay.report`) so the two reports can
+Definitions match the replay benchmark (:mod:`plora.replay.report`) so the two reports can
 be put side by side:
 
 - **TTFT**: gateway receipt -> first token at the client, over completed requests.
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from services.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
-from services.simulator.engine import SimResult
+from plora.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
+from plora.simulator.engine import SimResult
 
 logger = logging.getLogger(__name__)
 
@@ -556,5 +556,5 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             for k, v in block.items():
                 lines.append(f"| {p} | {k} | {_md(v['sim'])} | {_md(v['replay'])} | "
                              f"{_pct(v['rel_error'])} |")  # fmt: skip
-    lines += ["", "Definitions: `services/simulator/report.py` (module docstring).", ""]
+    lines += ["", "Definitions: `plora/simulator/report.py` (module docstring).", ""]
     return "\n".join(lines)

@@ -385,7 +385,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_RELATIVE_DELTA,
         help=f"size of the LoRA change per projection (default {DEFAULT_RELATIVE_DELTA}; "
-        "see services/common/make_adapters.py)",
+        "see plora/make_adapters.py)",
     )
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES), default="float32", help="tensor dtype (default float32)"

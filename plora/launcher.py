@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import grpc
 
+from plora.policies import POLICIES, PolicySpec
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import (
     DEFAULT_STATE_FILE,
@@ -48,7 +49,6 @@ from services.common.lifecycle import (
     stop_with_parent,
     write_json_atomic,
 )
-from services.common.policies import POLICIES, PolicySpec
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect, redact_url
 
@@ -282,7 +282,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         choices=sorted(POLICIES),
         default=None,
-        help="serving policy (services/common/policies.py); its settings win over PLORA_* "
+        help="serving policy (plora/policies.py); its settings win over PLORA_* "
         "variables. Default: plora, where PLORA_ALLOCATOR, PLORA_EVICTION, PLORA_HOST_STAGING, "
         "PLORA_ROUTING and PLORA_PREDICTOR_PREFETCH, if set, replace its settings",
     )
@@ -413,7 +413,7 @@ class Cluster:
         cmd = [
             sys.executable,
             "-m",
-            "services.cli",
+            "plora.cli",
             "serve",
             service,
             *flags,
@@ -535,7 +535,7 @@ class Cluster:
         self._say(f"base model ready: {model_dir}")
         spec = spec_from_dir(model_dir)
         if a.demo_adapters > 0:
-            from services.common.make_adapters import check_ranks  # noqa: PLC0415 - torch
+            from plora.make_adapters import check_ranks  # noqa: PLC0415 - torch
 
             check_ranks(a.demo_ranks, spec, "--demo-ranks")
 
@@ -622,7 +622,7 @@ class Cluster:
         a = self.args
         if a.demo_adapters <= 0:
             return []
-        from services.common.make_adapters import make_adapter_set  # noqa: PLC0415
+        from plora.make_adapters import make_adapter_set  # noqa: PLC0415
 
         out = Path(a.adapters_dir)
         paths = make_adapter_set(

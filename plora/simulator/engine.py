@@ -4,9 +4,9 @@ Nothing here re-implements a policy: the simulated workers drive the production 
 (:mod:`services.worker.pool`), eviction policies (:mod:`services.worker.eviction`) and host
 cache (:class:`services.worker.store.HostCache`) directly, the simulated predictor runs the
 production forecaster (:mod:`services.predictor.forecast`; once per trace, shared by every
-simulation of it, see :mod:`services.simulator.feed`) and the LoRAServe placement,
+simulation of it, see :mod:`plora.simulator.feed`) and the LoRAServe placement,
 prefetch choice and routing (:mod:`services.predictor.placement`), and arrivals come from the
-production trace loaders (:mod:`services.common.traces`). The :class:`AdapterStore` itself runs
+production trace loaders (:mod:`plora.traces`). The :class:`AdapterStore` itself runs
 loader threads on the wall clock, so the simulator replays its decisions (the same order of
 alloc, compaction, victim choice, prefetch admission) on the virtual clock instead; see
 :class:`SimWorker`.
@@ -56,9 +56,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from plora.policies import PolicySpec, get_policy
+from plora.simulator.feed import DemandFeed, FeedSettings
+from plora.simulator.presets import Preset
+from plora.traces import Trace, map_keys_to_adapters
 from services.common.errors import PoolExhaustedError
-from services.common.policies import PolicySpec, get_policy
-from services.common.traces import Trace, map_keys_to_adapters
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER
 from services.predictor.placement import (
@@ -70,8 +72,6 @@ from services.predictor.placement import (
     plan_placement,
     route_rank_aware,
 )
-from services.simulator.feed import DemandFeed, FeedSettings
-from services.simulator.presets import Preset
 from services.worker.engine import ServiceEstimates
 from services.worker.eviction import (
     Candidate,
@@ -1294,7 +1294,7 @@ def make_feed(
     trace: Trace, adapters: AdapterSet, config: SimConfig, process: bool = False
 ) -> DemandFeed:
     """The production forecaster's output for every predictor tick of ``trace`` (see
-    :mod:`services.simulator.feed`), to share between simulations of the same trace, adapter
+    :mod:`plora.simulator.feed`), to share between simulations of the same trace, adapter
     map and forecaster settings.
 
     Args:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.traces import load_trace
+from plora.traces import load_trace
 from services.predictor.forecast import FORECASTER_NAMES, Forecaster, make_forecaster
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ contiguous allocator at the same pool size, and measure the page size.
 
 Workload (deterministic from ``--seed``):
 
-* Arrivals: the Alibaba GenAI 2026 LoRA request trace (``services.common.traces.load_trace``,
+* Arrivals: the Alibaba GenAI 2026 LoRA request trace (``plora.traces.load_trace``,
   format ``"alibaba"``); each ``groupId`` (tenant) is one adapter.
 * Adapters: SmolLM2-135M shapes (30 layers, hidden 576, 9 heads / 3 KV heads of 64,
   MLP 1536), LoRA on all 7 projections, rank drawn per adapter from ``--ranks`` by
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from services.common.traces import Trace, load_trace
+from plora.traces import Trace, load_trace
 from services.common.types import (
     PROJECTION_MODULES,
     SMOLLM2_135M,
@@ -388,7 +388,7 @@ def _print_table(results: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry (``python -m services.worker.bench_pool``)."""
+    """Stand-alone entry (``python -m plora.bench.pool``)."""
     parser = argparse.ArgumentParser(prog="plora bench pool", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,6 +1,6 @@
 """Calibrate the ``cpu`` preset to the machine as it was during a live replay.
 
-The ``cpu`` preset's figures (:data:`services.simulator.presets.CPU_STEP_MEASUREMENTS`) were
+The ``cpu`` preset's figures (:data:`plora.simulator.presets.CPU_STEP_MEASUREMENTS`) were
 taken on a shared 2-core host whose speed swings several-fold with the other jobs on it, within
 minutes. Timing the real engine in a separate process just before and just after a replay was
 tried first and failed: the two timings differed by 1.6x and were 3-5x slower than the workers'
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from services.simulator.presets import CPU_PRESET, Preset, StepTimeModel
+from plora.simulator.presets import CPU_PRESET, Preset, StepTimeModel
 
 #: Fewest solo requests a fit uses; with fewer the preset's figure is kept.
 MIN_SAMPLES = 5
