@@ -50,6 +50,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,15 +80,10 @@ from services.worker.eviction import (
     make_policy,
 )
 from services.worker.pool import (
-    Allocation,
     Allocator,
-    FragmentationError,
-    OutOfSpaceError,
-    TooLargeError,
-    compact_or_split,
-    external_fragmentation,
     make_allocator,
 )
+from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
 from services.worker.store import HOST_STAGING_INTERVAL_S, HostCache, PackedAdapter, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -279,7 +275,7 @@ class _Load:
 
     __slots__ = (
         "a", "demanded", "expected", "started", "tier", "handle", "units", "wait_t0",
-        "pressure", "used", "prefetch", "compact_s",
+        "room", "used", "prefetch", "compact_s",
     )  # fmt: skip
 
     def __init__(self, a: int, demanded: bool, expected: float) -> None:
@@ -293,7 +289,7 @@ class _Load:
         self.handle = -1
         self.units = 0
         self.wait_t0 = -1.0
-        self.pressure = False
+        self.room: RoomSearch | None = None
         self.compact_s = 0.0
 
 
@@ -369,10 +365,11 @@ class SimWorker:
             "load_seconds": 0.0, "evictions": 0, "compactions": 0, "bytes_moved": 0,
             "failed_loads": 0, "prefetch_issued": 0, "prefetch_used": 0, "prefetch_wasted": 0,
             "prefetch_ignored": 0, "prefetch_already": 0, "rejected": 0, "steps": 0,
-            "pressure_samples": 0, "util_sum": 0.0, "frag_sum": 0.0, "raw_frag_sum": 0.0,
-            "waste_sum": 0.0, "splits": 0, "host_stages": 0,
+            "splits": 0, "host_stages": 0,
         }  # fmt: skip
-        self.ref_pieces: list[int] = []  # coarsest tensor layout loaded (fragmentation)
+        self.pressure = PressureSampler()  # utilization and fragmentation under pressure
+        # the adapter id and each room decision of a load (AdapterStore's on_decision)
+        self.on_decision: Callable[[str, RoomDecision], None] | None = None
 
     # ---------------------------------------------------------------- routing view
     def view(self) -> WorkerView:
@@ -614,8 +611,9 @@ class SimWorker:
     def release(self, a: int, t: float) -> None:
         """Drop one lease on adapter ``a``; a freed adapter may unblock a waiting load."""
         self.refcount[a] -= 1
-        if self.refcount[a] == 0 and self.alloc_wait:
-            self.retry_waiting(t)
+        if self.refcount[a] == 0 and a in self.resident and self.alloc_wait:
+            self.unpark()  # it can be evicted now
+            self.start_jobs(t)
 
     def fail_request(self, r: int, a: int, t: float, reason: str) -> None:
         """A request waiting for its adapter fails (load failed or waited too long)."""
@@ -637,6 +635,9 @@ class SimWorker:
                 continue
             job.started = True
             self.active += 1
+            if job.room is not None:  # a parked load: its bytes are in host memory already
+                self.try_allocate(job, t)
+                continue
             name = sim.adapters.names[job.a]
             if self.host.get(name, 0) is not None:
                 job.tier = "host"
@@ -703,22 +704,11 @@ class SimWorker:
                 pins.add(h)
         return pins
 
-    def _sample_pressure(self) -> None:
-        al = self.allocator
-        c = self.c
-        c["pressure_samples"] += 1
-        c["util_sum"] += al.live_bytes / al.capacity_bytes
-        allocated = al.used_units * al.unit_bytes
-        c["waste_sum"] += (allocated - al.live_bytes) / allocated if allocated else 0.0
-        if al.free_units:
-            c["frag_sum"] += external_fragmentation(al, self._pinned(), self.ref_pieces)
-            c["raw_frag_sum"] += 1.0 - al.largest_free_run() / al.free_units
-
-    def _victim(self, job: _Load) -> int | None:
+    def _victim(self, job: _Load) -> str | None:
         names = self.sim.adapters.names
         rc = self.refcount
         last = self.last_used
-        victim = self.evictor.choose_victim(
+        return self.evictor.choose_victim(
             (
                 Candidate(names[a], self.res_bytes[a], last.get(a, 0.0))
                 for a in self.resident
@@ -728,13 +718,13 @@ class SimWorker:
             incoming_expected=job.expected,
             min_gain=self.sim.config.prefetch_min_gain,
         )
-        return None if victim is None else self.sim.name_index[victim]
 
     def evict(self, a: int) -> None:
         """Free adapter ``a``'s run (it is resident and unleased)."""
         h = self.resident.pop(a)
         del self.res_bytes[a]
         self.allocator.free(h)
+        self.unpark()  # space freed
         self.res_version += 1
         self.c["evictions"] += 1
         if a in self.prefetched_unused:
@@ -742,100 +732,95 @@ class SimWorker:
             self.c["prefetch_wasted"] += 1
 
     def try_allocate(self, job: _Load, t: float) -> None:
-        """``AdapterStore._allocate`` on the virtual clock: alloc, compact, evict or wait."""
+        """``AdapterStore._allocate`` on the virtual clock: the same :class:`RoomSearch`
+        decisions (place, compact, evict, drop, wait, fail), carried out in virtual time."""
         sim = self.sim
         al = self.allocator
         nbytes = int(sim.adapters.nbytes[job.a])
-        pieces = sim.pieces(job.a)
-        if max(pieces) > max(self.ref_pieces, default=0):
-            self.ref_pieces = pieces
-        compacted = False
+        search = job.room
+        if search is None:
+            pieces = sim.pieces(job.a)
+            search = job.room = RoomSearch(pieces, demanded=job.demanded)
+            self.pressure.note_layout(pieces)
+        search.demanded = job.demanded
         while True:
-            compact = 0
-            alloc: Allocation | None = None
-            try:
-                alloc = al.alloc_pieces(pieces)
-            except TooLargeError as err:
-                self._fail_load(job, t, PoolExhaustedError(str(err)))
-                return
-            except FragmentationError as err:
-                compact, alloc = compact_or_split(
-                    al,
-                    self._pinned(),
-                    pieces,
-                    err.needed_units,
-                    compaction_max_ratio=sim.config.compaction_max_ratio,
-                    can_evict=lambda: self._victim(job) is not None,
-                )
-                if compacted:
-                    compact = 0  # it did not help: evict before compacting again
-            except OutOfSpaceError:
-                pass
-            if alloc is not None:
+            d = search.next(
+                al,
+                alloc=lambda p, split: al.alloc_pieces(p, split=split),
+                pinned=self._pinned,
+                victim=lambda: self._victim(job),
+                compaction_max_ratio=sim.config.compaction_max_ratio,
+                has_waiters=bool(self.waiters.get(job.a)) or not job.demanded,
+                wait_expired=(
+                    job.wait_t0 >= 0 and t - job.wait_t0 >= sim.preset.load_wait_timeout_s - 1e-9
+                ),
+            )
+            if self.on_decision is not None:
+                self.on_decision(sim.adapters.names[job.a], d)
+            if d.sample_pressure:
+                self.pressure.sample(al, self._pinned())
+            action = d.action
+            if action is RoomAction.PLACE:
+                alloc = d.allocation
+                assert alloc is not None
                 if alloc.is_split:
                     self.c["splits"] += 1
                 job.handle = alloc.handle
                 job.units = alloc.units
                 self.loading_handles.add(alloc.handle)
-                if job.pressure:
-                    self._sample_pressure()
                 copy_s = nbytes / sim.preset.h2d_bytes_per_s + job.compact_s
                 sim.push(t + copy_s, _EV_LOADED, self.wid, job)
                 return
-            if compact:
-                moves = al.plan_compaction(self._pinned(), compact)
+            if action is RoomAction.COMPACT:
+                moves = al.plan_compaction(self._pinned(), d.compact_units)
                 al.apply_moves(moves)
                 moved = sum(m.units for m in moves) * al.unit_bytes
                 self.c["compactions"] += 1
                 self.c["bytes_moved"] += moved
                 job.compact_s += moved / sim.preset.device_copy_bytes_per_s
-                compacted = True  # if it did not help, evict before compacting again
                 continue
-            victim = self._victim(job)
-            if victim is not None:
-                job.pressure = True
-                self.evict(victim)
-                compacted = False  # the pool changed: compaction may help again
+            if action is RoomAction.EVICT:
+                assert d.victim is not None
+                self.evict(sim.name_index[d.victim])
                 continue
-            if not job.demanded:  # a prefetch never waits: dropped
+            if action is RoomAction.DROP:  # a prefetch never waits: dropped
                 del self.jobs[job.a]
                 self.c["prefetch_ignored"] += 1
                 self.active -= 1
                 self.start_jobs(t)
                 return
-            job.pressure = True
-            if job.wait_t0 < 0:
-                job.wait_t0 = t
-                sim.push(t + sim.preset.load_wait_timeout_s, _EV_RETRY, self.wid, job)
-            elif t - job.wait_t0 >= sim.preset.load_wait_timeout_s - 1e-9:
-                self._sample_pressure()
+            if action in (RoomAction.FAIL, RoomAction.CANCEL):
                 self._fail_load(job, t, PoolExhaustedError("no room in the device pool"))
                 return
+            if job.wait_t0 < 0:  # WAIT
+                job.wait_t0 = t
+                sim.push(t + sim.preset.load_wait_timeout_s, _EV_RETRY, self.wid, job)
             # parked: its loader thread takes other loads meanwhile (AdapterStore._NoRoom)
+            job.started = False
             self.alloc_wait.append(job)
             self.active -= 1
             self.start_jobs(t)
             return
 
-    def retry_waiting(self, t: float) -> None:
-        """Retry demand loads waiting for pool space (FIFO), e.g. after a lease dropped."""
-        for _ in range(len(self.alloc_wait)):
+    def unpark(self) -> None:
+        """Room may have appeared (space freed, or an adapter no longer leased): queue the
+        demand loads waiting for room again, oldest first, at demand priority
+        (``AdapterStore._unpark``); a free loader thread takes them."""
+        while self.alloc_wait:
             job = self.alloc_wait.popleft()
-            if self.jobs.get(job.a) is not job or job.handle >= 0:
-                continue
-            self.active += 1  # back on a loader thread
-            self.try_allocate(job, t)
+            if self.jobs.get(job.a) is job and job.handle < 0:
+                heapq.heappush(self.job_heap, (0, -job.expected, self.sim.next_seq(), job))
 
     def retry_timeout(self, job: _Load, t: float) -> None:
-        """A waiting load's deadline: try once more, else fail its requests."""
+        """A waiting load's deadline: queue it once more (it fails unless room appeared)."""
         if self.jobs.get(job.a) is not job or job.handle >= 0:
             return
         try:
             self.alloc_wait.remove(job)
         except ValueError:
             return
-        self.active += 1  # back on a loader thread
-        self.try_allocate(job, t)
+        heapq.heappush(self.job_heap, (0, -job.expected, self.sim.next_seq(), job))
+        self.start_jobs(t)
 
     def _fail_load(self, job: _Load, t: float, err: Exception) -> None:
         del self.jobs[job.a]
@@ -904,6 +889,7 @@ class SimWorker:
                 continue
             job = _Load(a, False, expected)
             self.jobs[a] = job
+            self.last_used[a] = t  # as the store's entry: issued counts as used for recency
             heapq.heappush(self.job_heap, (1, -expected, sim.next_seq(), job))
             self.c["prefetch_issued"] += 1
         self.start_jobs(t)
@@ -1255,6 +1241,15 @@ class ClusterSimulation:
         counters: dict[str, Any] = {}
         for w in self.workers:
             for k, v in w.c.items():
+                counters[k] = counters.get(k, 0) + v
+            p = w.pressure
+            for k, v in (
+                ("pressure_samples", p.samples),
+                ("util_sum", p.utilization),
+                ("frag_sum", p.external_fragmentation),
+                ("raw_frag_sum", p.free_run_fragmentation),
+                ("waste_sum", p.internal_waste),
+            ):
                 counters[k] = counters.get(k, 0) + v
         counters["failed_by_reason"] = dict(sorted(self.fail_reason.items()))
         counters["routed_by_reason"] = dict(sorted(self.routed.items()))

@@ -87,13 +87,9 @@ from services.worker.pool import (
     DEFAULT_PAGE_BYTES,
     Allocation,
     DevicePool,
-    FragmentationError,
-    OutOfSpaceError,
-    TooLargeError,
-    compact_or_split,
-    external_fragmentation,
     make_allocator,
 )
+from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
 
 logger = logging.getLogger(__name__)
 
@@ -604,6 +600,7 @@ class _Entry:
         "ready_at",
         "ref",
         "refcount",
+        "room",
         "room_deadline",
         "slots",
         "state",
@@ -636,6 +633,7 @@ class _Entry:
         self.tier = ""
         self.read_s = 0.0
         self.room_deadline: float | None = None
+        self.room: RoomSearch | None = None  # its search for pool room, kept while parked
 
 
 class StoreLease:
@@ -765,12 +763,6 @@ class _Counters:
     prefetch_ignored: int = 0
     stages: int = 0
     stage_seconds: float = 0.0
-    samples: int = 0
-    util_sum: float = 0.0
-    frag_sum: float = 0.0
-    raw_frag_sum: float = 0.0
-    waste_sum: float = 0.0
-    extents_sum: float = 0.0
 
 
 # ---------------------------------------------------------------------- the store
@@ -783,6 +775,9 @@ class AdapterStore:
             (``InvalidAdapterError``, ``IncompatibleAdapterError``, ``AdapterNotFoundError``).
         on_event: Optional hook called (under the store lock; keep it fast, do not call back
             into the store) with every :class:`StoreEvent`.
+        on_decision: Optional hook called (under the store lock, same rules) with the adapter
+            id and each :class:`~services.worker.room.RoomDecision` of a load that needs room
+            (the simulated worker has the same hook; tests compare the two).
 
     Raises:
         ConfigError: a CUDA device requested without CUDA, or a bad pool size.
@@ -793,10 +788,12 @@ class AdapterStore:
         config: StoreConfig,
         loader: Loader,
         on_event: Callable[[StoreEvent], None] | None = None,
+        on_decision: Callable[[str, RoomDecision], None] | None = None,
     ) -> None:
         self.config = config
         self._loader = loader
         self._on_event = on_event
+        self._on_decision = on_decision
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {config.device!r} requested but CUDA is not available")
@@ -826,6 +823,7 @@ class AdapterStore:
         self._jobs: list[tuple[int, float, int, _Entry]] = []
         self._seq = itertools.count()
         self._parked: list[_Entry] = []  # demand loads waiting for room, oldest first
+        self._loads_running = 0  # loads a loader thread is working on
         # host staging (stage()): queued source reads for the staging thread, one at a time
         self._staging: deque[AdapterRef] = deque()
         self._staging_current: AdapterRef | None = None
@@ -834,9 +832,8 @@ class AdapterStore:
         self._failed_source: dict[str, tuple[int, float]] = {}
         self._closed = False
         self._c = _Counters()
-        # the coarsest piece layout loaded so far (largest tensor): the reference shape for the
-        # allocatable extent of a splitting allocator (see _fragmentation)
-        self._ref_pieces: tuple[int, ...] = ()
+        # utilization and fragmentation sampled under pressure (room.PressureSampler)
+        self._pressure = PressureSampler()
         self._threads = [
             threading.Thread(target=self._worker, name=f"adapter-loader-{i}", daemon=True)
             for i in range(config.loader_threads)
@@ -1181,6 +1178,16 @@ class AdapterStore:
             )
         return sum(self.unload(a) for a in sorted(ids))
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no device load is queued or running (parked loads, which wait for a
+        lease to drop, do not count), or ``timeout`` seconds pass.
+
+        Returns:
+            True when idle; False on timeout.
+        """
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._jobs and not self._loads_running, timeout)
+
     def resident_adapters(self) -> list[ResidentAdapter]:
         """Adapters in the device pool now, in address order."""
         with self._lock:
@@ -1238,7 +1245,9 @@ class AdapterStore:
             allocated = al.used_units * al.unit_bytes
             live = al.live_bytes
             free = al.free_units * al.unit_bytes
-            n = c.samples
+            p = self._pressure
+            now = p.measure(al, self._pinned())
+            under = p.means()
             return StoreStats(
                 allocator=al.kind,
                 eviction=self._policy.name,
@@ -1253,14 +1262,14 @@ class AdapterStore:
                 live_bytes=live,
                 free_bytes=free,
                 utilization=live / al.capacity_bytes,
-                utilization_under_pressure=c.util_sum / n if n else 0.0,
-                pressure_samples=n,
-                external_fragmentation=self._fragmentation(allocatable=True),
-                external_fragmentation_under_pressure=c.frag_sum / n if n else 0.0,
-                free_run_fragmentation=self._fragmentation(allocatable=False),
-                free_run_fragmentation_under_pressure=c.raw_frag_sum / n if n else 0.0,
-                internal_waste=(allocated - live) / allocated if allocated else 0.0,
-                internal_waste_under_pressure=c.waste_sum / n if n else 0.0,
+                utilization_under_pressure=under.utilization,
+                pressure_samples=p.samples,
+                external_fragmentation=now.external_fragmentation,
+                external_fragmentation_under_pressure=under.external_fragmentation,
+                free_run_fragmentation=now.free_run_fragmentation,
+                free_run_fragmentation_under_pressure=under.free_run_fragmentation,
+                internal_waste=now.internal_waste,
+                internal_waste_under_pressure=under.internal_waste,
                 resident_adapters=sum(
                     1 for e in self._entries.values() if e.state is _State.RESIDENT
                 ),
@@ -1282,8 +1291,8 @@ class AdapterStore:
                 compactions=c.compactions,
                 bytes_moved=c.bytes_moved,
                 split_allocations=c.splits,
-                mean_extents_per_adapter=al.mean_extents(),
-                mean_extents_per_adapter_under_pressure=c.extents_sum / n if n else 0.0,
+                mean_extents_per_adapter=now.mean_extents,
+                mean_extents_per_adapter_under_pressure=under.mean_extents,
                 prefetches_issued=c.prefetch_issued,
                 prefetches_used=c.prefetch_used,
                 prefetches_wasted=c.prefetch_wasted,
@@ -1475,29 +1484,6 @@ class AdapterStore:
             h for h, e in self._holders.items() if e.refcount > 0 or e.state is not _State.RESIDENT
         }
 
-    def _fragmentation(self, allocatable: bool) -> float:
-        """``1 - extent / free units``: the largest allocatable extent (``allocatable``) or the
-        largest free run as it stands. For ``paged`` the allocatable extent is the better of
-        what compaction around pinned adapters joins and what a split allocation of the
-        coarsest layout seen (:attr:`_ref_pieces`) places over the free runs."""
-        al = self._pool.allocator
-        if al.free_units == 0:
-            return 0.0
-        if not allocatable:
-            return 1.0 - al.largest_free_run() / al.free_units
-        return external_fragmentation(al, self._pinned(), self._ref_pieces)
-
-    def _sample_pressure(self) -> None:
-        al = self._pool.allocator
-        c = self._c
-        allocated = al.used_units * al.unit_bytes
-        c.samples += 1
-        c.util_sum += al.live_bytes / al.capacity_bytes
-        c.frag_sum += self._fragmentation(allocatable=True)
-        c.raw_frag_sum += self._fragmentation(allocatable=False)
-        c.waste_sum += (allocated - al.live_bytes) / allocated if allocated else 0.0
-        c.extents_sum += al.mean_extents()
-
     def _unleased(self) -> Iterator[tuple[_Entry, Allocation]]:
         """Resident entries no lease holds (eviction may free them), with their runs."""
         for e in self._entries.values():
@@ -1514,8 +1500,10 @@ class AdapterStore:
             min_gain=self.config.prefetch_min_gain,
         )
 
-    def _pick_victim(self, e: _Entry) -> _Entry | None:
-        victim = self._policy.choose_victim(
+    def _pick_victim(self, e: _Entry) -> str | None:
+        """The eviction policy's victim for ``e`` among the resident adapters no lease holds
+        (lock held)."""
+        return self._policy.choose_victim(
             (
                 Candidate(x.ref.adapter_id, alloc.byte_length, x.last_used)
                 for x, alloc in self._unleased()
@@ -1525,7 +1513,6 @@ class AdapterStore:
             incoming_expected=e.expected,
             min_gain=self.config.prefetch_min_gain,
         )
-        return None if victim is None else self._entries[victim]
 
     # ------------------------------------------------------------------ loader threads
     def _stager(self) -> None:
@@ -1565,6 +1552,7 @@ class AdapterStore:
                 if e.detached or e.state is not _State.LOADING or e.job_started:
                     continue
                 e.job_started = True
+                self._loads_running += 1
             try:
                 self._load(e, stream)
             except (_PrefetchIgnored, _Detached, _NoRoom):
@@ -1582,6 +1570,10 @@ class AdapterStore:
                 with self._lock:
                     self._source_failed(e.ref, err, "load")
                     self._fail(e, PLoRAError(f"loading adapter {e.ref.adapter_id!r} failed: {err}"))
+            finally:
+                with self._cv:
+                    self._loads_running -= 1
+                    self._cv.notify_all()
 
     def _host_copy(self, ref: AdapterRef) -> tuple[PackedAdapter, str, float]:
         with self._lock:
@@ -1679,98 +1671,87 @@ class AdapterStore:
         stream.synchronize()
 
     def _allocate(self, e: _Entry, pieces: Sequence[int]) -> Allocation:
-        """Find room for ``e``, whose packed tensors have byte sizes ``pieces`` (layout order);
-        returns its allocation.
-
-        In order: one free run (first fit); compaction, when pinned adapters do not block it
-        and its plan moves at most ``compaction_max_ratio`` bytes per byte needed; a split over
-        free runs, cut only between tensors (``paged``); eviction of one adapter by policy,
-        then retry; compaction even when dear, if nothing can be evicted; a bounded wait.
+        """Find room for ``e``, whose packed tensors have byte sizes ``pieces`` (layout order),
+        by the rule of :class:`~services.worker.room.RoomSearch` (place, compact, split, evict,
+        drop, wait); returns its allocation. A demand load with no room is parked (its loader
+        thread takes other loads) and queued again whenever room may appear (:meth:`_unpark`),
+        until ``load_wait_timeout_s``.
 
         Raises:
             PoolExhaustedError: bigger than the pool, or no room before the wait timeout.
             _PrefetchIgnored: a prefetch found only more-wanted adapters to evict.
-            _Detached: the entry was unloaded or superseded meanwhile.
+            _Detached: the entry was unloaded or superseded meanwhile, or nobody waits for it.
+            _NoRoom: the load is parked.
         """
-        pressure = False
         nbytes = sum(pieces)
+        search = e.room
+        if search is None or search.pieces != tuple(pieces):
+            search = e.room = RoomSearch(pieces, demanded=e.demanded)
+        search.demanded = e.demanded
         with self._lock:
-            if max(pieces) > max(self._ref_pieces, default=0):
-                self._ref_pieces = tuple(pieces)
+            self._pressure.note_layout(pieces)
         while True:
-            compact = 0
-            a: Allocation | None = None
             with self._cv:
                 if e.detached:
                     raise _Detached()
-                try:
-                    a = self._pool.alloc_pieces(pieces)
-                except TooLargeError as err:
-                    raise PoolExhaustedError(str(err)) from err
-                except FragmentationError as err:
-                    compact, a = self._compact_or_split(e, pieces, err.needed_units)
-                except OutOfSpaceError:
-                    pass
-                if a is not None:
+                now = time.monotonic()
+                d = search.next(
+                    self._pool.allocator,
+                    alloc=lambda p, split: self._pool.alloc_pieces(p, split=split),
+                    pinned=self._pinned,
+                    victim=lambda: self._pick_victim(e),
+                    compaction_max_ratio=self.config.compaction_max_ratio,
+                    has_waiters=e.refcount > 0,
+                    wait_expired=e.room_deadline is not None and now >= e.room_deadline,
+                )
+                if self._on_decision is not None:
+                    self._on_decision(e.ref.adapter_id, d)
+                if d.sample_pressure:
+                    self._pressure.sample(self._pool.allocator, self._pinned())
+                a = d.allocation
+                if d.action is RoomAction.PLACE and a is not None:
                     e.alloc = a
+                    e.room = None
                     self._holders[a.handle] = e
                     if a.is_split:
                         self._c.splits += 1
                         self._emit(
                             StoreEvent("split", e.ref.adapter_id, e.ref.version, nbytes=nbytes)
                         )
-                    if pressure or e.room_deadline is not None:  # evicted or waited
-                        self._sample_pressure()
                     return a
-                if not compact:
-                    victim = self._pick_victim(e)
-                    if victim is not None:
-                        pressure = True
-                        self._evict(victim, "demand" if e.demanded else "prefetch")
-                        continue
-                    if not e.demanded:
-                        if self._entries.get(e.ref.adapter_id) is e:
-                            del self._entries[e.ref.adapter_id]
-                        e.detached = True
-                        e.state = _State.FAILED
-                        e.event.set()
-                        self._c.prefetch_ignored += 1
-                        self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
-                        raise _PrefetchIgnored()
-                    if e.refcount == 0:  # its requests ended while it was queued again
-                        self._fail(e, RequestCancelledError(_NO_WAITER), count=False)
-                        raise _Detached()
-                    now = time.monotonic()
+                if d.action is RoomAction.EVICT:
+                    assert d.victim is not None
+                    self._evict(self._entries[d.victim], "demand" if e.demanded else "prefetch")
+                    continue
+                if d.action is RoomAction.DROP:
+                    if self._entries.get(e.ref.adapter_id) is e:
+                        del self._entries[e.ref.adapter_id]
+                    e.detached = True
+                    e.state = _State.FAILED
+                    e.event.set()
+                    self._c.prefetch_ignored += 1
+                    self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
+                    raise _PrefetchIgnored()
+                if d.action is RoomAction.CANCEL:  # its requests ended while it was queued
+                    self._fail(e, RequestCancelledError(_NO_WAITER), count=False)
+                    raise _Detached()
+                if d.action is RoomAction.FAIL:
+                    if d.reason == "too_large":
+                        raise PoolExhaustedError(d.message)
+                    raise PoolExhaustedError(
+                        f"no room in the device pool for adapter {e.ref.adapter_id!r} "
+                        f"({nbytes} bytes): every resident adapter stayed in use for "
+                        f"{self.config.load_wait_timeout_s:g} s; retry later"
+                    )
+                if d.action is RoomAction.WAIT:
                     if e.room_deadline is None:
                         e.room_deadline = now + self.config.load_wait_timeout_s
-                    if now >= e.room_deadline:
-                        self._sample_pressure()
-                        raise PoolExhaustedError(
-                            f"no room in the device pool for adapter {e.ref.adapter_id!r} "
-                            f"({nbytes} bytes): every resident adapter stayed in use for "
-                            f"{self.config.load_wait_timeout_s:g} s; retry later"
-                        )
                     # Park it and free this loader thread for loads that fit (no head-of-line
                     # blocking); it is queued again whenever room may appear (_unpark).
                     e.job_started = False
                     self._parked.append(e)
                     raise _NoRoom()
-            self._compact(compact)
-
-    def _compact_or_split(
-        self, e: _Entry, pieces: Sequence[int], need_units: int
-    ) -> tuple[int, Allocation | None]:
-        """Enough units are free but no run fits: :func:`services.worker.pool.compact_or_split`
-        with this store's budget, pins and eviction policy."""
-        return compact_or_split(
-            self._pool.allocator,
-            self._pinned(),
-            pieces,
-            need_units,
-            compaction_max_ratio=self.config.compaction_max_ratio,
-            can_evict=lambda: self._pick_victim(e) is not None,
-            alloc_split=lambda p: self._pool.alloc_pieces(p, split=True),
-        )
+            self._compact(d.compact_units)
 
     def _compact(self, need_units: int) -> None:
         """Compact the pool with the compute guard held exclusively (no step running)."""
