@@ -22,8 +22,8 @@ class PolicySpec:
 
     Attributes:
         name: Report name.
-        allocator: ``"paged"`` or ``"contiguous"`` (:func:`services.worker.pool.make_allocator`;
-            the worker's ``--allocator``).
+        allocator: ``"paged"`` or ``"contiguous"``
+            (:func:`services.worker.allocators.make_allocator`; the worker's ``--allocator``).
         eviction: ``"lru"`` or ``"predictive"`` (:func:`services.worker.eviction.make_policy`;
             the worker's ``--eviction``).
         routing: ``"rank_aware"`` or ``"round_robin"`` (:mod:`services.predictor.placement`;

@@ -73,16 +73,14 @@ from services.predictor.placement import (
     plan_placement,
     route_rank_aware,
 )
+from services.worker.allocators import make_allocator
 from services.worker.engine import ServiceEstimates
 from services.worker.eviction import (
     Candidate,
     EvictionPolicy,
     make_policy,
 )
-from services.worker.pool import (
-    Allocator,
-    make_allocator,
-)
+from services.worker.pool import Allocator
 from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
 from services.worker.store import HOST_STAGING_INTERVAL_S, HostCache, PackedAdapter, StoreConfig
 

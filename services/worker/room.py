@@ -7,7 +7,7 @@ step at a time (:meth:`RoomSearch.next`), in this order:
 1. **Place** it in one free run, first fit (:meth:`~services.worker.pool.Allocator.alloc_pieces`).
    An adapter bigger than the whole pool **fails** (it can never be served).
 2. When enough units are free but no run fits (``paged``):
-   :func:`~services.worker.pool.compact_or_split` decides: **compact** when pinned adapters do
+   :func:`~services.worker.allocators.compact_or_split` decides: **compact** when pinned adapters do
    not block it and the plan moves at most ``compaction_max_ratio`` units per unit needed, else
    place it **split** over the free runs, cut only between tensors (S-LoRA's unified paging,
    arXiv 2311.03285), else compact anyway when nothing can be evicted. A compaction that did
@@ -32,14 +32,13 @@ import enum
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from services.worker.allocators import compact_or_split, external_fragmentation
 from services.worker.pool import (
     Allocation,
     Allocator,
     FragmentationError,
     OutOfSpaceError,
     TooLargeError,
-    compact_or_split,
-    external_fragmentation,
 )
 
 #: Makes an allocation of ``pieces``: ``(pieces, split) -> Allocation`` (the allocator's
@@ -183,7 +182,7 @@ class PressureSample:
     Attributes:
         utilization: Live adapter bytes / pool bytes.
         external_fragmentation: ``1 - largest allocatable extent / free bytes``
-            (:func:`~services.worker.pool.external_fragmentation`: for ``paged``, what
+            (:func:`~services.worker.allocators.external_fragmentation`: for ``paged``, what
             compaction around pinned adapters joins or a split allocation of the coarsest
             layout seen occupies; for ``contiguous``, its largest hole); 0 with nothing free.
         free_run_fragmentation: The same with the largest free run as it stands.

@@ -49,591 +49,85 @@ holding the compute guard, and must not nest the guard.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import enum
-import hashlib
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import NamedTuple, Self
+from typing import Self
 
 import torch
 
 from services.common.errors import (
     AdapterNotFoundError,
     ConfigError,
-    InvalidAdapterError,
     PLoRAError,
     PoolExhaustedError,
     RequestCancelledError,
 )
-from services.common.lifecycle import lower_thread_priority
-from services.common.types import LoRAModuleWeights, LoRAWeights
+from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterRef
-from services.worker.eviction import (
-    EVICTION_KINDS,
-    Candidate,
-    make_policy,
+from services.worker.allocators import make_allocator
+from services.worker.device_pool import DevicePool
+from services.worker.eviction import Candidate, make_policy
+from services.worker.packing import (
+    HostCache,
+    ModuleSlot,
+    PackedAdapter,
+    flat_checksum,
+    module_views,
+    pack_weights,
+    slot_pieces,
 )
-from services.worker.pool import (
-    ALLOCATOR_KINDS,
-    DEFAULT_ALIGNMENT_BYTES,
-    DEFAULT_PAGE_BYTES,
-    Allocation,
-    DevicePool,
-    make_allocator,
+from services.worker.pool import Allocation
+from services.worker.room import PressureSampler, RoomDecision
+from services.worker.store_loading import StoreLoading
+from services.worker.store_types import (
+    _NO_WAITER,
+    DTYPES,
+    HOST_STAGING_INTERVAL_S,
+    SOURCE_RETRY_S,
+    Loader,
+    PrefetchResult,
+    ResidentAdapter,
+    RWLock,
+    StoreConfig,
+    StoreEvent,
+    StoreStats,
+    _Counters,
+    _Entry,
+    _State,
 )
-from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
+
+__all__ = [
+    "DTYPES",
+    "HOST_STAGING_INTERVAL_S",
+    "SOURCE_RETRY_S",
+    "AdapterStore",
+    "HostCache",
+    "Loader",
+    "ModuleSlot",
+    "PackedAdapter",
+    "PrefetchResult",
+    "ResidentAdapter",
+    "RWLock",
+    "StoreConfig",
+    "StoreEvent",
+    "StoreLease",
+    "StoreStats",
+    "flat_checksum",
+    "module_views",
+    "pack_weights",
+    "slot_pieces",
+]
 
 logger = logging.getLogger(__name__)
 
-MiB = 1 << 20
-
-#: Pool dtypes by config name.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-#: Seconds between two host-staging passes of a worker over the registered adapters
-#: (:meth:`AdapterStore.stage`; one Redis listing each); the simulator uses the same period.
-HOST_STAGING_INTERVAL_S = 2.0
-
-#: Seconds before host staging or a prefetch reads again an adapter version whose source read
-#: failed (a missing, changed or broken source): each failure is logged once, not every pass or
-#: tick. Demand loads still read it (their request gets the error).
-SOURCE_RETRY_S = 300.0
-
-#: Loader signature: read one adapter version from the source tier (raises domain errors).
-Loader = Callable[[AdapterRef], LoRAWeights]
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Configuration of the adapter store (built by the worker's config from flags/env).
-
-    Attributes:
-        allocator: ``"paged"`` (the design) or ``"contiguous"`` (the S-LoRA-style baseline).
-        eviction: ``"lru"`` (baseline) or ``"predictive"``.
-        pool_bytes: Device pool size, bytes (rounded down to whole pages). Ignored when
-            ``pool_fraction > 0``.
-        pool_fraction: If > 0 (CUDA only): the pool takes this fraction of the device's free
-            memory at start.
-        page_bytes: Page size of ``paged``, bytes (a multiple of the dtype size).
-        host_cache_bytes: Host cache bound, bytes; must be >= the pool bytes.
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, or ``"meta"`` (byte accounting only,
-            for benchmarks of the allocator at sizes that do not fit in RAM).
-        dtype: Pool dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        load_wait_timeout_s: How long a demand load waits for space while every resident
-            adapter is in use, before its leases fail with ``PoolExhaustedError``.
-        loader_threads: Background load threads (>= 1).
-        alignment_bytes: Allocation granularity of ``contiguous``.
-        compaction_max_ratio: Compact only when the cheapest plan moves at most this many
-            bytes per byte needed; otherwise evict one more adapter (by policy) and retry.
-            Compaction is always used when nothing else can be evicted. Default 4.0: on the
-            full Alibaba replay (``plora bench pool``) it reached the same utilization and a
-            lower external fragmentation than always compacting (``inf``, the paper's design)
-            while moving 65x fewer bytes, because a split over free runs costs no copy.
-        prefetch_min_gain: A prefetch evicts an unleased adapter only when the swap raises the
-            probability of use within the horizon by at least this much
-            (:func:`services.worker.eviction.prefetch_victim_limit`); free space is always
-            used.
-        host_staging: Accept :meth:`AdapterStore.stage` requests: read registered adapters
-            from the source tier into free host-cache space ahead of demand, so a cold start
-            copies from host memory instead of reading and converting the source files on
-            the request's path (S-LoRA keeps every adapter in host memory, Sec. 4). Off for
-            the S-LoRA-style baseline, which loads on demand (ARCHITECTURE.md).
-
-    Raises:
-        ConfigError: an unknown name or an inconsistent size (host cache < pool, ...).
-    """
-
-    allocator: str = "paged"
-    eviction: str = "lru"
-    pool_bytes: int = 256 * MiB
-    pool_fraction: float = 0.0
-    page_bytes: int = DEFAULT_PAGE_BYTES
-    host_cache_bytes: int = 512 * MiB
-    device: str = "cpu"
-    dtype: str = "float32"
-    load_wait_timeout_s: float = 30.0
-    loader_threads: int = 2
-    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
-    compaction_max_ratio: float = 4.0
-    prefetch_min_gain: float = 0.2
-    host_staging: bool = False
-
-    def __post_init__(self) -> None:
-        if self.allocator not in ALLOCATOR_KINDS:
-            raise ConfigError(f"allocator must be one of {ALLOCATOR_KINDS}, got {self.allocator!r}")
-        if self.eviction not in EVICTION_KINDS:
-            raise ConfigError(f"eviction must be one of {EVICTION_KINDS}, got {self.eviction!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
-        esize = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        if self.page_bytes <= 0 or self.page_bytes % esize:
-            raise ConfigError(
-                f"page_bytes must be a positive multiple of {esize} ({self.dtype}), "
-                f"got {self.page_bytes}"
-            )
-        if self.alignment_bytes <= 0 or self.alignment_bytes % esize:
-            raise ConfigError(f"alignment_bytes must be a positive multiple of {esize}")
-        if not 0.0 <= self.pool_fraction < 1.0:
-            raise ConfigError(f"pool_fraction must be in [0, 1), got {self.pool_fraction}")
-        if self.pool_fraction == 0.0:
-            if self.pool_bytes < self.unit_bytes:
-                raise ConfigError(
-                    f"pool_bytes ({self.pool_bytes}) must hold at least one "
-                    f"{self.unit_bytes}-byte unit"
-                )
-            if self.host_cache_bytes < self.pool_bytes:
-                raise ConfigError(
-                    f"host_cache_bytes ({self.host_cache_bytes}) must be >= pool_bytes "
-                    f"({self.pool_bytes}) so every resident adapter can be re-read from host"
-                )
-        if self.load_wait_timeout_s < 0:
-            raise ConfigError(f"load_wait_timeout_s must be >= 0, got {self.load_wait_timeout_s}")
-        if self.compaction_max_ratio < 0:
-            raise ConfigError(f"compaction_max_ratio must be >= 0, got {self.compaction_max_ratio}")
-        if not 0.0 <= self.prefetch_min_gain < 1.0:
-            raise ConfigError(f"prefetch_min_gain must be in [0, 1), got {self.prefetch_min_gain}")
-        if self.loader_threads < 1:
-            raise ConfigError(f"loader_threads must be >= 1, got {self.loader_threads}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The pool dtype as a ``torch.dtype``."""
-        return DTYPES[self.dtype]
-
-    @property
-    def unit_bytes(self) -> int:
-        """Allocation unit of the chosen allocator, bytes."""
-        return self.page_bytes if self.allocator == "paged" else self.alignment_bytes
-
-
-# ---------------------------------------------------------------------- packing
-@dataclass(frozen=True)
-class ModuleSlot:
-    """Where one module's A and B live inside an adapter's flat buffer (element offsets)."""
-
-    key: tuple[int, str]
-    a_offset: int
-    a_shape: tuple[int, int]  # [r, in_features]
-    b_offset: int
-    b_shape: tuple[int, int]  # [out_features, r]
-    scaling: float
-
-
-@dataclass(frozen=True, eq=False)
-class PackedAdapter:
-    """One adapter version packed into one flat host tensor in the device layout.
-
-    Attributes:
-        adapter_id: Registry id.
-        version: Registry version.
-        flat: ``dtype [numel]`` on the host (pinned on CUDA): every A then B, module by module.
-        slots: Offsets of each module's tensors in ``flat`` (sorted by layer, projection).
-        sha256: From the loaded weights.
-    """
-
-    adapter_id: str
-    version: int
-    flat: torch.Tensor
-    slots: tuple[ModuleSlot, ...]
-    sha256: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the flat buffer (= live bytes in the pool)."""
-        return self.flat.numel() * self.flat.element_size()
-
-
-def pack_weights(
-    weights: LoRAWeights, dtype: torch.dtype, device: torch.device | str = "cpu", pin: bool = False
-) -> PackedAdapter:
-    """Pack every module's A (``[r, in]``) and B (``[out, r]``) into one flat tensor.
-
-    Args:
-        weights: Host weights from the loader.
-        dtype: Serving dtype (weights are converted).
-        device: Host device (``"cpu"``; ``"meta"`` for byte accounting).
-        pin: Allocate page-locked memory (for async copies to CUDA).
-
-    Raises:
-        InvalidAdapterError: no modules, or a tensor that is not 2-D.
-    """
-    if not weights.modules:
-        raise InvalidAdapterError(f"adapter {weights.adapter_id!r} has no LoRA modules")
-    slots: list[ModuleSlot] = []
-    off = 0
-    for key in sorted(weights.modules):
-        m = weights.modules[key]
-        if m.lora_a.dim() != 2 or m.lora_b.dim() != 2:
-            raise InvalidAdapterError(
-                f"adapter {weights.adapter_id!r} module {key}: LoRA A and B must be 2-D"
-            )
-        a_shape = (int(m.lora_a.shape[0]), int(m.lora_a.shape[1]))
-        b_shape = (int(m.lora_b.shape[0]), int(m.lora_b.shape[1]))
-        a_off = off
-        b_off = a_off + a_shape[0] * a_shape[1]
-        off = b_off + b_shape[0] * b_shape[1]
-        slots.append(ModuleSlot(key, a_off, a_shape, b_off, b_shape, float(m.scaling)))
-    flat = torch.empty(off, dtype=dtype, device=device, pin_memory=pin)  # [numel]
-    if flat.is_meta:  # byte accounting: no storage to fill
-        return PackedAdapter(
-            weights.adapter_id, weights.version, flat, tuple(slots), weights.sha256
-        )
-    for s in slots:
-        m = weights.modules[s.key]
-        flat[s.a_offset : s.b_offset].view(s.a_shape).copy_(m.lora_a)
-        flat[s.b_offset : s.b_offset + s.b_shape[0] * s.b_shape[1]].view(s.b_shape).copy_(m.lora_b)
-    return PackedAdapter(weights.adapter_id, weights.version, flat, tuple(slots), weights.sha256)
-
-
-def slot_pieces(slots: Sequence[ModuleSlot], element_size: int) -> list[int]:
-    """Byte sizes of the packed tensors in layout order (A then B of each module): the pieces
-    a split allocation may be cut between (:meth:`services.worker.pool.Allocator.alloc_pieces`).
-    """
-    out: list[int] = []
-    for s in slots:
-        out.append(s.a_shape[0] * s.a_shape[1] * element_size)
-        out.append(s.b_shape[0] * s.b_shape[1] * element_size)
-    return out
-
-
-def module_views(
-    flat: torch.Tensor | Sequence[torch.Tensor], slots: Sequence[ModuleSlot]
-) -> dict[tuple[int, str], LoRAModuleWeights]:
-    """``(layer, projection) -> LoRAModuleWeights`` whose tensors are views of ``flat``.
-
-    Args:
-        flat: The packed buffer (``dtype [numel]``), or its consecutive parts (the extents
-            of a split allocation, :meth:`DevicePool.extent_views`): part ``i`` holds
-            elements ``[sum(numel of parts before i), ... + its numel)`` of the layout.
-        slots: Element offsets of each module's A and B in the layout.
-
-    Raises:
-        ValueError: a tensor crosses a boundary between parts (the split was not made at
-            tensor boundaries).
-    """
-    parts = [flat] if isinstance(flat, torch.Tensor) else list(flat)
-    bounds = list(itertools.accumulate((p.numel() for p in parts), initial=0))
-
-    def piece(offset: int, shape: tuple[int, int]) -> torch.Tensor:
-        n = shape[0] * shape[1]
-        i = bisect.bisect_right(bounds, offset) - 1
-        local = offset - bounds[i]
-        if i >= len(parts) or local + n > parts[i].numel():
-            raise ValueError(f"tensor at element {offset} ({n} elements) crosses a part boundary")
-        return parts[i][local : local + n].view(shape)
-
-    out: dict[tuple[int, str], LoRAModuleWeights] = {}
-    for s in slots:
-        a = piece(s.a_offset, s.a_shape)
-        b = piece(s.b_offset, s.b_shape)
-        out[s.key] = LoRAModuleWeights(lora_a=a, lora_b=b, scaling=s.scaling)
-    return out
-
-
-class HostCache:
-    """Byte-bounded LRU of packed adapters, one version per adapter id.
-
-    Args:
-        capacity_bytes: Bound on the bytes of the cached flat tensors.
-    """
-
-    def __init__(self, capacity_bytes: int) -> None:
-        self.capacity_bytes = capacity_bytes
-        self._items: OrderedDict[str, PackedAdapter] = OrderedDict()
-        self.used_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def ids(self) -> list[str]:
-        """The cached adapter ids, least recently used first."""
-        return list(self._items)
-
-    def get(self, adapter_id: str, version: int) -> PackedAdapter | None:
-        """The cached copy of exactly this version (marked recently used), else None."""
-        p = self._items.get(adapter_id)
-        if p is None or p.version != version:
-            return None
-        self._items.move_to_end(adapter_id)
-        return p
-
-    def holds(self, adapter_id: str, version: int) -> bool:
-        """Whether exactly this version is cached (its recency is left as it is)."""
-        p = self._items.get(adapter_id)
-        return p is not None and p.version == version
-
-    @property
-    def free_bytes(self) -> int:
-        """Bytes the cache can take without evicting."""
-        return self.capacity_bytes - self.used_bytes
-
-    def put(self, packed: PackedAdapter) -> None:
-        """Cache ``packed`` (replacing any other version), evicting LRU entries to fit.
-
-        An adapter bigger than the whole cache is not cached.
-        """
-        self.drop(packed.adapter_id)
-        if packed.nbytes > self.capacity_bytes:
-            return
-        while self.used_bytes + packed.nbytes > self.capacity_bytes:
-            _, old = self._items.popitem(last=False)
-            self.used_bytes -= old.nbytes
-        self._items[packed.adapter_id] = packed
-        self.used_bytes += packed.nbytes
-
-    def drop(self, adapter_id: str) -> bool:
-        """Remove any version of ``adapter_id``; returns whether one was cached."""
-        p = self._items.pop(adapter_id, None)
-        if p is None:
-            return False
-        self.used_bytes -= p.nbytes
-        return True
-
-
-# ---------------------------------------------------------------------- guard
-class RWLock:
-    """A readers-writer lock that prefers writers (steps share it; compaction excludes them).
-
-    Not reentrant: a thread holding it must not take it again.
-    """
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    @contextlib.contextmanager
-    def read(self) -> Iterator[None]:
-        """Shared hold (one forward step)."""
-        with self._cv:
-            while self._writer or self._writers_waiting:
-                self._cv.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cv.notify_all()
-
-    @contextlib.contextmanager
-    def write(self) -> Iterator[None]:
-        """Exclusive hold (compaction)."""
-        with self._cv:
-            self._writers_waiting += 1
-            while self._writer or self._readers:
-                self._cv.wait()
-            self._writers_waiting -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._writer = False
-                self._cv.notify_all()
-
-
-# ---------------------------------------------------------------------- stats and events
-@dataclass(frozen=True)
-class StoreEvent:
-    """One thing the store did, for metric hooks.
-
-    Attributes:
-        kind: ``"load"``, ``"load_failed"``, ``"evict"``, ``"compact"``, ``"split"`` (an
-            allocation spread over several runs; ``nbytes`` its live bytes),
-            ``"cold_start"``, ``"prefetch_issued"``, ``"prefetch_used"``,
-            ``"prefetch_wasted"``, ``"prefetch_ignored"``, ``"host_stage"`` (a staging read
-            finished, :meth:`AdapterStore.stage`), ``"host_stage_failed"`` (one failed).
-        adapter_id: The adapter ("" for compaction).
-        version: Its version (0 when not applicable).
-        tier: For loads: ``"source"`` or ``"host"``.
-        reason: For evictions: ``"demand"``, ``"prefetch"``, ``"superseded"``, ``"unload"``;
-            for failed loads: the error's class name (``"AdapterSourceError"``, ...).
-        seconds: Load latency, or cold-start wait.
-        nbytes: Bytes loaded, evicted, or moved.
-    """
-
-    kind: str
-    adapter_id: str = ""
-    version: int = 0
-    tier: str = ""
-    reason: str = ""
-    seconds: float = 0.0
-    nbytes: int = 0
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """A snapshot of the store for metrics and reports (definitions in the module doc).
-
-    Byte figures in bytes, times in seconds. For ``contiguous``, "pages" are its alignment units.
-    """
-
-    allocator: str
-    eviction: str
-    device: str
-    dtype: str
-    pool_bytes: int
-    page_bytes: int
-    pages_total: int
-    pages_used: int
-    pages_free: int
-    allocated_bytes: int
-    live_bytes: int
-    free_bytes: int
-    utilization: float
-    utilization_under_pressure: float
-    pressure_samples: int
-    external_fragmentation: float
-    external_fragmentation_under_pressure: float
-    free_run_fragmentation: float
-    free_run_fragmentation_under_pressure: float
-    internal_waste: float
-    internal_waste_under_pressure: float
-    resident_adapters: int
-    loading_adapters: int
-    waiting_loads: int
-    host_cache_bytes: int
-    host_cache_used_bytes: int
-    host_cache_adapters: int
-    device_hits: int
-    loads_by_tier: dict[str, int]
-    load_seconds_by_tier: dict[str, float]
-    failed_loads: int
-    cold_starts: int
-    cold_start_wait_seconds: float
-    cold_start_wait_max_seconds: float
-    evictions_by_reason: dict[str, int]
-    compactions: int
-    bytes_moved: int
-    split_allocations: int
-    mean_extents_per_adapter: float
-    mean_extents_per_adapter_under_pressure: float
-    prefetches_issued: int
-    prefetches_used: int
-    prefetches_wasted: int
-    prefetches_ignored: int
-    host_stages: int = 0
-    host_stage_seconds: float = 0.0
-    host_stages_queued: int = 0
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready dict."""
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ResidentAdapter:
-    """One adapter in the device pool.
-
-    Attributes:
-        adapter_id: Registry id.
-        version: Registry version.
-        nbytes: Live bytes.
-        allocated_bytes: Bytes of its run.
-        first_page: First unit of its (first) run.
-        pages: Units over all its runs.
-        leases: Leases held now.
-        prefetched: Loaded by a prefetch.
-        extents: ``(first unit, units, live bytes)`` of each run (one unless its allocation
-            was split), in the order its tensors first use them.
-        handle: Its allocation in ``pool.allocator`` (pieces: ``pool.piece_views``).
-    """
-
-    adapter_id: str
-    version: int
-    nbytes: int
-    allocated_bytes: int
-    first_page: int
-    pages: int
-    leases: int
-    prefetched: bool
-    extents: tuple[tuple[int, int, int], ...] = ()
-    handle: int = -1
-
-
-class PrefetchResult(NamedTuple):
-    """Outcome of :meth:`AdapterStore.prefetch`: counts of items."""
-
-    accepted: int
-    already_resident: int
-    ignored: int
-
 
 # ---------------------------------------------------------------------- entries and leases
-class _State(enum.Enum):
-    LOADING = "loading"
-    RESIDENT = "resident"
-    FAILED = "failed"
-
-
-class _Entry:
-    """Device-tier record of one adapter version (guarded by the store lock)."""
-
-    __slots__ = (
-        "alloc",
-        "cold_created",
-        "demanded",
-        "detached",
-        "error",
-        "event",
-        "expected",
-        "job_started",
-        "last_used",
-        "packed",
-        "prefetch",
-        "read_s",
-        "ready_at",
-        "ref",
-        "refcount",
-        "room",
-        "room_deadline",
-        "slots",
-        "state",
-        "tier",
-        "used",
-        "views",
-    )
-
-    def __init__(self, ref: AdapterRef, now: float, *, demanded: bool, expected: float = 0.0):
-        self.ref = ref
-        self.state = _State.LOADING
-        self.alloc: Allocation | None = None
-        self.slots: tuple[ModuleSlot, ...] = ()
-        self.views: dict[tuple[int, str], LoRAModuleWeights] | None = None  # built lazily
-        self.refcount = 0
-        self.last_used = now
-        self.prefetch = not demanded
-        self.used = False
-        self.demanded = demanded
-        self.expected = expected
-        self.job_started = False
-        self.detached = False
-        self.event = threading.Event()
-        self.error: Exception | None = None
-        self.ready_at = 0.0
-        self.cold_created: list[float] = []
-        # a demand load parked while the pool has no room: its host copy, the tier and read
-        # time it came from, and when it gives up (PoolExhaustedError)
-        self.packed: PackedAdapter | None = None
-        self.tier = ""
-        self.read_s = 0.0
-        self.room_deadline: float | None = None
-        self.room: RoomSearch | None = None  # its search for pool room, kept while parked
 
 
 class StoreLease:
@@ -726,47 +220,8 @@ class StoreLease:
         self._store._release(self)
 
 
-class _PrefetchIgnored(Exception):
-    pass
-
-
-class _Detached(Exception):
-    pass
-
-
-class _NoRoom(Exception):
-    """A demand load found no room: every resident adapter is leased (it is parked)."""
-
-
-#: Why a demand load is dropped when every request that waited for it ended.
-_NO_WAITER = "every request waiting for this adapter load ended"
-
-
-@dataclass
-class _Counters:
-    device_hits: int = 0
-    loads_by_tier: dict[str, int] = field(default_factory=lambda: {"source": 0, "host": 0})
-    load_seconds_by_tier: dict[str, float] = field(
-        default_factory=lambda: {"source": 0.0, "host": 0.0}
-    )
-    failed_loads: int = 0
-    cold_starts: int = 0
-    cold_wait_total: float = 0.0
-    cold_wait_max: float = 0.0
-    evictions: dict[str, int] = field(default_factory=dict)
-    compactions: int = 0
-    bytes_moved: int = 0
-    splits: int = 0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    prefetch_ignored: int = 0
-    stages: int = 0
-    stage_seconds: float = 0.0
-
-
 # ---------------------------------------------------------------------- the store
-class AdapterStore:
+class AdapterStore(StoreLoading):
     """Tiered, paged adapter store (see the module doc).
 
     Args:
@@ -1012,74 +467,6 @@ class AdapterStore:
             if queue:
                 self._cv.notify_all()
             return len(queue)
-
-    def _stage_needed(self, ref: AdapterRef, room: int) -> bool:
-        """Whether a staging read of ``ref`` is wanted and fits ``room`` host bytes: not
-        cached (this version), not resident or loading on the device (that load reads it
-        itself), and of known size (lock held)."""
-        return (
-            ref.adapter_id not in self._entries
-            and not self._host.holds(ref.adapter_id, ref.version)
-            and 0 < ref.size_bytes <= room
-        )
-
-    def _stage_one(self, ref: AdapterRef) -> None:
-        """One staging read (the staging thread, no lock held): source -> host cache."""
-        try:
-            with self._lock:
-                skip = (
-                    self._closed
-                    or self._latest.get(ref.adapter_id) != ref.version  # unloaded, superseded
-                    # cached, or on the device, or the space went to loads since it was queued
-                    or not self._stage_needed(ref, self._host.free_bytes)
-                )
-            if skip:
-                return
-            t0 = time.monotonic()
-            packed, tier, _ = self._host_copy(ref)
-            if tier == "source":
-                seconds = time.monotonic() - t0
-                with self._lock:
-                    self._c.stages += 1
-                    self._c.stage_seconds += seconds
-                    self._emit(
-                        StoreEvent(
-                            "host_stage",
-                            ref.adapter_id,
-                            ref.version,
-                            seconds=seconds,
-                            nbytes=packed.nbytes,
-                        )
-                    )
-        except Exception as err:  # noqa: BLE001 - the demand load reports it to the request
-            with self._lock:
-                self._source_failed(ref, err, "host staging")
-                self._emit(StoreEvent("host_stage_failed", ref.adapter_id, ref.version))
-        finally:
-            with self._cv:
-                self._staging_current = None
-                self._cv.notify_all()
-
-    def _source_broken(self, ref: AdapterRef, now: float) -> bool:
-        """Whether background reads (staging, prefetch) skip ``ref``: its source read failed
-        less than :data:`SOURCE_RETRY_S` ago (lock held)."""
-        failed = self._failed_source.get(ref.adapter_id)
-        return failed is not None and failed[0] == ref.version and now < failed[1]
-
-    def _source_failed(self, ref: AdapterRef, err: BaseException, what: str) -> None:
-        """Note a failed source read of ``ref`` (lock held): background reads skip it for
-        :data:`SOURCE_RETRY_S`; logged as a warning the first time for this version, at DEBUG
-        after (a broken adapter used to fill the log every pass and every prefetch tick)."""
-        again = self._failed_source.get(ref.adapter_id, (0, 0.0))[0] == ref.version
-        self._failed_source[ref.adapter_id] = (ref.version, time.monotonic() + SOURCE_RETRY_S)
-        log = logger.debug if again else logger.warning
-        if isinstance(err, PLoRAError):
-            log(
-                "%s of %s v%d failed (not read in the background again for %.0f s): %s",
-                what, ref.adapter_id, ref.version, SOURCE_RETRY_S, err,
-            )  # fmt: skip
-        else:
-            log("%s of %s v%d failed", what, ref.adapter_id, ref.version, exc_info=err)
 
     def set_forecast(self, forecast: Mapping[str, float]) -> None:
         """Replace the demand forecast (``adapter_id -> expected requests``) used by
@@ -1515,266 +902,3 @@ class AdapterStore:
         )
 
     # ------------------------------------------------------------------ loader threads
-    def _stager(self) -> None:
-        """The host-staging thread: one read at a time, only while no device load (demand or
-        prefetch) is queued for a loader thread. Its own thread, so a staging read (as slow
-        as any source read: seconds from remote storage) never holds a loader thread.
-        Staging is speculative, so the thread runs at background priority: on a CPU host it
-        must not take cores from the decode steps (demand loads read the source themselves)."""
-        torch.set_num_threads(1)
-        lower_thread_priority()
-        while True:
-            with self._cv:
-                while not self._closed and (self._jobs or not self._staging):
-                    self._cv.wait()
-                if self._closed:
-                    return
-                ref = self._staging_current = self._staging.popleft()
-            self._stage_one(ref)
-
-    def _worker(self) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # Background loads must not take the cores from the decode step: on CPU each loader
-        # thread runs its tensor work on one intra-op thread (the setting is per thread).
-        torch.set_num_threads(1)
-        while True:
-            with self._cv:
-                while True:
-                    timeout = self._expire_parked()
-                    if self._closed or self._jobs:
-                        break
-                    self._cv.wait(timeout)
-                if self._closed:
-                    return
-                _, _, _, e = heapq.heappop(self._jobs)
-                if not self._jobs and self._staging:
-                    self._cv.notify_all()  # the stager waits for the device queue to empty
-                if e.detached or e.state is not _State.LOADING or e.job_started:
-                    continue
-                e.job_started = True
-                self._loads_running += 1
-            try:
-                self._load(e, stream)
-            except (_PrefetchIgnored, _Detached, _NoRoom):
-                pass
-            except PLoRAError as err:
-                with self._lock:
-                    if isinstance(err, PoolExhaustedError):
-                        logger.warning(
-                            "load of %s v%d failed: %s", e.ref.adapter_id, e.ref.version, err
-                        )
-                    else:  # the source: its files, their values, their shapes
-                        self._source_failed(e.ref, err, "load")
-                    self._fail(e, err)
-            except Exception as err:
-                with self._lock:
-                    self._source_failed(e.ref, err, "load")
-                    self._fail(e, PLoRAError(f"loading adapter {e.ref.adapter_id!r} failed: {err}"))
-            finally:
-                with self._cv:
-                    self._loads_running -= 1
-                    self._cv.notify_all()
-
-    def _host_copy(self, ref: AdapterRef) -> tuple[PackedAdapter, str, float]:
-        with self._lock:
-            cached = self._host.get(ref.adapter_id, ref.version)
-        if cached is not None:
-            return cached, "host", 0.0
-        t0 = time.monotonic()
-        try:
-            weights = self._loader(ref)
-        except PLoRAError:
-            raise
-        except FileNotFoundError as err:
-            raise AdapterNotFoundError(
-                f"adapter {ref.adapter_id!r} source {ref.source!r} is missing: {err}"
-            ) from err
-        if ref.sha256 and weights.sha256 and ref.sha256 != weights.sha256:
-            raise InvalidAdapterError(
-                f"adapter {ref.adapter_id!r} version {ref.version}: files changed since "
-                f"registration (sha256 {weights.sha256[:12]} != {ref.sha256[:12]}); re-register it"
-            )
-        packed = pack_weights(weights, self.config.torch_dtype, self._host_device, self._pin)
-        packed = PackedAdapter(
-            ref.adapter_id, ref.version, packed.flat, packed.slots, packed.sha256
-        )
-        with self._lock:
-            if self._latest.get(ref.adapter_id) == ref.version:
-                self._host.put(packed)
-        return packed, "source", time.monotonic() - t0
-
-    def _load(self, e: _Entry, stream: torch.cuda.Stream | None) -> None:
-        ref = e.ref
-        if e.packed is None:
-            packed, tier, read_s = self._host_copy(ref)
-        else:  # a parked load retried: its bytes are already in host memory
-            packed, tier, read_s = e.packed, e.tier, e.read_s
-        if packed.nbytes > self._pool.capacity_bytes:
-            raise PoolExhaustedError(
-                f"adapter {ref.adapter_id!r} holds {packed.nbytes} bytes but the device pool "
-                f"holds {self._pool.capacity_bytes}; use a smaller rank or a bigger pool"
-            )
-        t0 = time.monotonic()
-        e.packed, e.tier, e.read_s = packed, tier, read_s  # kept if it is parked (_NoRoom)
-        a = self._allocate(e, slot_pieces(packed.slots, packed.flat.element_size()))
-        e.packed = None
-        self._copy_in(self._pool.segments(a), packed.flat, stream)
-        t1 = time.monotonic()
-        with self._lock:
-            if e.detached:
-                self._free_alloc(e)
-                return
-            e.slots = packed.slots
-            e.views = None  # built on the first weights() call
-            e.state = _State.RESIDENT
-            e.ready_at = t1
-            e.event.set()
-            seconds = read_s + (t1 - t0)
-            self._c.loads_by_tier[tier] += 1
-            self._c.load_seconds_by_tier[tier] += seconds
-            self._emit(
-                StoreEvent(
-                    "load",
-                    ref.adapter_id,
-                    ref.version,
-                    tier=tier,
-                    seconds=seconds,
-                    nbytes=packed.nbytes,
-                )
-            )
-            for created in e.cold_created:
-                w = max(0.0, t1 - created)
-                self._c.cold_wait_total += w
-                self._c.cold_wait_max = max(self._c.cold_wait_max, w)
-                self._emit(StoreEvent("cold_start", ref.adapter_id, ref.version, seconds=w))
-            e.cold_created = []
-            self._cv.notify_all()
-
-    def _copy_in(
-        self,
-        segments: Sequence[tuple[torch.Tensor, int, int]],
-        src: torch.Tensor,
-        stream: torch.cuda.Stream | None,
-    ) -> None:
-        """Copy the packed ``src`` into the pool (:meth:`DevicePool.segments`: one copy per
-        run of tensors that lie together; one for an adapter in one run)."""
-        parts = [(d, src[lo:hi]) for d, lo, hi in segments]
-        if stream is None:
-            for d, s in parts:
-                d.copy_(s)
-            return
-        # the destination was zeroed on the default stream: order the copy after it
-        stream.wait_stream(torch.cuda.default_stream(self.device))
-        with torch.cuda.stream(stream):
-            for d, s in parts:
-                d.copy_(s, non_blocking=True)
-        stream.synchronize()
-
-    def _allocate(self, e: _Entry, pieces: Sequence[int]) -> Allocation:
-        """Find room for ``e``, whose packed tensors have byte sizes ``pieces`` (layout order),
-        by the rule of :class:`~services.worker.room.RoomSearch` (place, compact, split, evict,
-        drop, wait); returns its allocation. A demand load with no room is parked (its loader
-        thread takes other loads) and queued again whenever room may appear (:meth:`_unpark`),
-        until ``load_wait_timeout_s``.
-
-        Raises:
-            PoolExhaustedError: bigger than the pool, or no room before the wait timeout.
-            _PrefetchIgnored: a prefetch found only more-wanted adapters to evict.
-            _Detached: the entry was unloaded or superseded meanwhile, or nobody waits for it.
-            _NoRoom: the load is parked.
-        """
-        nbytes = sum(pieces)
-        search = e.room
-        if search is None or search.pieces != tuple(pieces):
-            search = e.room = RoomSearch(pieces, demanded=e.demanded)
-        search.demanded = e.demanded
-        with self._lock:
-            self._pressure.note_layout(pieces)
-        while True:
-            with self._cv:
-                if e.detached:
-                    raise _Detached()
-                now = time.monotonic()
-                d = search.next(
-                    self._pool.allocator,
-                    alloc=lambda p, split: self._pool.alloc_pieces(p, split=split),
-                    pinned=self._pinned,
-                    victim=lambda: self._pick_victim(e),
-                    compaction_max_ratio=self.config.compaction_max_ratio,
-                    has_waiters=e.refcount > 0,
-                    wait_expired=e.room_deadline is not None and now >= e.room_deadline,
-                )
-                if self._on_decision is not None:
-                    self._on_decision(e.ref.adapter_id, d)
-                if d.sample_pressure:
-                    self._pressure.sample(self._pool.allocator, self._pinned())
-                a = d.allocation
-                if d.action is RoomAction.PLACE and a is not None:
-                    e.alloc = a
-                    e.room = None
-                    self._holders[a.handle] = e
-                    if a.is_split:
-                        self._c.splits += 1
-                        self._emit(
-                            StoreEvent("split", e.ref.adapter_id, e.ref.version, nbytes=nbytes)
-                        )
-                    return a
-                if d.action is RoomAction.EVICT:
-                    assert d.victim is not None
-                    self._evict(self._entries[d.victim], "demand" if e.demanded else "prefetch")
-                    continue
-                if d.action is RoomAction.DROP:
-                    if self._entries.get(e.ref.adapter_id) is e:
-                        del self._entries[e.ref.adapter_id]
-                    e.detached = True
-                    e.state = _State.FAILED
-                    e.event.set()
-                    self._c.prefetch_ignored += 1
-                    self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
-                    raise _PrefetchIgnored()
-                if d.action is RoomAction.CANCEL:  # its requests ended while it was queued
-                    self._fail(e, RequestCancelledError(_NO_WAITER), count=False)
-                    raise _Detached()
-                if d.action is RoomAction.FAIL:
-                    if d.reason == "too_large":
-                        raise PoolExhaustedError(d.message)
-                    raise PoolExhaustedError(
-                        f"no room in the device pool for adapter {e.ref.adapter_id!r} "
-                        f"({nbytes} bytes): every resident adapter stayed in use for "
-                        f"{self.config.load_wait_timeout_s:g} s; retry later"
-                    )
-                if d.action is RoomAction.WAIT:
-                    if e.room_deadline is None:
-                        e.room_deadline = now + self.config.load_wait_timeout_s
-                    # Park it and free this loader thread for loads that fit (no head-of-line
-                    # blocking); it is queued again whenever room may appear (_unpark).
-                    e.job_started = False
-                    self._parked.append(e)
-                    raise _NoRoom()
-            self._compact(d.compact_units)
-
-    def _compact(self, need_units: int) -> None:
-        """Compact the pool with the compute guard held exclusively (no step running)."""
-        with self._guard.write(), self._lock:
-            ctx = (
-                torch.cuda.stream(torch.cuda.default_stream(self.device))
-                if self.device.type == "cuda"
-                else contextlib.nullcontext()
-            )
-            with ctx:
-                res = self._pool.compact(self._pinned(), need_units)
-            if self.device.type == "cuda":
-                torch.cuda.default_stream(self.device).synchronize()
-            for m in res.moves:
-                holder = self._holders[m.handle]
-                holder.alloc = self._pool.allocator.get(m.handle)
-                holder.views = None  # re-pointed: rebuilt from the new run on next use
-            self._c.compactions += 1
-            self._c.bytes_moved += res.bytes_moved
-            self._emit(StoreEvent("compact", nbytes=res.bytes_moved))
-
-
-def flat_checksum(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (for integrity checks in tests and tools)."""
-    data = t.detach().contiguous().cpu()
-    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()

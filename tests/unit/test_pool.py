@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from services.common.errors import PoolExhaustedError
+from services.worker.allocators import ContiguousAllocator, PagedAllocator, make_allocator
+from services.worker.device_pool import DevicePool
 from services.worker.eviction import (
     Candidate,
     LRUPolicy,
@@ -18,17 +20,7 @@ from services.worker.eviction import (
     predictive_order,
     prefetch_victim_limit,
 )
-from services.worker.pool import (
-    ContiguousAllocator,
-    DevicePool,
-    Extent,
-    FragmentationError,
-    Move,
-    OutOfSpaceError,
-    PagedAllocator,
-    TooLargeError,
-    make_allocator,
-)
+from services.worker.pool import Extent, FragmentationError, Move, OutOfSpaceError, TooLargeError
 
 PAGE = 64
 

@@ -25,13 +25,9 @@ from hypothesis.stateful import (
 )
 
 from services.worker.adapter_api import AdapterRef
-from services.worker.pool import (
-    Allocation,
-    DevicePool,
-    FragmentationError,
-    OutOfSpaceError,
-    make_allocator,
-)
+from services.worker.allocators import make_allocator
+from services.worker.device_pool import DevicePool
+from services.worker.pool import Allocation, FragmentationError, OutOfSpaceError
 from services.worker.store import AdapterStore, StoreConfig, StoreLease
 
 try:

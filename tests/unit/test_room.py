@@ -24,7 +24,7 @@ from plora.simulator.presets import CPU_PRESET, StepTimeModel
 from plora.traces import Trace
 from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, LoRAWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
-from services.worker.pool import make_allocator
+from services.worker.allocators import make_allocator
 from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
 from services.worker.store import AdapterStore, StoreConfig, pack_weights, slot_pieces
 

@@ -24,7 +24,7 @@ from services.common.errors import (
 )
 from services.common.lifecycle import BACKGROUND_NICE
 from services.common.types import LoRAModuleWeights, LoRAWeights
-from services.worker import store as store_module
+from services.worker import store_loading
 from services.worker.adapter_api import AdapterProvider, AdapterRef
 from services.worker.store import (
     AdapterStore,
@@ -586,7 +586,7 @@ def test_a_failed_staging_read_is_not_retried_every_pass_nor_logged_each_time(
     time (636 of 696 lines of ``plora up``'s output in 25 minutes). A version whose staging read
     failed now waits SOURCE_RETRY_S before the next try, and its failure is logged once; a new
     version is tried at once."""
-    monkeypatch.setattr(store_module, "SOURCE_RETRY_S", 1.0)
+    monkeypatch.setattr(store_loading, "SOURCE_RETRY_S", 1.0)
     s, src = store(host_staging=True)
     events: list[StoreEvent] = []
     s._on_event = events.append
