@@ -2,10 +2,10 @@
 
 No Docker engine runs here, so this test is what keeps them honest: every command is parsed by
 the service's real argument parser, every ``PLORA_*`` variable is one the services read,
-published container ports match the ports the commands bind and the README's port table, the
-workers get a thread count, Redis stays off the host's 6379, the demo-adapter service runs the
-real CLI into the volume the workers read, the image holds no test or dev tools, and Prometheus
-scrapes every service's metrics port.
+published container ports match the ports the commands bind and the port table of
+docs/deployment.md, the workers get a thread count, Redis stays off the host's 6379, the
+demo-adapter service runs the real CLI into the volume the workers read, the image holds no
+test or dev tools, and Prometheus scrapes every service's metrics port.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def _published(service: str) -> set[tuple[int, int]]:
     return pairs
 
 
-def _readme_docker_section() -> str:
-    text = (REPO / "README.md").read_text()
-    match = re.search(r"^## Docker\n(.*?)^## ", text, re.M | re.S)
-    assert match, "README.md has no `## Docker` section followed by another section"
+def _docs_compose_section() -> str:
+    text = (REPO / "docs" / "deployment.md").read_text()
+    match = re.search(r"^## Docker Compose\n(.*?)^## ", text, re.M | re.S)
+    assert match, "docs/deployment.md has no `## Docker Compose` section followed by another"
     return match.group(1)
 
 
@@ -171,7 +171,7 @@ def test_published_ports_match_the_bound_ports(service: str) -> None:
 @pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
 def test_ports_are_published_on_the_host_loopback_only(service: str) -> None:
     """Plaintext gRPC with no authentication, metrics and Prometheus: none of it is reachable
-    from other machines unless a user opens it on purpose (README, "Tenants")."""
+    from other machines unless a user opens it on purpose (docs/api.md, "Tenants")."""
     for entry in COMPOSE["services"][service].get("ports", []):
         assert str(entry).startswith("127.0.0.1:"), (
             f"{service} publishes {entry} on every interface"
@@ -232,16 +232,18 @@ def test_gpu_override_only_adds_to_the_workers() -> None:
         assert "PLORA_WORKER_THREADS" not in override["environment"]
 
 
-def test_readme_port_table_matches_the_published_ports() -> None:
+def test_docs_port_table_matches_the_published_ports() -> None:
     rows: dict[str, set[tuple[int, int]]] = {}
-    for line in _readme_docker_section().splitlines():
+    for line in _docs_compose_section().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("|") and cells[0] in COMPOSE["services"]:
             pairs = re.findall(r"(\d+) -> (\d+)", line)
             rows[cells[0]] = {(int(h), int(c)) for h, c in pairs}
-    assert set(rows) == set(COMPOSE["services"]), "README's Docker table must list every service"
+    assert set(rows) == set(COMPOSE["services"]), (
+        "the port table of docs/deployment.md must list every service"
+    )
     for service, pairs in rows.items():
-        assert pairs == _published(service), f"README's ports for {service}"
+        assert pairs == _published(service), f"docs/deployment.md's ports for {service}"
 
 
 def test_no_two_services_publish_the_same_host_port() -> None:
@@ -253,7 +255,7 @@ def test_redis_is_not_published_on_the_host() -> None:
     # a local Redis holds 6379; the services reach this one as redis:6379 on the compose network
     assert "ports" not in COMPOSE["services"]["redis"]
     assert all(h != 6379 for s in COMPOSE["services"] for h, _c in _published(s))
-    assert "not published" in _readme_docker_section()
+    assert "not published" in _docs_compose_section()
 
 
 def test_long_running_services_restart_and_redis_keeps_the_registry() -> None:
@@ -268,7 +270,7 @@ def test_long_running_services_restart_and_redis_keeps_the_registry() -> None:
     assert command[command.index("--appendonly") + 1] == "yes"
     mounts = dict(entry.split(":")[:2][::-1] for entry in redis["volumes"])
     assert mounts["/data"] in COMPOSE["volumes"]  # redis:7's working directory, a named volume
-    assert "keeps the adapter registry" in " ".join(_readme_docker_section().split())
+    assert "keeps the adapter registry" in " ".join(_docs_compose_section().split())
 
 
 @pytest.mark.parametrize("worker", WORKERS)
@@ -285,7 +287,7 @@ def test_workers_get_a_thread_count_the_user_can_override(
     assert args.threads is None, "a --threads flag would override the user's setting"
     monkeypatch.setenv("PLORA_WORKER_THREADS", str(default))
     assert WorkerConfig.from_args(args).threads == default
-    assert "PLORA_WORKER_THREADS" in _readme_docker_section()
+    assert "PLORA_WORKER_THREADS" in _docs_compose_section()
 
 
 def test_adapters_are_a_named_volume_at_one_path_everywhere() -> None:
@@ -331,7 +333,7 @@ def test_demo_adapters_are_the_ones_plora_up_registers() -> None:
     names = [
         make_adapters.adapter_name(i, args.ranks[i % len(args.ranks)]) for i in range(args.count)
     ]
-    assert "adapter-000-r8" in names  # the README's Quick start uses it
+    assert "adapter-000-r8" in names  # the README's examples use it
 
 
 _FAKE_PLORA = """#!{python}

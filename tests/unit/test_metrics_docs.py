@@ -1,8 +1,9 @@
-"""The README's Metrics tables against the services' Prometheus registries.
+"""The metrics tables of docs/metrics.md against the services' Prometheus registries.
 
 Every series a service exports (its own, not the client library's process/platform/GC ones) has
-a row in the README with its exposed name (counters with ``_total``), its type and exactly its
-label names; and the README names no ``plora_*`` series that no service exports.
+a row in docs/metrics.md with its exposed name (counters with ``_total``), its type and exactly
+its label names; and no page of the documentation (README.md, docs/*.md) names a ``plora_*``
+series that no service exports.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ REPO = Path(__file__).resolve().parents[2]
 SERVICES = {"gateway": GatewayMetrics, "worker": WorkerMetrics, "predictor": PredictorMetrics}
 
 
-def _section() -> str:
-    text = (REPO / "README.md").read_text()
-    match = re.search(r"^## Metrics\n(.*?)^## ", text, re.S | re.M)
-    assert match, "README.md has no `## Metrics` section followed by another section"
-    return match.group(1)
+METRICS_DOC = REPO / "docs" / "metrics.md"
+#: Every page of the documentation, where a series may be named.
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _tables() -> str:
+    text = METRICS_DOC.read_text()
+    assert re.search(r"^# Metrics\n", text, re.M), "docs/metrics.md has no `# Metrics` title"
+    return text
 
 
 def _rows() -> dict[str, tuple[str, set[str]]]:
-    """``name -> (type, label names)`` from the section's table rows."""
+    """``name -> (type, label names)`` from the table rows of docs/metrics.md."""
     rows = {}
-    for line in _section().splitlines():
+    for line in _tables().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and (m := re.fullmatch(r"`(plora_\w+)`", cells[0])):
             rows[m.group(1)] = (cells[1], set(re.findall(r"`(\w+)` =", cells[2])))
@@ -55,14 +60,15 @@ def _exported() -> dict[str, tuple[str, set[str]]]:
 @pytest.mark.parametrize("name", sorted(_exported()))
 def test_every_series_is_documented_with_its_type_and_labels(name: str) -> None:
     rows = _rows()
-    assert name in rows, f"README's Metrics section has no row for `{name}`"
-    assert rows[name] == _exported()[name], f"README row of `{name}` (type, labels)"
+    assert name in rows, f"docs/metrics.md has no row for `{name}`"
+    assert rows[name] == _exported()[name], f"docs/metrics.md row of `{name}` (type, labels)"
 
 
-def test_the_readme_names_no_series_that_is_not_exported() -> None:
-    named = set(re.findall(r"`(plora_[a-z0-9_]+)`", _section()))
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_docs_name_no_series_that_is_not_exported(page: Path) -> None:
+    named = set(re.findall(r"`(plora_[a-z0-9_]+)`", page.read_text()))
     stale = named - set(_exported())
-    assert not stale, f"README names series no service exports: {sorted(stale)}"
+    assert not stale, f"{page.relative_to(REPO)} names series no service exports: {sorted(stale)}"
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
