@@ -1,6 +1,6 @@
 """The plora command: run the cluster, talk to it, benchmark and evaluate it.
 
-Verbs (ARCHITECTURE.md "CLI"): ``up``, ``serve {gateway,worker,predictor}``, ``generate``,
+Verbs (docs/api.md): ``up``, ``serve {gateway,worker,predictor}``, ``generate``,
 ``adapters {register,list,get,delete}``, ``status``, ``make-adapters``,
 ``bench {engine,pool,replay}``, ``eval predictor``, ``simulate``. Heavy modules are imported
 only by the verb that needs them, so client verbs start fast.

@@ -1,7 +1,8 @@
 """The serving policies a cluster runs and the simulator models: one table for both.
 
-``plora`` and ``baseline`` follow ARCHITECTURE.md (the Predictive-LoRA policy and the
-S-LoRA-style baseline); every other entry is an ablation that removes one piece of ``plora``.
+``plora`` and ``baseline`` are the Predictive-LoRA policy (arXiv 2512.20210) and the
+S-LoRA-style baseline (arXiv 2311.03285); every other entry is an ablation that removes one
+piece of ``plora``.
 ``plora up --policy``, ``plora bench replay --policies`` (:mod:`plora.launcher`, which turns a
 spec into each service's flags) and ``plora simulate --policies``
 (:mod:`plora.simulator.engine`) all read :data:`POLICIES`, so a policy means the same pieces

@@ -452,7 +452,7 @@ def wait_settled(
 
     On a deployed cluster adapters are registered long before their traffic and staged by
     then; a replay started right after registration would measure the workers reading every
-    adapter from its source alongside the first requests (11 s per worker for the README's 32
+    adapter from its source alongside the first requests (11 s per worker for 32
     adapters). :func:`run_policy` skips the wait (``timeout_s`` 0) for policies without host
     staging.
 

@@ -1,6 +1,6 @@
 """Records of a trace replay and the pure statistics over them (``plora bench replay``).
 
-Definitions (ARCHITECTURE.md "Definitions"; times in seconds):
+Definitions (docs/architecture.md; times in seconds):
 
 - **TTFT** here is measured by the client: send of the ``Generate`` call -> the first response
   message that carries a token. It includes the gateway, the queue and the adapter wait.

@@ -472,7 +472,7 @@ def _md(v: Any, digits: int = 3) -> str:
 
 def paper_rows(papers: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """``(figure, paper, simulated)`` rows of a report's ``papers`` block (see
-    :func:`paper_comparison`), as text, for report.md and the README."""
+    :func:`paper_comparison`), as text, for report.md."""
     rows: list[tuple[str, str, str]] = []
     p = papers.get("predictive_lora_vs_slora")
     if p:

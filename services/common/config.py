@@ -2,7 +2,7 @@
 
 Each service has one frozen config dataclass (``services/<svc>/config.py``) built from CLI flags;
 a flag left unset falls back to its ``PLORA_*`` environment variable, then to the default. This
-module is the only place that reads ``os.environ`` for configuration (STYLE.md "Follow" 5).
+module is the only place that reads ``os.environ`` for configuration.
 """
 
 from __future__ import annotations

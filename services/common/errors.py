@@ -1,8 +1,9 @@
 """Domain errors shared by every service, and their one mapping to gRPC status codes.
 
 Domain modules (engine, store, forecaster) raise these and never import ``grpc``; the
-servicers translate them with :func:`services.common.grpc_util.status_for` (STYLE.md
-"Follow" 6). Every message must tell a person what to do about it.
+servicers translate them with :func:`services.common.grpc_util.status_for` (one mapping,
+so a client can tell a missing adapter from a full pool). Every message must tell a person
+what to do about it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """gRPC plumbing shared by every service: the server factory, error mapping, health waits.
 
-The server factory follows gRPC's ``examples/python`` (STYLE.md "Follow" 4): it binds a port
+The server factory follows gRPC's ``examples/python``: it binds a port
 (0 = any free port, used by the tests), registers the standard health service and server
 reflection, and returns the real port. Domain errors (``services.common.errors``) are mapped to
-status codes here and nowhere else (STYLE.md "Follow" 6).
+status codes here and nowhere else.
 """
 
 from __future__ import annotations

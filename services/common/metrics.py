@@ -22,7 +22,7 @@ from prometheus_client import (
 
 logger = logging.getLogger(__name__)
 
-# No ``*_created`` series beside every counter and histogram: the metric tables in the README
+# No ``*_created`` series beside every counter and histogram: the metric tables in docs/metrics.md
 # list what is exported, and a start timestamp per series doubles what Prometheus stores for
 # nothing PromQL's rate() needs.
 disable_created_metrics()

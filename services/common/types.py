@@ -1,6 +1,6 @@
 """Types shared by the worker's layers: the base model's shape and host-side LoRA weights.
 
-The layering follows vLLM's ``lora/`` package (STYLE.md "Follow" 7): ``ModelSpec`` describes
+The layering follows vLLM's ``lora/`` package: ``ModelSpec`` describes
 the served base; ``LoRAWeights`` holds one adapter's tensors as PEFT defines them; the store
 (``store.py``) places them in the paged device pool; the engine applies them in batches.
 """

@@ -48,7 +48,7 @@ class OnlineRecall:
 
     Every tick t records the predicted top-3; once ``t + horizon`` has passed, the true top-3 of
     the requests in ``(t, t + horizon]`` is known and the tick is scored
-    ``|pred ∩ true| / |true|`` (ARCHITECTURE.md definition; ticks whose window has no request
+    ``|pred ∩ true| / |true|`` (prediction recall@3; ticks whose window has no request
     are not scored). :meth:`value` averages the scores of the last ``window_s`` seconds.
     """
 

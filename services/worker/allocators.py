@@ -309,7 +309,7 @@ class ContiguousAllocator(Allocator):
 def external_fragmentation(
     allocator: Allocator, pinned: Iterable[int] = (), ref_pieces: Sequence[int] = ()
 ) -> float:
-    """``1 - largest allocatable extent / free units`` (ARCHITECTURE.md), in [0, 1].
+    """``1 - largest allocatable extent / free units`` (external fragmentation), in [0, 1].
 
     The allocatable extent is what compaction around ``pinned`` can join
     (:meth:`Allocator.allocatable_units`) and, for an allocator that splits, the better of that

@@ -81,7 +81,7 @@ class WorkerConfig:
     max_model_len: int = 2048
     max_new_tokens_limit: int = 512
     pool_bytes: int = 512 << 20
-    page_bytes: int = 64 << 10  # measured by `plora bench pool` (see README)
+    page_bytes: int = 64 << 10  # measured by `plora bench pool` (see docs/benchmarks.md)
     host_cache_bytes: int = 2048 << 20
     allocator: str = "paged"
     eviction: str = "predictive"

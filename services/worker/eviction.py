@@ -1,7 +1,7 @@
 """Eviction policies of the device pool, behind one interface.
 
 ``lru`` (:class:`LRUPolicy`)
-    The baseline (ARCHITECTURE.md "Baseline policy", S-LoRA style): evict the adapter whose
+    The S-LoRA-style baseline (arXiv 2311.03285): evict the adapter whose
     last use is oldest.
 ``predictive`` (:class:`PredictivePolicy`)
     Predictive-LoRA (arXiv 2512.20210, demand-aware eviction): evict the adapter with the lowest

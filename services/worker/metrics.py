@@ -90,7 +90,7 @@ class WorkerMetrics:
             ["outcome"],
             registry=r,
         )
-        # Pool gauges (ARCHITECTURE.md definitions), refreshed every heartbeat.
+        # Pool gauges (definitions in docs/metrics.md), refreshed every heartbeat.
         self.pool_pages = Gauge(
             "plora_worker_pool_pages", "Device pool pages by state", ["state"], registry=r
         )

@@ -1,7 +1,7 @@
 """The worker's device pool: a preallocated flat buffer and the allocators that carve it up.
 
 Two allocators share one interface (:class:`Allocator`), so the paged design and the baseline
-run the same store code (ARCHITECTURE.md "Baseline policy"):
+run the same store code (the baseline is S-LoRA style):
 
 ``paged`` (:class:`PagedAllocator`)
     The Predictive-LoRA design (arXiv 2512.20210, section on the paged adapter pool): the pool
@@ -404,7 +404,7 @@ class Allocator:
     def placeable_units(self, pieces: Sequence[int]) -> int:
         """Units that the allocation of :meth:`placeable_bytes` would occupy (each extent
         rounded up to whole units; 0 if nothing fits): the *largest allocatable extent* of
-        ARCHITECTURE.md for an allocator that splits (the longest free run if it does not).
+        external fragmentation for an allocator that splits (the longest free run if it does not).
 
         Raises:
             ValueError: as :meth:`placeable_bytes`.

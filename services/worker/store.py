@@ -30,7 +30,7 @@
   one from every tier (a copy still leased is freed at its last release); asking for an older
   version than one seen raises :class:`AdapterNotFoundError`.
 
-Definitions (ARCHITECTURE.md): *utilization* is live adapter bytes / pool bytes; the store
+Definitions: *utilization* is live adapter bytes / pool bytes; the store
 samples it, with fragmentation and waste, at the end of every device allocation during which it
 had to evict or wait (the pool was under pressure) and reports the means. *External
 fragmentation* is ``1 - largest allocatable extent / free bytes``, where the allocatable extent

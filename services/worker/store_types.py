@@ -82,7 +82,7 @@ class StoreConfig:
             from the source tier into free host-cache space ahead of demand, so a cold start
             copies from host memory instead of reading and converting the source files on
             the request's path (S-LoRA keeps every adapter in host memory, Sec. 4). Off for
-            the S-LoRA-style baseline, which loads on demand (ARCHITECTURE.md).
+            the S-LoRA-style baseline, which loads on demand.
 
     Raises:
         ConfigError: an unknown name or an inconsistent size (host cache < pool, ...).
