@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIM = sorted((ROOT / "plora" / "simulator").glob("*.py"))
 PRODUCTION = {
     "plora.traces": ROOT / "plora/traces.py",
-    "services.predictor.forecast": ROOT / "services/predictor/forecast.py",
+    "services.predictor.forecast": ROOT / "services/predictor/forecast",  # a package
     "services.worker.pool": ROOT / "services/worker/pool.py",
     "services.worker.eviction": ROOT / "services/worker/eviction.py",
     "services.worker.store": ROOT / "services/worker/store.py",
@@ -54,6 +54,11 @@ def _defined(tree: ast.Module) -> set[str]:
     return names
 
 
+def _module_files(path: Path) -> list[Path]:
+    """The source files of a production module: the file, or every file of a package."""
+    return sorted(path.glob("*.py")) if path.is_dir() else [path]
+
+
 def _all_defs(tree: ast.Module) -> list[ast.AST]:
     return [
         n for n in ast.walk(tree)
@@ -78,7 +83,9 @@ def test_no_simulator_def_shadows_a_production_name() -> None:
     missing = [m for m, p in PRODUCTION.items() if not p.exists()]
     if missing:
         pytest.fail(f"production modules missing: {missing}")
-    production = set().union(*(_defined(_tree(p)) for p in PRODUCTION.values()))
+    production = set().union(
+        *(_defined(_tree(f)) for p in PRODUCTION.values() for f in _module_files(p))
+    )
     clashes = []
     for path in SIM:
         for node in _all_defs(_tree(path)):
