@@ -9,11 +9,12 @@ One background thread runs *steps*. Before each step the scheduler
    so a cold adapter's load starts on arrival and overlaps the step in progress: taken at
    the next step boundary instead, the load would still be running when the step after it
    starts, and every cold request would wait out one more whole step;
-3. builds a flat token batch: one decode token for every running sequence whose prompt is
-   in the cache, plus prompt chunks of prefilling sequences under the
+3. schedules the step (:func:`schedule_step`): one decode token for every running sequence
+   whose prompt is in the cache, plus prompt chunks of prefilling sequences under the
    ``max_num_batched_tokens`` budget (chunked prefill, as in vLLM/Sarathi);
-4. orders the rows by adapter and builds the step's :class:`~services.worker.lora_ops.LoRABatch`
-   from each lease's *current* weights, inside the provider's ``compute_guard()``.
+4. lays the rows out grouped by adapter as one flat batch (:func:`build_step_batch`, a pure
+   function) and builds the step's :class:`~services.worker.lora_ops.LoRABatch` from each
+   lease's *current* weights, inside the provider's ``compute_guard()``.
 
 After the forward pass every sequence whose last prompt token or decode token was computed
 samples one token, which is streamed at once as a :class:`TokenEvent`. Sequences leave the
@@ -227,6 +228,8 @@ class RequestStream:
 
 @dataclass
 class _Seq:
+    """One request inside the engine: its tokens, KV slot, lease and streaming state."""
+
     req: EngineRequest
     stream: RequestStream
     arrival: float
@@ -267,12 +270,9 @@ class ServiceEstimates:
             squares, weight ``decode_decay`` kept per step), so what each running sequence
             adds to every step a new request waits through. It stays 0.0 until the steps
             seen span at least two batch sizes; clipped to ``[0, mean step time per row]``.
-            On a CPU a decode row with its own adapter costs a large share of a step
-            (SmolLM2-135M, one thread: ~25 ms against a ~70 ms one-row step), about one
-            host-to-pool adapter load; on a GPU it is a small share. Exported for operators
-            (``plora_worker_service_estimate_seconds{figure="decode_row"}``), not in the
-            heartbeat: routing does not weigh it, as ordering workers by an expected delay
-            that did measured no better (README, "How a request finds its worker").
+            Exported for operators
+            (``plora_worker_service_estimate_seconds{figure="decode_row"}``); it is not in the
+            heartbeat, and routing does not weigh it.
         alpha: Weight of the newest observation, in (0, 1].
         decode_decay: Weight a decode step's observation keeps at each later one, in (0, 1).
     """
@@ -631,6 +631,7 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: EngineRequest) -> None:
+        """Raise :class:`InvalidRequestError` for a request :meth:`submit` must refuse."""
         n = len(req.prompt_token_ids)
         if not req.request_id:
             raise InvalidRequestError("request_id must not be empty")
@@ -679,6 +680,17 @@ class Engine:
         return time.monotonic() - since if busy else 0.0
 
     def _loop(self) -> None:
+        """The step thread: until :meth:`stop`, handle cancels, admit, then step.
+
+        Rule per round: take the cancels that arrived; sleep on the condition while there is
+        nothing running, waiting or cancelled; else fail the cancelled requests
+        (:meth:`_handle_cancels`), admit what is ready (:meth:`_admit`) and run one step
+        (:meth:`_step`, its thread CPU time added to :attr:`step_cpu_seconds`) when any
+        sequence runs, or wait up to 2 ms (woken by a submit or cancel) when only adapter
+        loads are pending. :attr:`_progress` is stamped at the top of every round
+        (:meth:`stalled_for`). An exception in a round fails every running sequence with it
+        (a :class:`PLoRAError` as it is, anything else wrapped in one) and the loop goes on.
+        """
         while True:
             self._progress = time.monotonic()
             with self._cond:
@@ -711,6 +723,9 @@ class Engine:
                     self._finish(s, None, error=err)
 
     def _handle_cancels(self, cancels: set[str]) -> None:
+        """End every running or waiting request whose id is in ``cancels`` with
+        :class:`RequestCancelledError` (its KV slot and lease are freed): running ones first
+        (slot order), then waiting ones (queue order)."""
         if not cancels:
             return
         for s in list(self._running):
@@ -726,7 +741,17 @@ class Engine:
             self._finish(s, None, error=RequestCancelledError("the request was cancelled"))
 
     def _admit(self) -> None:
-        """Move waiting requests whose adapter is ready into the batch (FIFO among ready)."""
+        """Move waiting requests whose adapter is ready into the batch (FIFO among ready).
+
+        Rule, for each waiting request in arrival order: a base-model request is ready; an
+        adapter request whose lease the provider refused, whose load failed, or whose load has
+        not finished ``adapter_wait_timeout_s`` after arrival fails with that error (whatever
+        the room); one whose load is still running stays waiting (it never blocks the ones
+        behind it); one whose lease is ready records its wait (``wait_s``; a cold one feeds
+        :meth:`ServiceEstimates.observe_cold_wait`). Ready requests take the free slots
+        (``max_batch_size`` minus running) in that order, each appended to the running list
+        (slot = its index); the rest stay waiting for a later step.
+        """
         with self._lock:
             waiting = list(self._waiting)
         if not waiting:
@@ -794,6 +819,9 @@ class Engine:
         text: str = "",
         token_ids: list[int] | None = None,
     ) -> None:
+        """End ``s``: free its KV slot, release its lease, drop its id from the in-flight set
+        and put its final event (``finish_reason`` or ``error``, with ``text`` and
+        ``token_ids``) on its stream."""
         self._free(s)
         if s.lease is not None:
             s.lease.release()
@@ -804,6 +832,7 @@ class Engine:
     def _event(
         self, s: _Seq, text: str, ids: list[int], reason: str | None, error: Exception | None = None
     ) -> TokenEvent:
+        """A :class:`TokenEvent` of ``s`` with its current counters."""
         return TokenEvent(
             text=text,
             token_ids=ids,
@@ -955,6 +984,16 @@ class Engine:
         return self._stacked
 
     def _emit(self, s: _Seq, tok: int, now: float) -> None:
+        """Append the sampled token ``tok`` to ``s`` and stream it (``now``: monotonic time).
+
+        Rule: the first token sets ``ttft`` and feeds the prefill estimate. Then, first match
+        wins: EOS (unless ``ignore_eos``) finishes with ``"eos"`` and the held-back text; a
+        stop string completed by the token finishes with ``"stop"`` and the text before it;
+        ``max_new_tokens`` reached finishes with ``"length"``, and a full context
+        (``max_model_len`` tokens) with ``"context"``, after flushing the detokenizer (a stop
+        string found in that tail still makes it ``"stop"``). Otherwise a non-final event
+        carries the text released so far.
+        """
         s.tokens.append(tok)
         s.completion += 1
         if s.ttft is None:
