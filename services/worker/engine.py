@@ -9,11 +9,12 @@ One background thread runs *steps*. Before each step the scheduler
    so a cold adapter's load starts on arrival and overlaps the step in progress: taken at
    the next step boundary instead, the load would still be running when the step after it
    starts, and every cold request would wait out one more whole step;
-3. builds a flat token batch: one decode token for every running sequence whose prompt is
-   in the cache, plus prompt chunks of prefilling sequences under the
+3. schedules the step (:func:`schedule_step`): one decode token for every running sequence
+   whose prompt is in the cache, plus prompt chunks of prefilling sequences under the
    ``max_num_batched_tokens`` budget (chunked prefill, as in vLLM/Sarathi);
-4. orders the rows by adapter and builds the step's :class:`~services.worker.lora_ops.LoRABatch`
-   from each lease's *current* weights, inside the provider's ``compute_guard()``.
+4. lays the rows out grouped by adapter as one flat batch (:func:`build_step_batch`, a pure
+   function) and builds the step's :class:`~services.worker.lora_ops.LoRABatch` from each
+   lease's *current* weights, inside the provider's ``compute_guard()``.
 
 After the forward pass every sequence whose last prompt token or decode token was computed
 samples one token, which is streamed at once as a :class:`TokenEvent`. Sequences leave the
@@ -34,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -226,6 +228,8 @@ class RequestStream:
 
 @dataclass
 class _Seq:
+    """One request inside the engine: its tokens, KV slot, lease and streaming state."""
+
     req: EngineRequest
     stream: RequestStream
     arrival: float
@@ -266,12 +270,9 @@ class ServiceEstimates:
             squares, weight ``decode_decay`` kept per step), so what each running sequence
             adds to every step a new request waits through. It stays 0.0 until the steps
             seen span at least two batch sizes; clipped to ``[0, mean step time per row]``.
-            On a CPU a decode row with its own adapter costs a large share of a step
-            (SmolLM2-135M, one thread: ~25 ms against a ~70 ms one-row step), about one
-            host-to-pool adapter load; on a GPU it is a small share. Exported for operators
-            (``plora_worker_service_estimate_seconds{figure="decode_row"}``), not in the
-            heartbeat: routing does not weigh it, as ordering workers by an expected delay
-            that did measured no better (README, "How a request finds its worker").
+            Exported for operators
+            (``plora_worker_service_estimate_seconds{figure="decode_row"}``); it is not in the
+            heartbeat, and routing does not weigh it.
         alpha: Weight of the newest observation, in (0, 1].
         decode_decay: Weight a decode step's observation keeps at each later one, in (0, 1).
     """
@@ -311,6 +312,158 @@ class ServiceEstimates:
 
 def _ewma(mean: float, x: float, alpha: float) -> float:
     return x if mean <= 0.0 else mean + alpha * (x - mean)
+
+
+# ------------------------------------------------------------------ step planning (pure)
+class StepSeq(Protocol):
+    """What step planning reads of a running sequence (:class:`_Seq` has it)."""
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """Prompt and generated tokens so far."""
+        ...
+
+    @property
+    def num_cached(self) -> int:
+        """Leading tokens whose keys/values are in the KV cache."""
+        ...
+
+    @property
+    def slot(self) -> int:
+        """KV-cache slot (index in the running list)."""
+        ...
+
+    @property
+    def adapter_key(self) -> tuple[str, int] | None:
+        """``(adapter_id, version)``, or None for the base model."""
+        ...
+
+
+S = TypeVar("S", bound=StepSeq)
+
+
+def schedule_step(running: Sequence[S], max_num_batched_tokens: int) -> list[tuple[S, int]]:
+    """Which running sequences compute how many tokens this step (pure).
+
+    Rule: every decoding sequence (exactly one token not in the KV cache, the last one sampled)
+    gets one row, in slot order; the rest of the ``max_num_batched_tokens`` budget then goes to
+    prefilling sequences (more than one uncached token) in slot order, each taking
+    ``min(uncached tokens, budget left)`` (chunked prefill: a prompt longer than the budget
+    continues on the next steps) until the budget is spent. Sequences with nothing uncached
+    are skipped.
+
+    Args:
+        running: The running sequences, index = KV slot.
+        max_num_batched_tokens: The step's token budget (>= the number of running sequences,
+            which :class:`EngineConfig` guarantees, so every decode row fits).
+
+    Returns:
+        ``(sequence, tokens)`` pairs, decode rows first; empty when nothing is to compute.
+    """
+    decode = [s for s in running if s.num_cached == len(s.tokens) - 1]
+    budget = max_num_batched_tokens - len(decode)
+    work: list[tuple[S, int]] = [(s, 1) for s in decode]
+    for s in running:
+        if budget <= 0:
+            break
+        pending = len(s.tokens) - s.num_cached
+        if pending > 1:
+            n = min(pending, budget)
+            work.append((s, n))
+            budget -= n
+    return work
+
+
+@dataclass(frozen=True)
+class StepPlan(Generic[S]):
+    """One step's flat token batch, before the LoRA weights are attached (see
+    :func:`build_step_batch`; ``T`` = the step's tokens).
+
+    Attributes:
+        work: ``(sequence, tokens)`` in row order.
+        adapter_keys: The step's distinct adapters in canonical (sorted) order; LoRA segment
+            ``i`` of the step is ``adapter_keys[i]``.
+        input_ids: ``int64 [T]`` (CPU) token ids, rows grouped by sequence.
+        positions: ``int64 [T]`` (CPU) absolute position of each token in its sequence.
+        row_adapter: ``T`` ints: index into ``adapter_keys`` per row, ``NO_ADAPTER`` (-1) for
+            the base model.
+        chunks: One :class:`~services.worker.model.SeqChunk` per ``work`` entry.
+        logits_rows: Rows whose next-token logits are wanted: the last row of every sequence
+            whose uncached tokens are all in the step.
+        samplers: The sequences of ``logits_rows``, aligned with them.
+    """
+
+    work: list[tuple[S, int]]
+    adapter_keys: tuple[tuple[str, int], ...]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    row_adapter: list[int]
+    chunks: list[SeqChunk]
+    logits_rows: list[int]
+    samplers: list[S]
+
+    @property
+    def num_rows(self) -> int:
+        """``T``, the tokens (rows) of the step."""
+        return len(self.row_adapter)
+
+    def step_batch(self, lora: LoRABatch | None) -> StepBatch:
+        """The model's input for this step with ``lora`` (None: base model only)."""
+        return StepBatch(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            chunks=self.chunks,
+            logits_rows=self.logits_rows,
+            lora=lora,
+        )
+
+
+def build_step_batch(work: Sequence[tuple[S, int]]) -> StepPlan[S]:
+    """Lay out the scheduled ``work`` as one flat token batch (pure: reads its inputs only).
+
+    Rule: rows are grouped by adapter so each adapter is one contiguous LoRA segment: base-model
+    sequences first, then the adapters in sorted ``(adapter_id, version)`` order, each group in
+    ``work`` order (a stable sort). A sequence ``s`` scheduled for ``n`` tokens contributes
+    ``s.tokens[s.num_cached : s.num_cached + n]`` at positions ``num_cached .. num_cached + n
+    - 1`` into its slot, and its last row is a logits row (it samples) when that reaches the end
+    of its tokens.
+
+    Args:
+        work: ``(sequence, tokens)`` pairs from :func:`schedule_step` (non-empty tokens).
+
+    Returns:
+        The plan; ``work`` and the sequences are not modified.
+    """
+    present = {s.adapter_key for s, _ in work if s.adapter_key is not None}
+    keys = {k: i for i, k in enumerate(sorted(present))}  # canonical adapter order
+    ordered = sorted(work, key=lambda w: -1 if w[0].adapter_key is None else keys[w[0].adapter_key])
+    ids: list[int] = []
+    positions: list[int] = []
+    row_adapter: list[int] = []
+    chunks: list[SeqChunk] = []
+    logits_rows: list[int] = []
+    samplers: list[S] = []
+    for s, n in ordered:
+        row = len(ids)
+        start = s.num_cached
+        ids.extend(s.tokens[start : start + n])
+        positions.extend(range(start, start + n))
+        aid = NO_ADAPTER if s.adapter_key is None else keys[s.adapter_key]
+        row_adapter.extend([aid] * n)
+        chunks.append(SeqChunk(slot=s.slot, row=row, num_tokens=n, start_pos=start))
+        if start + n == len(s.tokens):
+            logits_rows.append(row + n - 1)
+            samplers.append(s)
+    return StepPlan(
+        work=ordered,
+        adapter_keys=tuple(keys),
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        row_adapter=row_adapter,
+        chunks=chunks,
+        logits_rows=logits_rows,
+        samplers=samplers,
+    )
 
 
 class Engine:
@@ -478,6 +631,7 @@ class Engine:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, req: EngineRequest) -> None:
+        """Raise :class:`InvalidRequestError` for a request :meth:`submit` must refuse."""
         n = len(req.prompt_token_ids)
         if not req.request_id:
             raise InvalidRequestError("request_id must not be empty")
@@ -526,6 +680,17 @@ class Engine:
         return time.monotonic() - since if busy else 0.0
 
     def _loop(self) -> None:
+        """The step thread: until :meth:`stop`, handle cancels, admit, then step.
+
+        Rule per round: take the cancels that arrived; sleep on the condition while there is
+        nothing running, waiting or cancelled; else fail the cancelled requests
+        (:meth:`_handle_cancels`), admit what is ready (:meth:`_admit`) and run one step
+        (:meth:`_step`, its thread CPU time added to :attr:`step_cpu_seconds`) when any
+        sequence runs, or wait up to 2 ms (woken by a submit or cancel) when only adapter
+        loads are pending. :attr:`_progress` is stamped at the top of every round
+        (:meth:`stalled_for`). An exception in a round fails every running sequence with it
+        (a :class:`PLoRAError` as it is, anything else wrapped in one) and the loop goes on.
+        """
         while True:
             self._progress = time.monotonic()
             with self._cond:
@@ -558,6 +723,9 @@ class Engine:
                     self._finish(s, None, error=err)
 
     def _handle_cancels(self, cancels: set[str]) -> None:
+        """End every running or waiting request whose id is in ``cancels`` with
+        :class:`RequestCancelledError` (its KV slot and lease are freed): running ones first
+        (slot order), then waiting ones (queue order)."""
         if not cancels:
             return
         for s in list(self._running):
@@ -573,7 +741,17 @@ class Engine:
             self._finish(s, None, error=RequestCancelledError("the request was cancelled"))
 
     def _admit(self) -> None:
-        """Move waiting requests whose adapter is ready into the batch (FIFO among ready)."""
+        """Move waiting requests whose adapter is ready into the batch (FIFO among ready).
+
+        Rule, for each waiting request in arrival order: a base-model request is ready; an
+        adapter request whose lease the provider refused, whose load failed, or whose load has
+        not finished ``adapter_wait_timeout_s`` after arrival fails with that error (whatever
+        the room); one whose load is still running stays waiting (it never blocks the ones
+        behind it); one whose lease is ready records its wait (``wait_s``; a cold one feeds
+        :meth:`ServiceEstimates.observe_cold_wait`). Ready requests take the free slots
+        (``max_batch_size`` minus running) in that order, each appended to the running list
+        (slot = its index); the rest stay waiting for a later step.
+        """
         with self._lock:
             waiting = list(self._waiting)
         if not waiting:
@@ -641,6 +819,9 @@ class Engine:
         text: str = "",
         token_ids: list[int] | None = None,
     ) -> None:
+        """End ``s``: free its KV slot, release its lease, drop its id from the in-flight set
+        and put its final event (``finish_reason`` or ``error``, with ``text`` and
+        ``token_ids``) on its stream."""
         self._free(s)
         if s.lease is not None:
             s.lease.release()
@@ -651,6 +832,7 @@ class Engine:
     def _event(
         self, s: _Seq, text: str, ids: list[int], reason: str | None, error: Exception | None = None
     ) -> TokenEvent:
+        """A :class:`TokenEvent` of ``s`` with its current counters."""
         return TokenEvent(
             text=text,
             token_ids=ids,
@@ -664,81 +846,85 @@ class Engine:
         )
 
     def _step(self) -> None:
-        cfg = self.config
-        running = self._running
-        decode = [s for s in running if s.num_cached == len(s.tokens) - 1]
-        budget = cfg.max_num_batched_tokens - len(decode)
-        work: list[tuple[_Seq, int]] = [(s, 1) for s in decode]
-        for s in running:
-            if budget <= 0:
-                break
-            pending = len(s.tokens) - s.num_cached
-            if pending > 1:
-                n = min(pending, budget)
-                work.append((s, n))
-                budget -= n
+        """Run one step over the running sequences.
+
+        (a) :func:`schedule_step` picks the rows (decode rows, then prefill chunks under the
+        token budget), (b) :func:`build_step_batch` lays them out as the step's flat batch
+        (pure), (c) :meth:`_forward` runs the model with the adapters' current weights and
+        :meth:`_sample_and_emit` samples and streams one token per sequence whose uncached
+        tokens are all in the step.
+        """
+        work = schedule_step(self._running, self.config.max_num_batched_tokens)
         if not work:
             return
-
-        # Rows grouped by adapter (base-only first) so each adapter is one LoRA segment.
-        by_key: dict[tuple[str, int], AdapterLease] = {}
-        for s, _ in work:
-            if s.adapter_key is not None and s.adapter_key not in by_key:
-                assert s.lease is not None
-                by_key[s.adapter_key] = s.lease
-        keys = {k: i for i, k in enumerate(sorted(by_key))}  # canonical adapter order
-        leases = [by_key[k] for k in keys]
-        work.sort(key=lambda w: -1 if w[0].adapter_key is None else keys[w[0].adapter_key])
-
-        ids: list[int] = []
-        positions: list[int] = []
-        row_adapter: list[int] = []
-        chunks: list[SeqChunk] = []
-        logits_rows: list[int] = []
-        samplers: list[_Seq] = []
-        for s, n in work:
-            row = len(ids)
-            start = s.num_cached
-            ids.extend(s.tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            aid = NO_ADAPTER if s.adapter_key is None else keys[s.adapter_key]
-            row_adapter.extend([aid] * n)
-            chunks.append(SeqChunk(slot=s.slot, row=row, num_tokens=n, start_pos=start))
-            if start + n == len(s.tokens):
-                logits_rows.append(row + n - 1)
-                samplers.append(s)
-
+        plan = build_step_batch(work)
         started = time.perf_counter()
+        logits = self._forward(plan)
+        if logits is not None:
+            self._sample_and_emit(plan, logits, started)
+
+    def _forward(self, plan: StepPlan[_Seq]) -> torch.Tensor | None:
+        """Attach the step's LoRA weights to ``plan`` and run the model on it.
+
+        Rule: inside the provider's ``compute_guard()`` (the store moves no adapter while it is
+        held), each adapter of ``plan.adapter_keys`` gives its *current* weights through the
+        lease of its first sequence in row order. An adapter whose weights cannot be read fails
+        every request in the step that uses it and the step is not run (returns None; the next
+        step is scheduled without them). Otherwise the model runs, :attr:`steps` counts the step,
+        every scheduled sequence's ``num_cached`` advances by its tokens, and the logits are
+        returned.
+
+        Returns:
+            ``float32 [len(plan.logits_rows), vocab]`` next-token logits in the order of
+            ``plan.logits_rows`` (None when the step was not run).
+        """
+        leases: dict[tuple[str, int], AdapterLease] = {}
+        for s, _ in plan.work:
+            if s.adapter_key is not None and s.adapter_key not in leases:
+                assert s.lease is not None
+                leases[s.adapter_key] = s.lease
         guard = self.provider.compute_guard() if self.provider is not None else no_guard()
         with guard:
             weights = []
             broken: dict[tuple[str, int], Exception] = {}
-            for key, lease in zip(keys, leases, strict=True):
+            for key in plan.adapter_keys:
                 try:
-                    weights.append(lease.weights())
+                    weights.append(leases[key].weights())
                 except Exception as exc:  # noqa: BLE001 - a lost adapter fails its requests only
                     broken[key] = exc
             if broken:
-                for s, _ in work:
+                for s, _ in plan.work:
                     if s.adapter_key in broken:
                         self._finish(s, None, error=broken[s.adapter_key])
-                return  # the next step is rebuilt without them
+                return None  # the next step is rebuilt without them
             lora = None
-            if leases:
-                lora = LoRABatch(
-                    row_adapter, weights, self._stacked_for(tuple(keys), weights, len(ids))
-                )
-            batch = StepBatch(
-                input_ids=torch.tensor(ids, dtype=torch.long),
-                positions=torch.tensor(positions, dtype=torch.long),
-                chunks=chunks,
-                logits_rows=logits_rows,
-                lora=lora,
-            )
-            logits = self.model.forward(batch, self.kv)
+            if plan.adapter_keys:
+                stacked = self._stacked_for(plan.adapter_keys, weights, plan.num_rows)
+                lora = LoRABatch(plan.row_adapter, weights, stacked)
+            logits = self.model.forward(plan.step_batch(lora), self.kv)
         self.steps += 1
-        for s, n in work:
+        for s, n in plan.work:
             s.num_cached += n
+        return logits
+
+    def _sample_and_emit(self, plan: StepPlan[_Seq], logits: torch.Tensor, started: float) -> None:
+        """Sample one token for each of ``plan.samplers`` and stream it.
+
+        Rule: a sequence whose logits row holds NaN/Inf ends with :func:`_non_finite_error`
+        and is not sampled; the others draw their next token with their own sampling
+        parameters and generator (:func:`~services.worker.sampling.sample_batch`), and each
+        token goes through :meth:`_emit`. When at least one token was sampled, the step's wall
+        time since ``started`` (``time.perf_counter()`` before the forward pass) updates the
+        service estimates: split over the step's tokens, each sequence without a first token
+        yet adds its tokens' share to its prefill time; a step of one token per sequence is a
+        decode step sample of :meth:`ServiceEstimates.observe_decode_step`.
+
+        Args:
+            plan: The step that ran.
+            logits: ``float32 [len(plan.samplers), vocab]``, aligned with ``plan.samplers``.
+            started: ``time.perf_counter()`` taken before the forward pass.
+        """
+        samplers = list(plan.samplers)
         if not samplers:
             return
         finite = torch.isfinite(logits.sum(dim=1)).tolist()  # NaN/Inf anywhere in a row
@@ -754,14 +940,13 @@ class Engine:
         next_ids = sample_batch(
             logits, [s.params for s in samplers], [s.generator for s in samplers]
         )
-        # Each prompt's share of the step (by tokens), summed until its first token.
         elapsed = time.perf_counter() - started
-        per_token = elapsed / len(ids)
-        if len(ids) == len(work):
+        per_token = elapsed / plan.num_rows
+        if plan.num_rows == len(plan.work):
             # one token per sequence: decode rows (or a prompt's last token left over from a
             # chunk, which costs a step the same)
-            self.estimates.observe_decode_step(len(work), elapsed)
-        for s, n in work:
+            self.estimates.observe_decode_step(len(plan.work), elapsed)
+        for s, n in plan.work:
             if s.ttft is None:
                 s.prefill_work += per_token * n
         now = time.monotonic()
@@ -799,6 +984,16 @@ class Engine:
         return self._stacked
 
     def _emit(self, s: _Seq, tok: int, now: float) -> None:
+        """Append the sampled token ``tok`` to ``s`` and stream it (``now``: monotonic time).
+
+        Rule: the first token sets ``ttft`` and feeds the prefill estimate. Then, first match
+        wins: EOS (unless ``ignore_eos``) finishes with ``"eos"`` and the held-back text; a
+        stop string completed by the token finishes with ``"stop"`` and the text before it;
+        ``max_new_tokens`` reached finishes with ``"length"``, and a full context
+        (``max_model_len`` tokens) with ``"context"``, after flushing the detokenizer (a stop
+        string found in that tail still makes it ``"stop"``). Otherwise a non-final event
+        carries the text released so far.
+        """
         s.tokens.append(tok)
         s.completion += 1
         if s.ttft is None:
