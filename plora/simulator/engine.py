@@ -74,7 +74,7 @@ from services.predictor.placement import (
     route_rank_aware,
 )
 from services.worker.allocators import make_allocator
-from services.worker.engine import ServiceEstimates
+from services.worker.estimates import ServiceEstimates
 from services.worker.eviction import (
     Candidate,
     EvictionPolicy,

@@ -35,7 +35,6 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -51,9 +50,11 @@ from services.common.errors import (
 )
 from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
-from services.worker.lora_ops import NO_ADAPTER, LoRABatch, StackedLoRA
-from services.worker.model import KVCache, LlamaModel, SeqChunk, StepBatch
+from services.worker.estimates import ServiceEstimates
+from services.worker.lora_ops import LoRABatch, StackedLoRA
+from services.worker.model import KVCache, LlamaModel
 from services.worker.sampling import SamplingParams, StopMatcher, make_generator, sample_batch
+from services.worker.step_plan import StepPlan, build_step_batch, schedule_step
 from services.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -250,220 +251,6 @@ class _Seq:
     acquire_error: Exception | None = None  # the provider refused the lease (failed at admit)
     adapter_key: tuple[str, int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
-
-
-@dataclass
-class ServiceEstimates:
-    """Recent per-request service figures of one worker, published with its heartbeat for
-    expected-delay routing (:func:`services.predictor.placement.route_rank_aware`).
-
-    Exponentially weighted means over requests (weight ``alpha`` on the newest; the first
-    observation sets the mean), seconds, 0.0 until observed:
-
-    Attributes:
-        prefill_s: Step time attributed to one request's prompt (each step's wall time split
-            over its rows by tokens, summed until the request's first token): the delay one
-            more pending request adds before a new request's first token.
-        cold_wait_s: Time a cold request waited for its adapter to become resident.
-        decode_row_s: Marginal step time of one more decoding sequence, seconds: the slope of
-            decode-only steps' wall time against their rows (exponentially weighted least
-            squares, weight ``decode_decay`` kept per step), so what each running sequence
-            adds to every step a new request waits through. It stays 0.0 until the steps
-            seen span at least two batch sizes; clipped to ``[0, mean step time per row]``.
-            Exported for operators
-            (``plora_worker_service_estimate_seconds{figure="decode_row"}``); it is not in the
-            heartbeat, and routing does not weigh it.
-        alpha: Weight of the newest observation, in (0, 1].
-        decode_decay: Weight a decode step's observation keeps at each later one, in (0, 1).
-    """
-
-    prefill_s: float = 0.0
-    cold_wait_s: float = 0.0
-    decode_row_s: float = 0.0
-    alpha: float = 0.1
-    decode_decay: float = 0.99
-    # exponentially weighted sums over decode-only steps: weight, rows, rows^2, s, rows*s
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, init=False, repr=False)
-
-    def observe_prefill(self, seconds: float) -> None:
-        """Fold in one request's prefill share (seconds)."""
-        self.prefill_s = _ewma(self.prefill_s, seconds, self.alpha)
-
-    def observe_cold_wait(self, seconds: float) -> None:
-        """Fold in one cold request's adapter wait (seconds)."""
-        self.cold_wait_s = _ewma(self.cold_wait_s, seconds, self.alpha)
-
-    def observe_decode_step(self, rows: int, seconds: float) -> None:
-        """Fold in one decode-only step: ``rows`` sequences (one token each) in ``seconds``
-        of wall time, and refit :attr:`decode_row_s`."""
-        if rows <= 0:
-            return
-        d = self.decode_decay
-        s = self._sums
-        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
-            s[i] = s[i] * d + v
-        w, x, xx, y, xy = s
-        spread = w * xx - x * x  # w^2 times the weighted variance of rows
-        if spread <= 0.05 * w * w:  # (about) one batch size seen: slope unknown
-            return
-        slope = (w * xy - x * y) / spread
-        self.decode_row_s = min(max(0.0, slope), y / x)
-
-
-def _ewma(mean: float, x: float, alpha: float) -> float:
-    return x if mean <= 0.0 else mean + alpha * (x - mean)
-
-
-# ------------------------------------------------------------------ step planning (pure)
-class StepSeq(Protocol):
-    """What step planning reads of a running sequence (:class:`_Seq` has it)."""
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        """Prompt and generated tokens so far."""
-        ...
-
-    @property
-    def num_cached(self) -> int:
-        """Leading tokens whose keys/values are in the KV cache."""
-        ...
-
-    @property
-    def slot(self) -> int:
-        """KV-cache slot (index in the running list)."""
-        ...
-
-    @property
-    def adapter_key(self) -> tuple[str, int] | None:
-        """``(adapter_id, version)``, or None for the base model."""
-        ...
-
-
-S = TypeVar("S", bound=StepSeq)
-
-
-def schedule_step(running: Sequence[S], max_num_batched_tokens: int) -> list[tuple[S, int]]:
-    """Which running sequences compute how many tokens this step (pure).
-
-    Rule: every decoding sequence (exactly one token not in the KV cache, the last one sampled)
-    gets one row, in slot order; the rest of the ``max_num_batched_tokens`` budget then goes to
-    prefilling sequences (more than one uncached token) in slot order, each taking
-    ``min(uncached tokens, budget left)`` (chunked prefill: a prompt longer than the budget
-    continues on the next steps) until the budget is spent. Sequences with nothing uncached
-    are skipped.
-
-    Args:
-        running: The running sequences, index = KV slot.
-        max_num_batched_tokens: The step's token budget (>= the number of running sequences,
-            which :class:`EngineConfig` guarantees, so every decode row fits).
-
-    Returns:
-        ``(sequence, tokens)`` pairs, decode rows first; empty when nothing is to compute.
-    """
-    decode = [s for s in running if s.num_cached == len(s.tokens) - 1]
-    budget = max_num_batched_tokens - len(decode)
-    work: list[tuple[S, int]] = [(s, 1) for s in decode]
-    for s in running:
-        if budget <= 0:
-            break
-        pending = len(s.tokens) - s.num_cached
-        if pending > 1:
-            n = min(pending, budget)
-            work.append((s, n))
-            budget -= n
-    return work
-
-
-@dataclass(frozen=True)
-class StepPlan(Generic[S]):
-    """One step's flat token batch, before the LoRA weights are attached (see
-    :func:`build_step_batch`; ``T`` = the step's tokens).
-
-    Attributes:
-        work: ``(sequence, tokens)`` in row order.
-        adapter_keys: The step's distinct adapters in canonical (sorted) order; LoRA segment
-            ``i`` of the step is ``adapter_keys[i]``.
-        input_ids: ``int64 [T]`` (CPU) token ids, rows grouped by sequence.
-        positions: ``int64 [T]`` (CPU) absolute position of each token in its sequence.
-        row_adapter: ``T`` ints: index into ``adapter_keys`` per row, ``NO_ADAPTER`` (-1) for
-            the base model.
-        chunks: One :class:`~services.worker.model.SeqChunk` per ``work`` entry.
-        logits_rows: Rows whose next-token logits are wanted: the last row of every sequence
-            whose uncached tokens are all in the step.
-        samplers: The sequences of ``logits_rows``, aligned with them.
-    """
-
-    work: list[tuple[S, int]]
-    adapter_keys: tuple[tuple[str, int], ...]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    row_adapter: list[int]
-    chunks: list[SeqChunk]
-    logits_rows: list[int]
-    samplers: list[S]
-
-    @property
-    def num_rows(self) -> int:
-        """``T``, the tokens (rows) of the step."""
-        return len(self.row_adapter)
-
-    def step_batch(self, lora: LoRABatch | None) -> StepBatch:
-        """The model's input for this step with ``lora`` (None: base model only)."""
-        return StepBatch(
-            input_ids=self.input_ids,
-            positions=self.positions,
-            chunks=self.chunks,
-            logits_rows=self.logits_rows,
-            lora=lora,
-        )
-
-
-def build_step_batch(work: Sequence[tuple[S, int]]) -> StepPlan[S]:
-    """Lay out the scheduled ``work`` as one flat token batch (pure: reads its inputs only).
-
-    Rule: rows are grouped by adapter so each adapter is one contiguous LoRA segment: base-model
-    sequences first, then the adapters in sorted ``(adapter_id, version)`` order, each group in
-    ``work`` order (a stable sort). A sequence ``s`` scheduled for ``n`` tokens contributes
-    ``s.tokens[s.num_cached : s.num_cached + n]`` at positions ``num_cached .. num_cached + n
-    - 1`` into its slot, and its last row is a logits row (it samples) when that reaches the end
-    of its tokens.
-
-    Args:
-        work: ``(sequence, tokens)`` pairs from :func:`schedule_step` (non-empty tokens).
-
-    Returns:
-        The plan; ``work`` and the sequences are not modified.
-    """
-    present = {s.adapter_key for s, _ in work if s.adapter_key is not None}
-    keys = {k: i for i, k in enumerate(sorted(present))}  # canonical adapter order
-    ordered = sorted(work, key=lambda w: -1 if w[0].adapter_key is None else keys[w[0].adapter_key])
-    ids: list[int] = []
-    positions: list[int] = []
-    row_adapter: list[int] = []
-    chunks: list[SeqChunk] = []
-    logits_rows: list[int] = []
-    samplers: list[S] = []
-    for s, n in ordered:
-        row = len(ids)
-        start = s.num_cached
-        ids.extend(s.tokens[start : start + n])
-        positions.extend(range(start, start + n))
-        aid = NO_ADAPTER if s.adapter_key is None else keys[s.adapter_key]
-        row_adapter.extend([aid] * n)
-        chunks.append(SeqChunk(slot=s.slot, row=row, num_tokens=n, start_pos=start))
-        if start + n == len(s.tokens):
-            logits_rows.append(row + n - 1)
-            samplers.append(s)
-    return StepPlan(
-        work=ordered,
-        adapter_keys=tuple(keys),
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        row_adapter=row_adapter,
-        chunks=chunks,
-        logits_rows=logits_rows,
-        samplers=samplers,
-    )
 
 
 class Engine:

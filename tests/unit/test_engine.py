@@ -24,13 +24,8 @@ from services.common.errors import (
 )
 from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
-from services.worker.engine import (
-    Engine,
-    EngineConfig,
-    EngineRequest,
-    ServiceEstimates,
-    TokenEvent,
-)
+from services.worker.engine import Engine, EngineConfig, EngineRequest, TokenEvent
+from services.worker.estimates import ServiceEstimates
 from services.worker.model import LlamaModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer

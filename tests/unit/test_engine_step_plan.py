@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.worker.engine import build_step_batch, schedule_step
 from services.worker.lora_ops import NO_ADAPTER
+from services.worker.step_plan import build_step_batch, schedule_step
 
 
 @dataclass(frozen=True)
