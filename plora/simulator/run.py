@@ -35,13 +35,8 @@ from plora.simulator.engine import (
     simulate,
 )
 from plora.simulator.feed import DemandFeed
-from plora.simulator.presets import (
-    ALIBABA_LOAD_LATENCY_CSV,
-    PRESET_NAMES,
-    Preset,
-    get_preset,
-    load_source_latencies,
-)
+from plora.simulator.presets import PRESET_NAMES, Preset, get_preset
+from plora.simulator.presets import source_latencies as preset_source_latencies
 from plora.simulator.report import (
     POLICY_KEYS,
     compare_pair,
@@ -133,14 +128,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--source-latencies",
-        default=str(ALIBABA_LOAD_LATENCY_CSV),
-        help="real LoRA load latencies (ms CSV) for presets with an 'alibaba' source",
+        default=None,
+        help="presets with an 'alibaba' source (h100-8b): draw load latencies from the samples "
+        "of this CSV (column 'value', ms; e.g. alibaba_genai2026_lora_load_latency_ms.csv) "
+        "instead of the distribution fitted to them that ships with the preset",
     )
 
 
 def _config(args: argparse.Namespace, workers: int) -> SimConfig:
     preset = get_preset(args.preset)
-    lat = load_source_latencies(args.source_latencies) if preset.source == "alibaba" else None
+    lat = preset_source_latencies(preset, args.source_latencies)
     return SimConfig(
         preset=preset,
         workers=workers,
@@ -267,7 +264,8 @@ def replay_matched_inputs(
     output length) and ``prompt_token_cap`` (prompts capped, plus
     :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one calibrated at
     run time by :func:`plora.simulator.calibrate.calibrated_cpu_preset`) replaces the named
-    one.
+    one. ``source_latencies`` (a latency CSV) replaces an ``alibaba`` source's fitted
+    distribution with that file's samples (:func:`plora.simulator.presets.source_latencies`).
 
     Raises:
         KeyError: A setting the match needs is missing from the report.
@@ -302,11 +300,11 @@ def replay_matched_inputs(
         host_cache_bytes=max(base.host_cache_bytes, pool),
     )
     adapters = build_adapter_set(trace, preset, int(s["adapters"]), int(s["seed"]))
-    lat = None
-    if preset.source == "alibaba":
-        lat = load_source_latencies(source_latencies or ALIBABA_LOAD_LATENCY_CSV)
     config = SimConfig(
-        preset=preset, workers=int(s["workers"]), seed=int(s["seed"]), source_latencies_s=lat
+        preset=preset,
+        workers=int(s["workers"]),
+        seed=int(s["seed"]),
+        source_latencies_s=preset_source_latencies(preset, source_latencies),
     )
     return trace, adapters, config
 
@@ -470,6 +468,7 @@ def run(args: argparse.Namespace) -> int:
             "drop_top": args.drop_top,
             "search_max_workers": args.search_max_workers,
             "search_duration": args.search_duration,
+            "source_latencies": args.source_latencies,
             "preset_figures": {
                 k: v for k, v in config.preset.__dict__.items() if k not in ("model", "step")
             }
