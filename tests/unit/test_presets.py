@@ -114,4 +114,4 @@ def test_simulate_h100_preset_runs_from_any_directory(tmp_path: Path) -> None:
     # first loads are remote reads of seconds (the fitted distribution: median 4.4 s)
     assert report["baseline"]["cold_start_wait_mean_s"] > 0.5
     assert (work / "out" / "report.md").read_text().startswith("# Trace-driven")
-    assert "it/s" not in proc.stderr  # no progress bar when stderr is not a terminal
+    assert "simulate:" not in proc.stderr  # no progress bar when stderr is not a terminal
