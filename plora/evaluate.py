@@ -6,7 +6,7 @@ at every whole second ``t`` the forecaster observes bucket ``t``, ticks, and its
 compared with what happens in ``(t, t + 5 s]`` (buckets ``t+1 .. t+5``). Training (LSTM) runs
 after the tick and is timed separately.
 
-Metrics (ARCHITECTURE.md "Definitions"; ``W_t`` = the requests in ``(t, t + h]``, h = 5 s):
+Metrics (``W_t`` = the requests in ``(t, t + h]``, h = 5 s):
 
 * ``recall_at_3_5s``: the truth is the (up to) 3 adapters with the most requests in ``W_t``,
   ties broken by the trace's key order (its first row); score

@@ -211,8 +211,8 @@ LLAMA3_8B = ModelSpec(
 #:
 #: Calibration run: ``plora bench replay --trace ../shared/data/traces/
 #: alibaba_genai2026_lora_requests_nov.csv --format alibaba --time-scale 60 --start 6000
-#: --duration 60 --policies baseline --workers 2`` (``bench-out/calib1``, 142 requests, 8 output
-#: tokens, prompts capped at 64 words). From its first five requests (one running sequence,
+#: --duration 60 --policies baseline --workers 2`` (142 requests, 8 output tokens, prompts
+#: capped at 64 words). From its first five requests (one running sequence,
 #: so no queueing): decode step 0.10-0.16 s (median 0.14 s); worker TTFT minus adapter wait,
 #: i.e. one prefill step of 51-64 prompt tokens, 0.36-0.95 s (median 0.54 s); cold adapter
 #: waits 0.19 / 0.41 s (rank 16, 19.5 MB), 0.62 s (rank 32, 39 MB), 0.72 / 1.11 s (rank 64,
@@ -220,9 +220,8 @@ LLAMA3_8B = ModelSpec(
 #: worker TTFT 13 ms (gateway and two gRPC hops). The growth with batch size is taken from the
 #: stated reference figures of ``shared/data/README.md`` for the same model on this machine
 #: (17 tokens/s at batch 1 and 95 tokens/s at batch 8, i.e. batch 8 costs 1.43x batch 1).
-#: Note that the machine was shared with other jobs (load average 6-11) during calibration:
-#: the preset describes this machine as it was, not an idle one. ``plora bench engine`` JSON
-#: was not available when the preset was written.
+#: The machine was shared with other jobs (load average 6-11) during that run: the preset
+#: describes it loaded, not idle.
 CPU_STEP_MEASUREMENTS: dict[str, float] = {
     "decode_batch1_s": 0.13,
     "prefill_57_tokens_s": 0.54,
@@ -271,9 +270,8 @@ CPU_PRESET = Preset(
     load_wait_timeout_s=_WORKER.load_wait_timeout_s,
     network_s=CPU_STEP_MEASUREMENTS["gateway_overhead_s"],
     # 2 cores, and `plora up` gives each worker cores // workers torch threads: two busy
-    # workers run side by side (one core each), a third and more share. (1.0, "every busy
-    # worker halves the other's speed", made the simulated TTFT 34-47 % high against an idle
-    # live replay; the solo-request fit already holds the contention the replay saw.)
+    # workers run side by side (one core each), a third and more share. The solo-request fit
+    # already holds the contention the calibration run saw, so two busy workers add none.
     shared_compute=2.0,
     notes="SmolLM2-135M float32, 2 workers on 2 shared CPU cores; see CPU_STEP_MEASUREMENTS",
 )

@@ -280,10 +280,10 @@ def replay_matched_inputs(
     Uses the replay's settings: trace, format, start, duration, time scale, drop-top, seed,
     adapter count and ranks, pool bytes per worker, workers, ``max_new_tokens`` (every request's
     output length) and ``prompt_token_cap`` (prompts capped, plus
-    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one calibrated at
-    run time by :func:`plora.simulator.calibrate.calibrated_cpu_preset`) replaces the named
-    one. ``source_latencies`` (a latency CSV) replaces an ``alibaba`` source's fitted
-    distribution with that file's samples (:func:`plora.simulator.presets.source_latencies`).
+    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one fitted to
+    the replay by :func:`plora.simulator.calibrate.fit_replay`) replaces the named one.
+    ``source_latencies`` (a latency CSV) replaces an ``alibaba`` source's fitted distribution
+    with that file's samples (:func:`plora.simulator.presets.source_latencies`).
 
     Raises:
         KeyError: A setting the match needs is missing from the report.
