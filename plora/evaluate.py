@@ -6,7 +6,7 @@ at every whole second ``t`` the forecaster observes bucket ``t``, ticks, and its
 compared with what happens in ``(t, t + 5 s]`` (buckets ``t+1 .. t+5``). Training (LSTM) runs
 after the tick and is timed separately.
 
-Metrics (ARCHITECTURE.md "Definitions"; ``W_t`` = the requests in ``(t, t + h]``, h = 5 s):
+Metrics (``W_t`` = the requests in ``(t, t + h]``, h = 5 s):
 
 * ``recall_at_3_5s``: the truth is the (up to) 3 adapters with the most requests in ``W_t``,
   ties broken by the trace's key order (its first row); score
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from plora.traces import load_trace
 from services.predictor.forecast import FORECASTER_NAMES, Forecaster, make_forecaster
@@ -124,6 +125,7 @@ def evaluate_trace(
     max_seconds: int | None = None,
     train_budget_s: float = 0.05,
     with_oracle: bool = True,
+    progress: bool = False,
 ) -> dict[str, dict]:
     """Replay arrivals through ``forecasters`` and score them (see the module doc).
 
@@ -136,6 +138,7 @@ def evaluate_trace(
         max_seconds: Evaluate only ticks ``t < max_seconds``.
         train_budget_s: Budget passed to ``train()`` after each tick.
         with_oracle: Also score the oracle.
+        progress: Show a progress bar of the ticks on stderr when it is a terminal.
 
     Returns:
         ``{name: metrics}`` with ``"oracle"`` added when asked.
@@ -153,7 +156,9 @@ def evaluate_trace(
     bound_sum, bound_n = 0.0, 0
     row_key: dict[str, np.ndarray] = {name: np.zeros(0, dtype=np.int64) for name in forecasters}
     key_of = {k: i for i, k in enumerate(keys)}
-    for t in range(n_ticks):
+    quiet = None if progress else True  # None: quiet unless stderr is a terminal
+    ticks = tqdm(range(n_ticks), desc="forecasters", unit="tick", disable=quiet, leave=False)
+    for t in ticks:
         lo, hi = starts[t], starts[t + 1]
         if hi > lo:
             ks, cs = np.unique(key_index[lo:hi], return_counts=True)
@@ -210,6 +215,7 @@ def tick_benchmark(
     zipf_exponent: float = 1.0,
     seed: int = 0,
     train_budget_s: float = 0.05,
+    progress: bool = False,
 ) -> dict:
     """Tick latency with many adapter ids: the worst case of a large tracked set.
 
@@ -217,7 +223,8 @@ def tick_benchmark(
     steps every one of them each tick), then for ``seconds`` seconds ``Poisson(rate_per_s)``
     requests per second go to ids drawn from a Zipf law. The timed call is the forecaster's
     ``tick()``, as in :func:`evaluate_trace`; ``train()`` follows it, timed apart. Returns tick
-    p50/p99 and train p50/p99, in seconds.
+    p50/p99 and train p50/p99, in seconds. ``progress`` shows a progress bar of the ticks on
+    stderr when it is a terminal.
     """
     rng = np.random.default_rng(seed)
     f = make_forecaster(name, seed=seed)
@@ -228,7 +235,9 @@ def tick_benchmark(
     tick_s: list[float] = []
     train_s: list[float] = []
     scored = 0
-    for t in range(seconds):
+    quiet = None if progress else True  # None: quiet unless stderr is a terminal
+    ticks = tqdm(range(seconds), desc=f"tick {name}", unit="tick", disable=quiet, leave=False)
+    for t in ticks:
         ks, cs = np.unique(
             rng.choice(n_adapters, size=rng.poisson(rate_per_s), p=p), return_counts=True
         )
@@ -309,13 +318,18 @@ def run(args: argparse.Namespace) -> int:
         forecasters,
         horizon_s=args.horizon,
         train_budget_s=args.train_budget,
+        progress=True,
     )
     wall = time.perf_counter() - t0
     bench = {}
     if args.bench_ids > 0:
         bench = {
             n: tick_benchmark(
-                n, n_adapters=args.bench_ids, seconds=args.bench_seconds, seed=args.seed
+                n,
+                n_adapters=args.bench_ids,
+                seconds=args.bench_seconds,
+                seed=args.seed,
+                progress=True,
             )
             for n in names
         }

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, NotRequired, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, NotRequired, TypedDict
 
 import grpc
 
@@ -328,6 +328,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Plan(NamedTuple):
+    """The policy, each service's flags so far and the policy variables in effect."""
+
+    policy: str
+    flags: dict[str, list[str]]
+    policy_env: dict[str, str]
+
+
 class ClusterState(TypedDict):
     """What :meth:`Cluster.start` writes to the state file (and returns)."""
 
@@ -410,16 +418,8 @@ class Cluster:
 
     def _child(self, name: str, service: str, flags: list[str]) -> Child:
         ready = self.run_dir / "run" / f"{name}.ready.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "plora.cli",
-            "serve",
-            service,
-            *flags,
-            "--ready-file",
-            str(ready),
-        ]
+        cmd = [sys.executable, "-m", "plora.cli", "serve", service, *flags, "--ready-file"]
+        cmd.append(str(ready))
         child = Child(name, cmd, self.run_dir / "logs" / f"{name}.log", ready)
         self.children.append(child)
         return child
@@ -469,18 +469,51 @@ class Cluster:
         return offset + len(data)
 
     def start(self) -> ClusterState:
-        """Start everything; returns the state written to the state file."""
+        """Start everything, in this order, and write the state file; returns what it wrote.
+        Whatever started stays running on an error: the caller stops it with :meth:`stop`.
+
+        Raises:
+            ConfigError: a bad flag, variable, model or rank (before anything starts).
+            RegistryUnavailableError: the external Redis does not answer.
+            RuntimeError: another cluster runs here, a directory cannot be made, or a service
+                exited or was not ready in time.
+            TimeoutError: a service's health check never passed.
+            grpc.RpcError: a demo adapter's registration failed.
+            KeyboardInterrupt: a stop was requested while waiting for the services.
+        """
+        plan = self._plan()
+        self._prepare_files()
+        model_dir, spec = self._prepare_model()  # a bad --model is refused before Redis starts
+        env = dict(os.environ, PLORA_REDIS_URL=self._start_redis())
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        predictor = self._start_predictor(plan, env)
+        workers = self._start_workers(plan, model_dir, env)
+        self._say(
+            f"starting {'the predictor, ' if predictor else ''}{self.args.workers} workers "
+            "(loading the model)..."
+        )
+        self._wait_ready([c for c in [predictor, *workers] if c], self.args.startup_timeout)
+        gateway = self._start_gateway(plan, predictor, env)
+        adapters = self._register_demo_adapters(gateway, spec)
+        return self._write_state(plan, gateway, adapters)
+
+    def _plan(self) -> _Plan:
+        """Settle every service's flags (policy, the workers' share of the cores,
+        ``--pool-bytes``, ``--worker-arg``) and check them as each service will. Unset
+        ``--model`` and ``--gateway-port`` take the variables ``plora serve`` reads for them
+        (``PLORA_MODEL``, ``PLORA_GATEWAY_PORT``): the children get explicit flags, which win.
+
+        Raises:
+            ConfigError: a flag or variable a service would refuse, or a bad gateway port.
+        """
         a = self.args
-        # Unset flags fall back to the variables `plora serve` reads for them: the launcher
-        # passes every child its --model and the gateway its --port, which win over them.
         if a.model is None:
             a.model = env_or("PLORA_MODEL", None)
         if a.gateway_port is None:
             a.gateway_port = int_flag_or_env(None, "PLORA_GATEWAY_PORT", DEFAULT_GATEWAY_PORT)
             require_server_ports("gateway", a.gateway_port, 0)
-        policy_name = a.policy or "plora"
         set_in_env = overridden_policy_env(os.environ)
-        policy = policy_flags(POLICIES[policy_name], keep_env=None if a.policy else os.environ)
+        flags = policy_flags(POLICIES[a.policy or "plora"], None if a.policy else os.environ)
         if set_in_env:
             shown = ", ".join(f"{k}={v}" for k, v in set_in_env.items())
             self._say(
@@ -488,127 +521,150 @@ class Cluster:
                 if a.policy
                 else f"policy plora with {shown} from the environment"
             )
-        env_policy = {} if a.policy else set_in_env
         # Workers on one host split the cores: OpenMP threads beyond the cores spin-wait on
-        # each other and decode several times slower.
-        # PLORA_WORKER_THREADS, when set, is the user's choice and the workers read it.
+        # each other and decode several times slower. PLORA_WORKER_THREADS, when set, is the
+        # user's choice and the workers read it.
         threads = max(1, (os.cpu_count() or 1) // max(1, a.workers))
-        thread_flags = [] if os.environ.get("PLORA_WORKER_THREADS") else ["--threads", str(threads)]
-        worker_flags = [*thread_flags, *policy["worker"]]
+        if not os.environ.get("PLORA_WORKER_THREADS"):
+            flags["worker"] = ["--threads", str(threads), *flags["worker"]]
         if a.pool_bytes:
-            worker_flags += ["--pool-bytes", a.pool_bytes]
+            flags["worker"] += ["--pool-bytes", a.pool_bytes]
         for extra in a.worker_arg:
-            worker_flags += extra.split()
-        for service, flags in {**policy, "worker": worker_flags}.items():
-            check_service_flags(service, flags)
+            flags["worker"] += extra.split()
+        for service, service_flags in flags.items():
+            check_service_flags(service, service_flags)
+        return _Plan(a.policy or "plora", flags, {} if a.policy else set_in_env)
+
+    def _prepare_files(self) -> None:
+        """Refuse to start over a running cluster, create the adapters' and the state file's
+        directories, and remove a stale state file (its launcher is gone).
+
+        Raises:
+            RuntimeError: another cluster runs here, or a directory cannot be created.
+        """
+        a = self.args
         self._refuse_a_running_cluster()
         if a.demo_adapters > 0:
-            _make_dir(
-                Path(a.adapters_dir),
-                f"--adapters-dir {a.adapters_dir}",
-                "it",
-                "give a writable directory for the demo adapters, or --demo-adapters 0",
-            )
-        _make_dir(
-            self.run_dir,
-            f"--state-file {a.state_file}"
-            if a.state_file
-            else f"PLORA_STATE_FILE={self.state_file}",
-            f"its directory {self.run_dir}",
-            "give a state file in a writable directory",
-        )
-        self.state_file.unlink(missing_ok=True)  # a stale one: its launcher is gone
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
+            hint = "give a writable directory for the demo adapters, or --demo-adapters 0"
+            _make_dir(Path(a.adapters_dir), f"--adapters-dir {a.adapters_dir}", "it", hint)
+        named = f"--state-file {a.state_file}"
+        if not a.state_file:
+            named = f"PLORA_STATE_FILE={self.state_file}"
+        hint = "give a state file in a writable directory"
+        _make_dir(self.run_dir, named, f"its directory {self.run_dir}", hint)
+        self.state_file.unlink(missing_ok=True)
 
-        # the model first: a bad --model is refused before Redis starts
+    def _prepare_model(self) -> tuple[Path, ModelSpec]:
+        """The base model's directory (the first run converts the GGUF) and its shape; checks
+        that the demo adapters' ranks fit it.
+
+        Raises:
+            ConfigError: the model cannot be found or converted, or a demo rank is too large.
+        """
         self._say(
             "preparing the base model (first run converts the GGUF once; later runs reuse it)"
         )
-        from services.worker.model_loader import (  # noqa: PLC0415
-            default_cache_dir,
-            resolve_model,
-            spec_from_dir,
-        )
+        from services.worker import model_loader  # noqa: PLC0415
 
-        model_dir = resolve_model(a.model, default_cache_dir())
+        model_dir = model_loader.resolve_model(self.args.model, model_loader.default_cache_dir())
         self._say(f"base model ready: {model_dir}")
-        spec = spec_from_dir(model_dir)
-        if a.demo_adapters > 0:
+        spec = model_loader.spec_from_dir(model_dir)
+        if self.args.demo_adapters > 0:
             from plora.make_adapters import check_ranks  # noqa: PLC0415 - torch
 
-            check_ranks(a.demo_ranks, spec, "--demo-ranks")
+            check_ranks(self.args.demo_ranks, spec, "--demo-ranks")
+        return model_dir, spec
 
-        external = a.redis_url or env_or("PLORA_REDIS_URL", None)
+    def _start_redis(self) -> str:
+        """Connect to the Redis of ``--redis-url`` / ``PLORA_REDIS_URL``, or start an embedded
+        one that stops with this process; returns its URL.
+
+        Raises:
+            RegistryUnavailableError: the external Redis does not answer.
+            ConfigError: its URL is malformed.
+            RuntimeError: the embedded server exited or did not answer in time.
+        """
+        external = self.args.redis_url or env_or("PLORA_REDIS_URL", None)
         if external:
             connect(external)  # a clear RegistryUnavailableError when unreachable
             self.redis_url = external
             self._say(f"using Redis at {external}")
         else:
-            self.redis = EmbeddedRedis(host=a.host, stop_with_parent=True).start()
+            self.redis = EmbeddedRedis(host=self.args.host, stop_with_parent=True).start()
             self.redis_url = self.redis.url
             self._say(f"started embedded Redis at {self.redis_url}")
-        env["PLORA_REDIS_URL"] = self.redis_url
+        return self.redis_url
 
-        common = ["--host", a.host, "--redis-url", self.redis_url]
-        predictor = None
-        if "predictor" in policy:
-            predictor = self._child(
-                "predictor",
-                "predictor",
-                [*common, "--port", "0", "--metrics-port", "0", *policy["predictor"]],
-            )
-            predictor.start(env)
+    def _start_predictor(self, plan: _Plan, env: dict[str, str]) -> Child | None:
+        """Start the predictor without waiting for it (none when the policy has none).
+
+        Raises:
+            OSError: its process cannot be started or its log opened.
+        """
+        if "predictor" not in plan.flags:
+            return None
+        flags = [*self._common_flags(), "--port", "0", "--metrics-port", "0"]
+        predictor = self._child("predictor", "predictor", [*flags, *plan.flags["predictor"]])
+        predictor.start(env)
+        return predictor
+
+    def _start_workers(self, plan: _Plan, model_dir: Path, env: dict[str, str]) -> list[Child]:
+        """Start the workers ``worker-<i>`` on ``model_dir`` without waiting for them.
+
+        Raises:
+            OSError: a process cannot be started or its log opened.
+        """
         workers = []
-        for i in range(a.workers):
-            flags = [
-                *common,
-                "--worker-id",
-                f"worker-{i}",
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--model",
-                str(model_dir),
-                *worker_flags,
-            ]
-            w = self._child(f"worker-{i}", "worker", flags)
-            w.start(env)
-            workers.append(w)
-        self._say(
-            f"starting {'the predictor, ' if predictor else ''}{a.workers} workers "
-            "(loading the model)..."
-        )
-        self._wait_ready([c for c in [predictor, *workers] if c], a.startup_timeout)
+        for i in range(self.args.workers):
+            flags = [*self._common_flags(), "--worker-id", f"worker-{i}", "--port", "0"]
+            flags += ["--metrics-port", "0", "--model", str(model_dir), *plan.flags["worker"]]
+            workers.append(self._child(f"worker-{i}", "worker", flags))
+            workers[-1].start(env)
+        return workers
 
-        gw_flags = [
-            *common,
-            "--port",
-            str(a.gateway_port),
-            "--metrics-port",
-            "0",
-            *policy["gateway"],
-        ]
+    def _start_gateway(self, plan: _Plan, predictor: Child | None, env: dict[str, str]) -> str:
+        """Start the gateway on ``--gateway-port`` and wait until it serves; returns its address.
+
+        Raises:
+            RuntimeError: it exited or was not ready within 60 s.
+            TimeoutError: its health check never passed.
+            KeyboardInterrupt: a stop was requested meanwhile.
+            OSError: its process cannot be started or its log opened.
+        """
+        a = self.args
+        flags = [*self._common_flags(), "--port", str(a.gateway_port), "--metrics-port", "0"]
+        flags += plan.flags["gateway"]
         if predictor:
-            gw_flags += ["--predictor-address", f"{a.host}:{predictor.ports['grpc_port']}"]
-        gateway = self._child("gateway", "gateway", gw_flags)
+            flags += ["--predictor-address", f"{a.host}:{predictor.ports['grpc_port']}"]
+        gateway = self._child("gateway", "gateway", flags)
         gateway.start(env)
         self._wait_ready([gateway], 60)
-        gateway_address = f"{a.host}:{gateway.ports['grpc_port']}"
+        return f"{a.host}:{gateway.ports['grpc_port']}"
 
-        registered = self._register_demo_adapters(gateway_address, spec)
+    def _common_flags(self) -> list[str]:
+        """The flags every service gets: the interface to bind and the Redis URL."""
+        return ["--host", self.args.host, "--redis-url", self.redis_url]
+
+    def _write_state(self, plan: _Plan, gateway: str, adapters: list[str]) -> ClusterState:
+        """Write the Prometheus targets and the state file (each atomically); returns the state.
+
+        Raises:
+            OSError: a file cannot be written.
+        """
+        host = self.args.host
+        workers = [c for c in self.children if c.is_worker]
+        predictor = next((c for c in self.children if c.name == "predictor"), None)
         state: ClusterState = {
-            "gateway": gateway_address,
+            "gateway": gateway,
             "metrics": {
-                c.name: f"http://{a.host}:{c.ports['metrics_port']}/metrics" for c in self.children
+                c.name: f"http://{host}:{c.ports['metrics_port']}/metrics" for c in self.children
             },
             "redis_url": self.redis_url,
-            "policy": policy_name,
-            "policy_env": env_policy,
-            "workers": {w.name: f"{a.host}:{w.ports['grpc_port']}" for w in workers},
-            "predictor": f"{a.host}:{predictor.ports['grpc_port']}" if predictor else "",
-            "adapters": registered,
+            "policy": plan.policy,
+            "policy_env": plan.policy_env,
+            "workers": {w.name: f"{host}:{w.ports['grpc_port']}" for w in workers},
+            "predictor": f"{host}:{predictor.ports['grpc_port']}" if predictor else "",
+            "adapters": adapters,
             "pids": {c.name: c.proc.pid for c in self.children if c.proc},
             "launcher_pid": os.getpid(),
         }
@@ -619,6 +675,13 @@ class Cluster:
         return state
 
     def _register_demo_adapters(self, gateway: str, spec: ModelSpec) -> list[str]:
+        """Write the ``--demo-adapters`` adapters for ``spec`` and register them with the
+        gateway at ``gateway``; returns their ids.
+
+        Raises:
+            grpc.RpcError: the gateway refused or did not answer a registration.
+            OSError: an adapter cannot be written.
+        """
         a = self.args
         if a.demo_adapters <= 0:
             return []

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from plora.traces import Trace, load_trace
 from services.common.types import (
@@ -139,10 +140,12 @@ def replay(
     eviction: str = "lru",
     compaction_max_ratio: float | None = None,
     spec: ModelSpec = SMOLLM2_135M,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Replay ``trace`` through one store configuration; returns its figures (JSON-ready).
 
-    ``compaction_max_ratio`` None keeps the store's default (what the worker runs)."""
+    ``compaction_max_ratio`` None keeps the store's default (what the worker runs);
+    ``progress`` shows a progress bar of the requests on stderr when it is a terminal."""
     if compaction_max_ratio is None:
         compaction_max_ratio = StoreConfig.compaction_max_ratio
     config = StoreConfig(
@@ -166,11 +169,17 @@ def replay(
     held: list[tuple[float, int, StoreLease]] = []
     failed = 0
     t0 = time.perf_counter()
+    arrivals = tqdm(
+        zip(trace.times.tolist(), trace.key_index.tolist(), strict=True),
+        total=len(trace),
+        desc=f"{allocator} {page_bytes >> 10} KiB pages" if allocator == "paged" else allocator,
+        unit="req",
+        disable=None if progress else True,  # None: quiet unless stderr is a terminal
+        leave=False,
+    )
     with AdapterStore(config, source) as store:
         keys = trace.keys
-        for i, (t, k) in enumerate(
-            zip(trace.times.tolist(), trace.key_index.tolist(), strict=True)
-        ):
+        for i, (t, k) in enumerate(arrivals):
             while held and held[0][0] <= t:
                 heapq.heappop(held)[2].release()
             lease = store.acquire(refs[keys[k]])
@@ -272,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
     working_set = sum(adapter_bytes(SMOLLM2_135M, r, esize) for r in ranks.values())
     pool_bytes = int(working_set * args.pool_fraction)
     host_cache = max(working_set, pool_bytes)
-    common = {
+    common: dict[str, Any] = {
+        "progress": True,
         "pool_bytes": pool_bytes,
         "host_cache_bytes": host_cache,
         "hold_seconds": args.hold_seconds,

@@ -14,8 +14,9 @@ and the pools are, and what loading an adapter costs. Two are built in:
     4096, MLP 14336, 32 heads, 8 KV heads), adapters on all seven projections, pool of 16 GiB,
     host tier in pinned RAM. The step time is a roofline model checked against published
     measurements (figures in :data:`H100_8B_SOURCES`); the source tier is remote storage whose
-    load latency is drawn from Alibaba's real measurements
-    (``alibaba_genai2026_lora_load_latency_ms.csv``: median 4.4 s, p90 6.1 s).
+    load latency is drawn from a distribution fitted to Alibaba's real measurements, shipped
+    here as numbers (:data:`ALIBABA_LOAD_LATENCY_MS`, :func:`alibaba_load_latencies`: median
+    4.4 s, p90 6.1 s).
 
 Step-time model (:class:`StepTimeModel`), seconds, for a step with ``rows`` decode rows,
 ``prefill`` prompt tokens, ``segments`` distinct adapters and per-row ranks::
@@ -45,9 +46,6 @@ from services.worker.store import StoreConfig
 
 #: Presets understood by :func:`get_preset`.
 PRESET_NAMES: tuple[str, ...] = ("cpu", "h100-8b")
-
-#: Real remote-storage LoRA load latencies (ms), relative to the repository root.
-ALIBABA_LOAD_LATENCY_CSV = Path("../shared/data/traces/alibaba_genai2026_lora_load_latency_ms.csv")
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -121,7 +119,8 @@ class Preset:
         host_cache_bytes: Host tier bound, bytes.
         h2d_bytes_per_s: Host -> device copy bandwidth, bytes/s.
         device_copy_bytes_per_s: Device-internal copy bandwidth (compaction moves), bytes/s.
-        source: ``"alibaba"`` (latency drawn from the real measurements) or ``"fixed"``.
+        source: ``"alibaba"`` (latency drawn from the distribution of real measurements:
+            :func:`source_latencies`) or ``"fixed"``.
         source_fixed_s: ``fixed``: seconds per source read on top of the bytes term.
         source_bytes_per_s: ``fixed``: read + pack bandwidth of the source tier, bytes/s.
         loader_threads: Concurrent adapter loads per worker.
@@ -212,8 +211,8 @@ LLAMA3_8B = ModelSpec(
 #:
 #: Calibration run: ``plora bench replay --trace ../shared/data/traces/
 #: alibaba_genai2026_lora_requests_nov.csv --format alibaba --time-scale 60 --start 6000
-#: --duration 60 --policies baseline --workers 2`` (``bench-out/calib1``, 142 requests, 8 output
-#: tokens, prompts capped at 64 words). From its first five requests (one running sequence,
+#: --duration 60 --policies baseline --workers 2`` (142 requests, 8 output tokens, prompts
+#: capped at 64 words). From its first five requests (one running sequence,
 #: so no queueing): decode step 0.10-0.16 s (median 0.14 s); worker TTFT minus adapter wait,
 #: i.e. one prefill step of 51-64 prompt tokens, 0.36-0.95 s (median 0.54 s); cold adapter
 #: waits 0.19 / 0.41 s (rank 16, 19.5 MB), 0.62 s (rank 32, 39 MB), 0.72 / 1.11 s (rank 64,
@@ -221,9 +220,8 @@ LLAMA3_8B = ModelSpec(
 #: worker TTFT 13 ms (gateway and two gRPC hops). The growth with batch size is taken from the
 #: stated reference figures of ``shared/data/README.md`` for the same model on this machine
 #: (17 tokens/s at batch 1 and 95 tokens/s at batch 8, i.e. batch 8 costs 1.43x batch 1).
-#: Note that the machine was shared with other jobs (load average 6-11) during calibration:
-#: the preset describes this machine as it was, not an idle one. ``plora bench engine`` JSON
-#: was not available when the preset was written.
+#: The machine was shared with other jobs (load average 6-11) during that run: the preset
+#: describes it loaded, not idle.
 CPU_STEP_MEASUREMENTS: dict[str, float] = {
     "decode_batch1_s": 0.13,
     "prefill_57_tokens_s": 0.54,
@@ -272,9 +270,8 @@ CPU_PRESET = Preset(
     load_wait_timeout_s=_WORKER.load_wait_timeout_s,
     network_s=CPU_STEP_MEASUREMENTS["gateway_overhead_s"],
     # 2 cores, and `plora up` gives each worker cores // workers torch threads: two busy
-    # workers run side by side (one core each), a third and more share. (1.0, "every busy
-    # worker halves the other's speed", made the simulated TTFT 34-47 % high against an idle
-    # live replay; the solo-request fit already holds the contention the replay saw.)
+    # workers run side by side (one core each), a third and more share. The solo-request fit
+    # already holds the contention the calibration run saw, so two busy workers add none.
     shared_compute=2.0,
     notes="SmolLM2-135M float32, 2 workers on 2 shared CPU cores; see CPU_STEP_MEASUREMENTS",
 )
@@ -317,7 +314,8 @@ H100_8B_SOURCES: dict[str, str] = {
     ),
     "source": (
         "Alibaba cluster-trace-v2026-GenAI lora_update_latency: 27,415 real LoRA load times "
-        "from remote storage, median 4.4 s, p90 6.1 s, p99 8.2 s (drawn per load)."
+        "from remote storage, median 4.4 s, p90 6.1 s, p99 8.2 s; drawn per load from their "
+        "fitted distribution (ALIBABA_LOAD_LATENCY_MS, alibaba_load_latencies)."
     ),
     "vllm_defaults": "vLLM defaults: max_num_seqs 256; chunked prefill budget 2,048-8,192 tokens.",
 }
@@ -369,11 +367,119 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; expected one of {PRESET_NAMES}") from None
 
 
-def load_source_latencies(path: str | Path = ALIBABA_LOAD_LATENCY_CSV) -> np.ndarray:
-    """The real LoRA load latencies, seconds.
+# ---------------------------------------------------------------------- source latencies
+#: Probabilities of the knots of :data:`ALIBABA_LOAD_LATENCY_MS`: every 1 %, then the tail.
+ALIBABA_LOAD_LATENCY_P: tuple[float, ...] = (
+    *(i / 100 for i in range(100)),
+    0.995,
+    0.999,
+    0.9995,
+    0.9999,
+    1.0,
+)
+
+#: Remote-storage LoRA load latency, ms, at the probabilities :data:`ALIBABA_LOAD_LATENCY_P`
+#: (the fit of :func:`alibaba_load_latencies`; refit with :func:`fit_load_latency_quantiles`).
+ALIBABA_LOAD_LATENCY_MS: tuple[int, ...] = (
+    631, 793, 833, 883, 961, 1131, 1289, 1476, 1990, 2500,
+    2701, 2840, 2929, 3002, 3068, 3132, 3186, 3235, 3282, 3330,
+    3374, 3415, 3457, 3498, 3534, 3571, 3607, 3643, 3674, 3710,
+    3742, 3777, 3809, 3841, 3866, 3898, 3934, 3967, 3997, 4030,
+    4062, 4096, 4128, 4156, 4188, 4218, 4250, 4282, 4316, 4346,
+    4378, 4411, 4444, 4474, 4507, 4540, 4575, 4610, 4648, 4683,
+    4719, 4758, 4792, 4827, 4859, 4894, 4931, 4967, 5002, 5042,
+    5083, 5124, 5163, 5198, 5240, 5284, 5325, 5374, 5418, 5464,
+    5510, 5556, 5606, 5656, 5710, 5772, 5835, 5906, 5979, 6053,
+    6143, 6238, 6344, 6453, 6589, 6767, 6953, 7209, 7565, 8214,
+    8927, 21453, 24461, 34983, 38703,
+)  # fmt: skip
+
+#: Draws :func:`alibaba_load_latencies` spreads over the distribution by default.
+ALIBABA_LOAD_LATENCY_POINTS = 100_000
+
+
+def alibaba_load_latencies(n: int = ALIBABA_LOAD_LATENCY_POINTS) -> np.ndarray:
+    """Remote-storage LoRA load latencies, seconds: the ``h100-8b`` preset's source tier.
+
+    Data: Alibaba's ``cluster-trace-v2026-GenAI`` (github.com/alibaba/clusterdata, file
+    ``cluster-trace-v2026-GenAI/lora_update_latency_anon.tar.gz``, commit 7a6c496e): 27,415
+    measured LoRA load times from remote storage in production, column ``value`` in ms
+    (extracted as ``alibaba_genai2026_lora_load_latency_ms.csv``, sha256 ``35136799...``).
+
+    Distribution: the measurements' empirical distribution, kept as its quantile function at
+    105 knots (:data:`ALIBABA_LOAD_LATENCY_P`: every 1 %, then 99.5, 99.9, 99.95, 99.99 and
+    100 %; values :data:`ALIBABA_LOAD_LATENCY_MS`, each the sample order statistic, numpy's
+    ``inverted_cdf`` quantile), linear between knots, i.e. a piecewise-uniform density. The
+    data are bimodal (about 7 % fast loads of 0.6-1.5 s, the rest around 4.4 s) with a thin
+    long tail (0.1 % above 21 s, max 38.7 s), which a single lognormal misses (KS distance
+    0.16; a two-lognormal mixture 0.017 but loses the tail: p99.9 10.4 s). Fitted numbers,
+    seconds: min 0.631, p10 2.701, p25 3.571, p50 4.378, p75 5.284, p90 6.143, p99 8.214,
+    p99.9 21.453, max 38.703. Against the 27,415 samples the returned points (default
+    ``n``) have a Kolmogorov-Smirnov distance of 0.005, a mean of 4.410 s (samples 4.396 s),
+    the same p50, p90 and p99 to 1 ms, p99.9 21.4 s (samples 21.4 s).
+
+    Refit: ``fit_load_latency_quantiles(path_to_the_csv)`` returns the knot values for
+    :data:`ALIBABA_LOAD_LATENCY_P`; paste them into :data:`ALIBABA_LOAD_LATENCY_MS` (a test
+    checks the two agree when the file is present).
 
     Args:
-        path: ``alibaba_genai2026_lora_load_latency_ms.csv`` (column ``value``, ms).
+        n: Points returned: the fitted quantile function at the probabilities
+            ``(i + 0.5) / n``, so a uniformly drawn point (how the simulator draws a load,
+            ``SimConfig.source_latencies_s``) follows the fitted distribution.
+
+    Returns:
+        ``float64 [n]`` latencies in seconds, ascending.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    p = (np.arange(n, dtype=np.float64) + 0.5) / n
+    ms = np.interp(p, ALIBABA_LOAD_LATENCY_P, np.asarray(ALIBABA_LOAD_LATENCY_MS, np.float64))
+    return ms / 1000.0
+
+
+def fit_load_latency_quantiles(path: str | Path) -> tuple[int, ...]:
+    """Refit :data:`ALIBABA_LOAD_LATENCY_MS` from a latency file (see
+    :func:`alibaba_load_latencies`): the sample order statistics at
+    :data:`ALIBABA_LOAD_LATENCY_P`, whole ms.
+
+    Raises:
+        FileNotFoundError: The file is absent.
+        ValueError: No ``value`` column.
+    """
+    ms = load_source_latencies(path) * 1000.0
+    q = np.quantile(ms, ALIBABA_LOAD_LATENCY_P, method="inverted_cdf")
+    return tuple(int(round(v)) for v in q.tolist())
+
+
+def source_latencies(preset: Preset, path: str | Path | None = None) -> np.ndarray | None:
+    """What ``SimConfig.source_latencies_s`` needs for ``preset``.
+
+    Args:
+        preset: The preset.
+        path: A latency file (:func:`load_source_latencies`) to draw its samples from instead
+            of the fitted distribution (:func:`alibaba_load_latencies`).
+
+    Returns:
+        ``None`` for a ``"fixed"`` source; else latencies in seconds to draw from.
+
+    Raises:
+        FileNotFoundError: ``path`` is absent.
+        ValueError: ``path`` has no ``value`` column.
+    """
+    if preset.source != "alibaba":
+        return None
+    return alibaba_load_latencies() if path is None else load_source_latencies(path)
+
+
+def load_source_latencies(path: str | Path) -> np.ndarray:
+    """Measured LoRA load latencies from a file, seconds.
+
+    Args:
+        path: A CSV with a ``value`` column in ms, such as Alibaba's
+            ``alibaba_genai2026_lora_load_latency_ms.csv`` (see :func:`alibaba_load_latencies`).
 
     Returns:
         ``float64 [n]`` latencies in seconds, in file order.

@@ -18,11 +18,13 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from plora.policies import POLICIES, get_policy
 from plora.simulator.calibrate import fit_replay, read_records
@@ -35,13 +37,8 @@ from plora.simulator.engine import (
     simulate,
 )
 from plora.simulator.feed import DemandFeed
-from plora.simulator.presets import (
-    ALIBABA_LOAD_LATENCY_CSV,
-    PRESET_NAMES,
-    Preset,
-    get_preset,
-    load_source_latencies,
-)
+from plora.simulator.presets import PRESET_NAMES, Preset, get_preset
+from plora.simulator.presets import source_latencies as preset_source_latencies
 from plora.simulator.report import (
     POLICY_KEYS,
     compare_pair,
@@ -133,14 +130,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--source-latencies",
-        default=str(ALIBABA_LOAD_LATENCY_CSV),
-        help="real LoRA load latencies (ms CSV) for presets with an 'alibaba' source",
+        default=None,
+        help="presets with an 'alibaba' source (h100-8b): draw load latencies from the samples "
+        "of this CSV (column 'value', ms; e.g. alibaba_genai2026_lora_load_latency_ms.csv) "
+        "instead of the distribution fitted to them that ships with the preset",
     )
 
 
 def _config(args: argparse.Namespace, workers: int) -> SimConfig:
     preset = get_preset(args.preset)
-    lat = load_source_latencies(args.source_latencies) if preset.source == "alibaba" else None
+    lat = preset_source_latencies(preset, args.source_latencies)
     return SimConfig(
         preset=preset,
         workers=workers,
@@ -164,6 +163,13 @@ def _use_process(mode: str, trace: Trace, config: SimConfig) -> bool:
     return last / config.tick_s >= FEED_PROCESS_MIN_TICKS
 
 
+#: ``progress(policy, stage)``, called by :func:`run_simulations` as it goes: ``stage`` is
+#: ``"simulate"`` when the policy's simulation starts, ``"search N workers"`` when its
+#: worker-count search starts a simulation with N workers, and ``"done"`` when the policy's
+#: simulations are over.
+ProgressHook = Callable[[str, str], None]
+
+
 def run_simulations(
     trace: Trace,
     adapters: AdapterSet,
@@ -174,12 +180,14 @@ def run_simulations(
     search_trace: Trace | None = None,
     search_adapters: AdapterSet | None = None,
     forecast_process: str = "auto",
+    progress: ProgressHook | None = None,
 ) -> tuple[dict[str, SimResult], dict[str, dict[str, Any]]]:
     """Simulate every policy, summarize, and search the worker count meeting the SLO.
 
     The production forecaster runs once per trace (:func:`make_feed`; in a child process that
     runs ahead of the simulations when ``forecast_process`` says so) and every simulation of
-    that trace with a predictor policy reads its forecasts.
+    that trace with a predictor policy reads its forecasts. ``progress`` hears of every
+    simulation as it starts (:data:`ProgressHook`).
 
     Returns:
         ``(results, summaries)`` keyed by policy name, in the order given; each summary's
@@ -196,11 +204,16 @@ def run_simulations(
             feeds[key] = make_feed(tr, ad, config, _use_process(forecast_process, tr, config))
         return feeds[key]
 
+    def tell(policy: str, stage: str) -> None:
+        if progress is not None:
+            progress(policy, stage)
+
     if needs_feed:
         feed_for(trace, adapters)  # start it now: a child process runs ahead meanwhile
     for name in policies:
         spec = get_policy(name)
         feed = feed_for(trace, adapters) if spec.predictor else None
+        tell(name, "simulate")
         res = simulate(trace, adapters, spec, config, feed)
         logger.info("%s: %d requests in %.1f s wall", name, len(trace), res.wall_s)
         results[name] = res
@@ -213,10 +226,11 @@ def run_simulations(
             t0 = time.perf_counter()
 
             def attainment_at(
-                n: int, spec=spec, st=st, sa=sa, cache=cache, sfeed=sfeed
+                n: int, name=name, spec=spec, st=st, sa=sa, cache=cache, sfeed=sfeed
             ) -> float | None:
                 r = cache.get(n)
                 if r is None:
+                    tell(name, f"search {n} workers")
                     cfg = SimConfig(**{**config.__dict__, "workers": n})
                     r = simulate(st, sa, spec, cfg, sfeed)
                 return slo_attainment(r, slo_ttft_s)
@@ -229,6 +243,7 @@ def run_simulations(
                 "wall_s": time.perf_counter() - t0,
             }
         summaries[name] = s
+        tell(name, "done")
     main = feeds.get((id(trace), id(adapters)))
     for name, s in summaries.items():
         s["forecast"] = (
@@ -265,9 +280,10 @@ def replay_matched_inputs(
     Uses the replay's settings: trace, format, start, duration, time scale, drop-top, seed,
     adapter count and ranks, pool bytes per worker, workers, ``max_new_tokens`` (every request's
     output length) and ``prompt_token_cap`` (prompts capped, plus
-    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one calibrated at
-    run time by :func:`plora.simulator.calibrate.calibrated_cpu_preset`) replaces the named
-    one.
+    :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one fitted to
+    the replay by :func:`plora.simulator.calibrate.fit_replay`) replaces the named one.
+    ``source_latencies`` (a latency CSV) replaces an ``alibaba`` source's fitted distribution
+    with that file's samples (:func:`plora.simulator.presets.source_latencies`).
 
     Raises:
         KeyError: A setting the match needs is missing from the report.
@@ -302,11 +318,11 @@ def replay_matched_inputs(
         host_cache_bytes=max(base.host_cache_bytes, pool),
     )
     adapters = build_adapter_set(trace, preset, int(s["adapters"]), int(s["seed"]))
-    lat = None
-    if preset.source == "alibaba":
-        lat = load_source_latencies(source_latencies or ALIBABA_LOAD_LATENCY_CSV)
     config = SimConfig(
-        preset=preset, workers=int(s["workers"]), seed=int(s["seed"]), source_latencies_s=lat
+        preset=preset,
+        workers=int(s["workers"]),
+        seed=int(s["seed"]),
+        source_latencies_s=preset_source_latencies(preset, source_latencies),
     )
     return trace, adapters, config
 
@@ -439,17 +455,30 @@ def run(args: argparse.Namespace) -> int:
     if args.search_duration is not None:
         search_trace = trace.sliced(0.0, args.search_duration)
         search_adapters = build_adapter_set(search_trace, config.preset, args.adapters, args.seed)
-    results, summaries = run_simulations(
-        trace,
-        adapters,
-        policies,
-        config,
-        args.slo_ttft,
-        args.search_max_workers,
-        search_trace,
-        search_adapters,
-        args.forecast_process,
-    )
+    # A progress bar on stderr, only when it is a terminal; log lines print above it.
+    with (
+        tqdm(total=len(policies), desc="simulate", unit="policy", disable=None, leave=False) as bar,
+        logging_redirect_tqdm(),
+    ):
+
+        def progress(policy: str, stage: str) -> None:
+            if stage == "done":
+                bar.update(1)
+            else:
+                bar.set_postfix_str(f"{policy}: {stage}")
+
+        results, summaries = run_simulations(
+            trace,
+            adapters,
+            policies,
+            config,
+            args.slo_ttft,
+            args.search_max_workers,
+            search_trace,
+            search_adapters,
+            args.forecast_process,
+            progress,
+        )
     curves = {n: slo_vs_load(r, args.slo_ttft) for n, r in results.items()}
     for n in summaries:
         summaries[n]["slo_vs_load"] = curves[n]
@@ -470,6 +499,7 @@ def run(args: argparse.Namespace) -> int:
             "drop_top": args.drop_top,
             "search_max_workers": args.search_max_workers,
             "search_duration": args.search_duration,
+            "source_latencies": args.source_latencies,
             "preset_figures": {
                 k: v for k, v in config.preset.__dict__.items() if k not in ("model", "step")
             }

@@ -19,12 +19,11 @@ from plora.simulator.engine import (
     simulate,
 )
 from plora.simulator.presets import (
-    ALIBABA_LOAD_LATENCY_CSV,
     CPU_PRESET,
     H100_8B_PRESET,
     StepTimeModel,
+    alibaba_load_latencies,
     get_preset,
-    load_source_latencies,
 )
 from plora.simulator.report import (
     compare_to_replay,
@@ -185,9 +184,7 @@ def test_conservation_and_pool_invariants(policy: str) -> None:
 
 
 def test_determinism_from_seed() -> None:
-    if not ALIBABA_LOAD_LATENCY_CSV.exists():
-        pytest.skip(f"{ALIBABA_LOAD_LATENCY_CSV} is absent (shared data not checked out)")
-    lat = load_source_latencies()
+    lat = alibaba_load_latencies()
     tr = _zipf_trace(n=400)
     preset = H100_8B_PRESET.with_overrides(pool_bytes=2 << 30, host_cache_bytes=4 << 30)
 
