@@ -60,7 +60,6 @@ from services.worker.store import DTYPES, AdapterStore, StoreConfig, StoreLease
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TRACE = "../shared/data/traces/alibaba_genai2026_lora_requests_nov.csv"
 DEFAULT_RANKS = (8, 16, 32, 64, 128)
 DEFAULT_PAGE_SWEEP = (4 << 20, 1 << 20, 256 << 10, 64 << 10)
 
@@ -222,7 +221,11 @@ def replay(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora bench pool``."""
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Alibaba GenAI LoRA request CSV")
+    parser.add_argument(
+        "--trace",
+        required=True,
+        help="Alibaba GenAI LoRA request CSV (where to download it: docs/benchmarks.md)",
+    )
     parser.add_argument("--out", required=True, help="write the JSON results here")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rank assignment")
     parser.add_argument(

@@ -209,7 +209,7 @@ LLAMA3_8B = ModelSpec(
 #: Measurements behind the ``cpu`` preset, seconds (the live cluster on this machine: 2 CPU
 #: cores shared by 2 workers, the gateway, the predictor, Redis and the replay client).
 #:
-#: Calibration run: ``plora bench replay --trace ../shared/data/traces/
+#: Calibration run: ``plora bench replay --trace
 #: alibaba_genai2026_lora_requests_nov.csv --format alibaba --time-scale 60 --start 6000
 #: --duration 60 --policies baseline --workers 2`` (142 requests, 8 output tokens, prompts
 #: capped at 64 words). From its first five requests (one running sequence,

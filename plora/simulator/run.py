@@ -6,7 +6,7 @@ Writes ``DIR/report.json``, ``DIR/report.md`` (settings, trace, one block per po
 
 Example::
 
-    plora simulate --trace ../shared/data/traces/azure_functions_2019_500fn_first4h.csv \\
+    plora simulate --trace azure_functions_2019_500fn_first4h.csv \\
         --format azure2019 --workers 4 --preset h100-8b --policies plora,baseline \\
         --adapters 500 --out bench-out/sim-azure
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from services.worker.eviction import (
 from services.worker.pool import Extent, FragmentationError, Move, OutOfSpaceError, TooLargeError
 
 PAGE = 64
+
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "traces"
 
 
 def paged(pages: int = 16) -> PagedAllocator:
@@ -530,18 +533,19 @@ def test_assign_ranks_is_seeded_and_order_independent() -> None:
 def test_bench_pool_small_replay(tmp_path) -> None:  # noqa: ANN001
     import argparse
     import json
-    from pathlib import Path
 
     from plora.bench import pool as bench_pool
 
-    trace = Path(bench_pool.DEFAULT_TRACE)
+    trace = TRACES / "alibaba_genai2026_lora_requests_nov.csv"
     if not trace.exists():
-        pytest.skip(f"{trace} absent (run from the repository root with ../shared/data)")
+        pytest.skip(f"{trace} absent (the public traces are not beside this checkout)")
     parser = argparse.ArgumentParser()
     bench_pool.add_arguments(parser)
     out = tmp_path / "pool.json"
     args = parser.parse_args(
         [
+            "--trace",
+            str(trace),
             "--out",
             str(out),
             "--max-requests",
