@@ -74,6 +74,7 @@ from services.predictor.placement import (
     route_rank_aware,
 )
 from services.worker.allocators import make_allocator
+from services.worker.cold import CAUSE_INDEX, cold_cause, eviction_cause
 from services.worker.estimates import ServiceEstimates
 from services.worker.eviction import (
     Candidate,
@@ -243,6 +244,10 @@ class SimResult:
         cpu_s: CPU seconds of this process during the simulation.
         failed_s: ``float64 [n]`` when a failed request failed (its arrival if rejected; NaN
             for completed requests, and for requests still unfinished when the trace ended).
+        cold_cause: ``uint8 [n]`` 0 for a warm request, else 1 + the index of its cause in
+            :data:`services.worker.cold.COLD_CAUSES`.
+        first_appearance: ``bool [n]`` the first request of its adapter in the trace (a cold
+            start no policy avoids).
     """
 
     policy: str
@@ -260,6 +265,8 @@ class SimResult:
     events: int
     cpu_s: float = 0.0
     failed_s: np.ndarray | None = None
+    cold_cause: np.ndarray | None = None
+    first_appearance: np.ndarray | None = None
 
     @property
     def ttft_s(self) -> np.ndarray:
@@ -273,7 +280,8 @@ class _Load:
 
     __slots__ = (
         "a", "demanded", "expected", "started", "tier", "handle", "units", "wait_t0",
-        "room", "used", "prefetch", "compact_s",
+        "room", "used", "prefetch", "compact_s", "cause", "queued_t", "started_t", "read_t",
+        "behind",
     )  # fmt: skip
 
     def __init__(self, a: int, demanded: bool, expected: float) -> None:
@@ -288,6 +296,11 @@ class _Load:
         self.units = 0
         self.wait_t0 = -1.0
         self.room: RoomSearch | None = None
+        self.cause = ""  # a demand load: the cold-start cause of the request that started it
+        self.queued_t = 0.0  # when it was queued (a prefetch: when a request first needed it)
+        self.started_t = -1.0  # when a loader thread first took it
+        self.read_t = -1.0  # when its bytes were in host memory
+        self.behind = False  # a demand load queued while prefetches held the loader threads
         self.compact_s = 0.0
 
 
@@ -363,9 +376,13 @@ class SimWorker:
             "load_seconds": 0.0, "evictions": 0, "compactions": 0, "bytes_moved": 0,
             "failed_loads": 0, "prefetch_issued": 0, "prefetch_used": 0, "prefetch_wasted": 0,
             "prefetch_ignored": 0, "prefetch_already": 0, "rejected": 0, "steps": 0,
-            "splits": 0, "host_stages": 0,
+            "splits": 0, "host_stages": 0, "demand_loads": 0, "cold_queue_s": 0.0,
+            "cold_read_s": 0.0, "cold_room_copy_s": 0.0, "demand_behind_prefetch": 0,
+            "demand_behind_prefetch_s": 0.0,
         }  # fmt: skip
         self.pressure = PressureSampler()  # utilization and fragmentation under pressure
+        self.ever_held: set[int] = set()  # adapters this worker has held (cold-start causes)
+        self.evicted_why: dict[int, str] = {}  # adapter -> cause of its last eviction
         # the adapter id and each room decision of a load (AdapterStore's on_decision)
         self.on_decision: Callable[[str, RoomDecision], None] | None = None
 
@@ -443,20 +460,35 @@ class SimWorker:
             self.wake(t)
             return True
         self.c["cold_starts"] += 1
-        sim.cold[r] = 1
         job = self.jobs.get(a)
+        if job is not None and job.demanded:
+            cause = job.cause  # it joins a demand load in flight
+        else:
+            cause = cold_cause(
+                prefetch_in_flight=job is not None,
+                ever_held=a in self.ever_held,
+                last_eviction=self.evicted_why.get(a),
+            )
+        sim.cold[r] = CAUSE_INDEX[cause] + 1
         if job is None:
             job = _Load(a, True, 0.0)
+            job.cause = cause
+            job.queued_t = t
             self.jobs[a] = job
             heapq.heappush(self.job_heap, (0, 0.0, sim.next_seq(), job))
         elif not job.demanded:
             job.demanded = True
+            job.cause = cause
+            job.queued_t = t
             if not job.used:
                 job.used = True
                 self.c["prefetch_used"] += 1
             if not job.started:
                 heapq.heappush(self.job_heap, (0, -job.expected, sim.next_seq(), job))
         self.waiters.setdefault(a, []).append(r)
+        if not job.started and self.active >= sim.preset.loader_threads:
+            # every loader thread is busy: is a prefetch taking the load bandwidth?
+            job.behind = any(j.started and not j.demanded for j in self.jobs.values())
         self.start_jobs(t)
         return True
 
@@ -632,6 +664,8 @@ class SimWorker:
             if job.started or self.jobs.get(job.a) is not job:
                 continue
             job.started = True
+            if job.started_t < 0:
+                job.started_t = t
             self.active += 1
             if job.room is not None:  # a parked load: its bytes are in host memory already
                 self.try_allocate(job, t)
@@ -692,6 +726,7 @@ class SimWorker:
         """The adapter's bytes are in host memory: cache them and find pool space."""
         if job.tier == "source":
             self.host.put(self.sim.packed(job.a))
+        job.read_t = t
         self.try_allocate(job, t)
 
     def _pinned(self) -> set[int]:
@@ -717,8 +752,10 @@ class SimWorker:
             min_gain=self.sim.config.prefetch_min_gain,
         )
 
-    def evict(self, a: int) -> None:
-        """Free adapter ``a``'s run (it is resident and unleased)."""
+    def evict(self, a: int, why: str) -> None:
+        """Free adapter ``a``'s run (it is resident and unleased); ``why`` is the cause a later
+        cold start of it gets (:func:`services.worker.cold.eviction_cause`)."""
+        self.evicted_why[a] = why
         h = self.resident.pop(a)
         del self.res_bytes[a]
         self.allocator.free(h)
@@ -779,7 +816,10 @@ class SimWorker:
                 continue
             if action is RoomAction.EVICT:
                 assert d.victim is not None
-                self.evict(sim.name_index[d.victim])
+                why = eviction_cause(
+                    for_demand=job.demanded, by_forecast=self.evictor.last_by_forecast
+                )
+                self.evict(sim.name_index[d.victim], why)
                 continue
             if action is RoomAction.DROP:  # a prefetch never waits: dropped
                 del self.jobs[job.a]
@@ -838,8 +878,19 @@ class SimWorker:
         self.res_bytes[a] = job.units * self.allocator.unit_bytes
         self.res_version += 1
         self.c["loads_" + job.tier] += 1
+        self.ever_held.add(a)
         if job.prefetch and not job.used:
             self.prefetched_unused.add(a)
+        if job.demanded:  # where a cold start's wait went: loader queue, read, room and copy
+            c = self.c
+            q0 = job.queued_t
+            c["demand_loads"] += 1
+            c["cold_queue_s"] += max(0.0, job.started_t - q0)
+            c["cold_read_s"] += max(0.0, job.read_t - max(job.started_t, q0))
+            c["cold_room_copy_s"] += t - max(job.read_t, q0)
+            if job.behind:
+                c["demand_behind_prefetch"] += 1
+                c["demand_behind_prefetch_s"] += max(0.0, job.started_t - q0)
         self.active -= 1
         waiters = self.waiters.pop(a, None)
         if waiters:
@@ -1257,6 +1308,10 @@ class ClusterSimulation:
         counters["forecast_wait_s"] = wait
         counters["predictor_wall_s"] = self.predictor_wall_s - wait
         counters["pool_bytes_per_worker"] = self.workers[0].allocator.capacity_bytes
+        codes = np.frombuffer(bytes(self.cold), dtype=np.uint8).copy()
+        first_seen = np.zeros(len(self.arrival), dtype=bool)
+        if len(first_seen):
+            first_seen[np.unique(self._req_adapter_np, return_index=True)[1]] = True
         return SimResult(
             policy=self.policy.name,
             workers=len(self.workers),
@@ -1264,7 +1319,7 @@ class ClusterSimulation:
             first_token_s=first,
             done_s=done,
             output_tokens=np.asarray(self.out, dtype=np.int64),
-            cold=np.frombuffer(bytes(self.cold), dtype=np.uint8).astype(bool),
+            cold=codes > 0,
             cold_wait_s=np.asarray(self.cold_wait, dtype=np.float64),
             failed=failed,
             worker=np.asarray(self.worker_of, dtype=np.int64),
@@ -1273,6 +1328,8 @@ class ClusterSimulation:
             events=events,
             cpu_s=time.process_time() - self._cpu0,
             failed_s=failed_s,
+            cold_cause=codes,
+            first_appearance=first_seen,
         )
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from plora.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
 from plora.simulator.engine import SimResult
+from services.worker.cold import COLD_CAUSES
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
         "cold_start_wait_p99_cold_s": _f(np.percentile(result.cold_wait_s[cold], 99))
         if cold.any()
         else None,
+        **cold_cause_figures(result),
         "pool_utilization_under_pressure": c["util_sum"] / samples if samples else None,
         "external_fragmentation": c["frag_sum"] / samples if samples else None,
         "free_run_fragmentation": c["raw_frag_sum"] / samples if samples else None,
@@ -129,6 +131,48 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
         "sim_wall_s": result.wall_s,
         "sim_cpu_s": result.cpu_s,
         "sim_events": result.events,
+    }
+
+
+def cold_cause_figures(result: SimResult) -> dict[str, Any]:
+    """Where the cold starts come from (:mod:`services.worker.cold`), over completed requests.
+
+    Returns:
+        ``cold_causes`` (count per cause), ``cold_start_wait_by_cause_s`` (mean wait of the
+        cold starts of each cause), ``first_appearance_cold_starts`` (cold starts that were the
+        first request of their adapter in the trace: no policy avoids them), and where the
+        demand loads' time went (``cold_load_phase_s``: mean seconds per demand load in the
+        loader queue, reading the source or host tier, and finding room plus the copy), with
+        ``demand_loads_behind_prefetch`` (demand loads queued while prefetches held the loader
+        threads) and their mean queue wait.
+    """
+    ok = ~result.failed
+    codes = result.cold_cause if result.cold_cause is not None else result.cold.astype(np.uint8)
+    counts: dict[str, int] = {}
+    waits: dict[str, float | None] = {}
+    for i, cause in enumerate(COLD_CAUSES):
+        mask = ok & (codes == i + 1)
+        counts[cause] = int(mask.sum())
+        waits[cause] = _f(result.cold_wait_s[mask].mean()) if mask.any() else None
+    first = result.first_appearance
+    c = result.counters
+    loads = c.get("demand_loads", 0)
+    behind = c.get("demand_behind_prefetch", 0)
+    return {
+        "cold_causes": counts,
+        "cold_start_wait_by_cause_s": waits,
+        "first_appearance_cold_starts": int((first & ok & (codes > 0)).sum())
+        if first is not None
+        else None,
+        "cold_load_phase_s": {
+            "queue": c.get("cold_queue_s", 0.0) / loads if loads else None,
+            "read": c.get("cold_read_s", 0.0) / loads if loads else None,
+            "room_copy": c.get("cold_room_copy_s", 0.0) / loads if loads else None,
+        },
+        "demand_loads_behind_prefetch": behind,
+        "demand_behind_prefetch_wait_s": c.get("demand_behind_prefetch_s", 0.0) / behind
+        if behind
+        else None,
     }
 
 

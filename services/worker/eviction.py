@@ -40,9 +40,13 @@ class Candidate:
     last_used: float
 
 
+def _recency_key(c: Candidate) -> tuple[float, str]:
+    return (c.last_used, c.adapter_id)
+
+
 def lru_order(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Candidates in eviction order: least recently used first (ties by id)."""
-    return sorted(candidates, key=lambda c: (c.last_used, c.adapter_id))
+    return sorted(candidates, key=_recency_key)
 
 
 def predictive_order(
@@ -99,6 +103,9 @@ class EvictionPolicy(ABC):
 
     def __init__(self) -> None:
         self._forecast: dict[str, float] | None = None
+        #: Whether the last :meth:`choose_victim` picked another adapter than recency would
+        #: have (the forecast decided it); False for LRU.
+        self.last_by_forecast = False
 
     def set_forecast(self, forecast: Mapping[str, float]) -> None:
         """Replace the demand forecast (``adapter_id -> expected requests``)."""
@@ -149,7 +156,12 @@ class EvictionPolicy(ABC):
         else:
             limit = prefetch_victim_limit(incoming_expected, min_gain)
             cands = [c for c in evictable if self.demand(c.adapter_id) < limit]
-        return self.order(cands)[0].adapter_id if cands else None
+        if not cands:
+            self.last_by_forecast = False
+            return None
+        victim = self.order(cands)[0]
+        self.last_by_forecast = victim is not min(cands, key=_recency_key)
+        return victim.adapter_id
 
     def prefetch_fits(
         self,
