@@ -16,6 +16,7 @@ PRODUCTION = {
     "services.worker.eviction": ROOT / "services/worker/eviction.py",
     "services.worker.store": ROOT / "services/worker/store.py",
     "services.predictor.placement": ROOT / "services/predictor/placement.py",
+    "services.common.routing": ROOT / "services/common/routing.py",
 }
 #: What the simulator must import from each production module (the policy entry points).
 REQUIRED_IMPORTS = {
@@ -24,9 +25,8 @@ REQUIRED_IMPORTS = {
     "services.worker.pool": {"make_allocator"},
     "services.worker.eviction": {"make_policy", "Candidate"},
     "services.worker.store": {"HostCache"},
-    "services.predictor.placement": {
-        "plan_placement", "route_rank_aware", "RoundRobinRouter", "PrefetchSelector"
-    },
+    "services.predictor.placement": {"plan_placement", "PrefetchSelector"},
+    "services.common.routing": {"RoutingState"},
 }  # fmt: skip
 #: Base classes of the production policies: a simulator class deriving from one is a copy.
 POLICY_BASES = {
@@ -34,6 +34,7 @@ POLICY_BASES = {
     "EvictionPolicy",
     "Forecaster",
     "RoundRobinRouter",
+    "RoutingState",
     "PrefetchSelector",
     "HostCache",
 }
