@@ -4,8 +4,10 @@ Nothing here re-implements a policy: the simulated workers drive the production 
 (:mod:`services.worker.pool`), eviction policies (:mod:`services.worker.eviction`) and host
 cache (:class:`services.worker.store.HostCache`) directly, the simulated predictor runs the
 production forecaster (:mod:`services.predictor.forecast`; once per trace, shared by every
-simulation of it, see :mod:`plora.simulator.feed`) and the LoRAServe placement,
-prefetch choice and routing (:mod:`services.predictor.placement`), and arrivals come from the
+simulation of it, see :mod:`plora.simulator.feed`) and the LoRAServe placement and
+prefetch choice (:mod:`services.predictor.placement`), the simulated gateway routes with the
+gateway's own routing state (:class:`services.common.routing.RoutingState`), and arrivals come
+from the
 production trace loaders (:mod:`plora.traces`). The :class:`AdapterStore` itself runs
 loader threads on the wall clock, so the simulator replays its decisions (the same order of
 alloc, compaction, victim choice, prefetch admission) on the virtual clock instead; see
@@ -28,8 +30,8 @@ Model of one worker (the engine of :mod:`services.worker.engine`):
   boundary. Per-request work is O(log n), independent of the number of steps.
 * Routing inputs: the workers publish the live ones' service figures that routing weighs
   (``ServiceEstimates``: each prefill's share of its step, each cold start's adapter wait), and
-  the simulated gateway rotates the order ties are broken in request by request, as
-  ``GatewayServicer._choose`` does.
+  the simulated gateway routes as the gateway does, through the same
+  :class:`~services.common.routing.RoutingState`.
 * Loads: ``loader_threads`` at once, demand before prefetch (by expected demand): the source
   tier (a draw from the real Alibaba load latencies, or a fixed cost plus bytes / bandwidth)
   unless the host cache holds the adapter, then the allocation (first fit; compaction of the
@@ -62,17 +64,10 @@ from plora.simulator.feed import DemandFeed, FeedSettings
 from plora.simulator.presets import Preset
 from plora.traces import Trace, map_keys_to_adapters
 from services.common.errors import PoolExhaustedError
+from services.common.routing import RANK_AWARE, RoutingState, WorkerView
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER
-from services.predictor.placement import (
-    ROUTED_GRACE_S,
-    AdapterDemand,
-    PrefetchSelector,
-    RoundRobinRouter,
-    WorkerView,
-    plan_placement,
-    route_rank_aware,
-)
+from services.predictor.placement import AdapterDemand, PrefetchSelector, plan_placement
 from services.worker.allocators import make_allocator
 from services.worker.cold import CAUSE_INDEX, cold_cause, eviction_cause
 from services.worker.estimates import ServiceEstimates
@@ -1002,8 +997,7 @@ class ClusterSimulation:
         self._src = config.source_latencies_s
         self.workers = [SimWorker(w, self) for w in range(config.workers)]
         self.by_name = {w.name: w for w in self.workers}
-        self.router = RoundRobinRouter()
-        self.n_routes = 0  # requests routed rank-aware: rotates the order ties are broken in
+        self.routing = RoutingState(policy.routing)  # the simulated gateway's
         self.placement: dict[str, list[str]] = {}
         self.placement_moves = 0
         self.routed: dict[str, int] = {}
@@ -1028,8 +1022,8 @@ class ClusterSimulation:
         self._feed_wait0 = feed.wait_s if feed is not None else 0.0
         self.busy_workers = 0
         self._views: list[WorkerView] = []
-        self._gv_src: list[WorkerView] | None = None  # the heartbeat views _gv was made from
-        self._gv: list[WorkerView] = []
+        self._gv_src: list[WorkerView] | None = None  # the heartbeat views routing last read
+        self._gv_heartbeats: list[tuple[WorkerView, float]] = []  # the same with their time
         self._views_next = -_INF
         self._views_t = -_INF  # time of the heartbeat the views are from
 
@@ -1093,79 +1087,45 @@ class ClusterSimulation:
         return views
 
     def gateway_views(self, t: float) -> list[WorkerView]:
-        """What the gateway routes on: the heartbeat views (:meth:`views`), but each worker's
-        queue at least the requests the gateway itself has in flight on it, its pending
-        requests (no first token yet) as the gateway counts them, and its loading adapters
-        with those the gateway routed there since ``ROUTED_GRACE_S`` before the heartbeat
-        (added in place by :meth:`_dispatch`), as
-        ``services.gateway.server.GatewayServicer._choose`` does.
+        """What the gateway routes on (:meth:`RoutingState.views`): the heartbeat views
+        (:meth:`views`) with each worker's queue at least the requests the gateway has in
+        flight there, its pending requests (no first token yet), and the loads the gateway
+        started there since the heartbeat. The simulated gateway reads its in-flight and
+        pending counts off the workers: requests queued or running there, and those whose
+        first token has not reached it by ``t``.
 
-        The returned views are this cluster's own, updated in place on the next call: valid
-        for one routing decision (hot path: one call per request).
+        The returned views are the routing state's own, updated in place on the next call:
+        valid for one routing decision (hot path: one call per request).
         """
         stale = self.views(t)
-        if stale is not self._gv_src:
+        refresh = stale is not self._gv_src
+        if refresh:
             self._gv_src = stale
-            cutoff = self._views_t - ROUTED_GRACE_S
-            names = self.adapters.names
-            self._gv = []
-            for w, v in zip(self.workers, stale, strict=True):
-                loading = set(v.loading)
-                routed = w.routed_at
-                for a in [a for a, ta in routed.items() if ta < cutoff]:
-                    del routed[a]
-                loading.update(names[a] for a in routed)
-                self._gv.append(
-                    WorkerView(
-                        v.worker_id,
-                        v.pool_bytes,
-                        v.free_bytes,
-                        v.resident,
-                        v.queue_length,
-                        0,
-                        v.prefill_s,
-                        v.cold_wait_s,
-                        loading,
-                        v.room_bytes,
-                    )
-                )
-        gv = self._gv
-        for i, w in enumerate(self.workers):
-            g = gv[i]
-            q = w.n_waiting + w.n_run
-            sq = stale[i].queue_length
-            g.queue_length = q if q > sq else sq
-            g.pending = w.pending(t)
-        return gv
+            self._gv_heartbeats = [(v, self._views_t) for v in stale]
+        return self.routing.views(
+            self._gv_heartbeats,
+            counts=[(w.n_waiting + w.n_run, w.pending(t)) for w in self.workers],
+            refresh=refresh,
+        )
 
     def _dispatch(self, r: int, t: float) -> None:
         a = self.req_adapter[r]
-        rank_aware = self.policy.routing == "rank_aware"
+        rank_aware = self.policy.routing == RANK_AWARE
         # round robin reads only the worker ids: the heartbeat views do
         views = self.gateway_views(t) if rank_aware else self.views(t)
         name = self.adapters.names[a]
         size = int(self.adapters.nbytes[a])
         by_name = self.by_name
+        routing = self.routing
         while views:
-            if rank_aware:
-                # equally loaded workers take turns, as the gateway breaks ties
-                chosen, reason = route_rank_aware(
-                    name, views, self.placement, size_bytes=size, turn=self.n_routes
-                )
-                self.n_routes += 1
-            else:
-                chosen, reason = self.router.route(views), "round_robin"
+            chosen, reason = routing.pick(name, views, self.placement, size_bytes=size)
             self.routed[reason] = self.routed.get(reason, 0) + 1
             worker = by_name[chosen]
             if worker.accept(r, a, t):
                 if rank_aware:
-                    worker.routed_at.setdefault(a, t)
-                    g = self._gv[worker.wid]
-                    if name not in g.loading and name not in g.resident:
-                        g.loading.add(name)  # type: ignore[attr-defined]
-                        if g.room_bytes >= 0:  # the load takes its bytes from the room
-                            g.room_bytes = max(0, g.room_bytes - size)
+                    routing.record(chosen, name, size, t)
                 return
+            # A full queue refuses the request: the simulated gateway tries the next worker.
             views = [v for v in views if v.worker_id != chosen]
         self.status[r] = _FAILED
         self.done[r] = t  # rejected on arrival

@@ -9,7 +9,6 @@ the predictor without ever waiting on it. The servicer is thin: validation rules
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -53,6 +52,7 @@ from services.common.registry import (
     WorkerRecord,
     connect,
 )
+from services.common.routing import RoutingState, worker_view
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
 from services.gateway.metrics import GatewayMetrics
@@ -61,12 +61,6 @@ from services.gateway.validation import (
     check_adapter_id,
     check_tenant_id,
     validate_generate,
-)
-from services.predictor.placement import (
-    ROUTED_GRACE_S,
-    RoundRobinRouter,
-    route_rank_aware,
-    worker_view,
 )
 
 logger = logging.getLogger(__name__)
@@ -148,21 +142,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._closed = threading.Event()
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
-        self._round_robin = RoundRobinRouter()
-        self._routes = 0  # requests routed rank-aware: rotates the order ties are broken in
         self._placement_cache = _TTLCache(config.worker_cache_s, stale)
-        self._inflight: collections.Counter[str] = collections.Counter()
-        # requests in flight that have not had their first token yet, per worker
-        self._pending: collections.Counter[str] = collections.Counter()
-        # worker id -> adapter id -> (wall time this gateway first routed a request for it
-        # there, its bytes); forgotten once a heartbeat taken ROUTED_GRACE_S later speaks for it
-        self._routed: dict[str, dict[str, tuple[float, int]]] = {}
-        self._inflight_lock = threading.Lock()
+        self.routing = RoutingState(
+            config.routing, on_pending=lambda w, n: metrics.worker_pending.labels(w).set(n)
+        )
+        self._gauges_lock = threading.Lock()
         self._gauged: set[str] = set()  # workers with per-worker gauge series
         self._healthy_ids: set[str] = set()  # healthy at the last worker-list read
-        # worker id -> its heartbeat time as this gateway knew it when a call to it failed
-        # (UNAVAILABLE before the first token)
-        self._failed: dict[str, float] = {}
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
         self._drain_grace_s = 0.0
@@ -289,7 +275,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.metrics.workers_healthy.set(sum(w.healthy for w in workers))
         ids = {w.worker_id for w in workers}
         healthy = {w.worker_id for w in workers if w.healthy}
-        with self._inflight_lock:
+        with self._gauges_lock:
             known = self._gauged
             gone, self._gauged = self._gauged - ids, ids
             went_down = (self._healthy_ids & ids) - healthy
@@ -389,93 +375,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _choose(self, adapter: AdapterRecord | None, exclude: set[str]) -> WorkerRecord:
         healthy = [w for w in self._workers() if w.healthy and w.worker_id not in exclude]
-        with self._inflight_lock:
-            # a worker whose call failed is left out until a heartbeat newer than the one it
-            # had then speaks for it (killed: its liveness key outlives it by up to 5 s;
-            # restarted: it heartbeats again), unless every healthy worker failed
-            workers = [w for w in healthy if self._failed.get(w.worker_id) != w.heartbeat_unix]
-        workers = workers or healthy
+        workers = self.routing.usable(healthy)
         if not workers:
             raise NoHealthyWorkerError(
                 "no healthy worker is available; check `plora status` and the workers' logs"
             )
         by_id = {w.worker_id: w for w in workers}
         placement = self._placement() if adapter and self.config.routing != "round_robin" else {}
-        with self._inflight_lock:
-            views = []
-            for w in workers:
-                loading, room = self._since_heartbeat(w)
-                views.append(
-                    worker_view(
-                        w,
-                        # Heartbeats are up to a second old: between them, count what this
-                        # gateway itself has in flight on each worker, so a burst is not sent
-                        # to one worker.
-                        queue_length=max(w.queue_length + w.running, self._inflight[w.worker_id]),
-                        pending=self._pending[w.worker_id],
-                        loading=loading,
-                        room_bytes=room,
-                    )
-                )
-            if self.config.routing == "round_robin":
-                chosen = self._round_robin.route(views)
-                reason = "round_robin"
-            else:
-                # Equally loaded workers take turns: the count of requests routed rotates
-                # the order ties are broken in.
-                turn = self._routes
-                self._routes += 1
-                chosen, reason = route_rank_aware(
-                    adapter.adapter_id if adapter else "",
-                    views,
-                    placement,
-                    size_bytes=adapter.size_bytes if adapter else 0,
-                    turn=turn,
-                )
-            self._inflight[chosen] += 1
-            self._add_pending(chosen, 1)
-            if adapter:
-                self._routed.setdefault(chosen, {}).setdefault(
-                    adapter.adapter_id, (time.time(), adapter.size_bytes)
-                )
+        chosen, reason = self.routing.route(
+            adapter.adapter_id if adapter else "",
+            [(worker_view(w), w.heartbeat_unix) for w in workers],
+            placement,
+            size_bytes=adapter.size_bytes if adapter else 0,
+            now=time.time(),
+        )
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
-
-    def _since_heartbeat(self, w: WorkerRecord) -> tuple[set[str], int]:
-        """``w``'s loading adapters and pool room as of now (lock held): its last heartbeat's,
-        plus the loads this gateway started there since (a request routed for an adapter
-        neither resident nor loading there), each taking its bytes from the room. A request
-        routed less than ``ROUTED_GRACE_S`` before the heartbeat may not have reached the
-        worker's store when it was taken; older ones are the heartbeat's to report and are
-        forgotten here."""
-        loading = set(w.loading)
-        room = w.room_bytes
-        routed = self._routed.get(w.worker_id)
-        if routed:
-            cutoff = w.heartbeat_unix - ROUTED_GRACE_S
-            for a, (t, size) in list(routed.items()):
-                if t < cutoff:
-                    del routed[a]
-                elif a not in loading and a not in w.resident:
-                    loading.add(a)
-                    if room >= 0:
-                        room = max(0, room - size)
-        return loading, room
-
-    def _add_pending(self, worker_id: str, delta: int) -> None:
-        """Count requests awaiting their first token on ``worker_id`` (lock held)."""
-        self._pending[worker_id] += delta
-        self.metrics.worker_pending.labels(worker_id).set(self._pending[worker_id])
-
-    def _first_token(self, worker_id: str) -> None:
-        with self._inflight_lock:
-            self._add_pending(worker_id, -1)
-
-    def _done(self, worker_id: str, pending: bool) -> None:
-        with self._inflight_lock:
-            self._inflight[worker_id] -= 1
-            if pending:
-                self._add_pending(worker_id, -1)
 
     def _placement(self) -> dict[str, list[str]]:
         return self._cached(
@@ -573,7 +488,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if ttft is None and (response.token_ids or response.finish_reason):
                         # at the first token, so a stream that ends badly later counts too
                         ttft = time.monotonic() - received
-                        self._first_token(worker.worker_id)
+                        self.routing.first_token(worker.worker_id)
                         cold = str(response.adapter_cold).lower()
                         self.metrics.ttft.labels(cold).observe(ttft)
                     if response.token_ids:
@@ -604,8 +519,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         worker.worker_id,
                         exc.details(),
                     )
-                    with self._inflight_lock:
-                        self._failed[worker.worker_id] = worker.heartbeat_unix
+                    self.routing.failed(worker.worker_id, worker.heartbeat_unix)
                     self.metrics.retries.inc()
                     self._workers_cache.expire("workers")
                     continue
@@ -647,7 +561,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     )
                 context.abort(exc.code(), details)
             finally:
-                self._done(worker.worker_id, pending=ttft is None)
+                self.routing.done(worker.worker_id, pending=ttft is None)
 
     # -- adapters -------------------------------------------------------------------------
 

@@ -25,11 +25,11 @@ from plora.make_adapters import write_peft_adapter
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.lifecycle import EXIT_REGISTRY_UNAVAILABLE
 from services.common.registry import AdapterRecord, Registry, WorkerRecord, connect
+from services.common.routing import ROUTED_GRACE_S, worker_view
 from services.common.types import ModelSpec
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.server import GatewayService, GatewayServicer
-from services.predictor.placement import ROUTED_GRACE_S
 from tests.conftest import REPO, OwnRedis
 
 #: A tiny served model for registrations through a gateway with no real worker.
@@ -290,13 +290,13 @@ def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url:
         assert gw._choose(adapter, set()).worker_id == "w0"
         assert count("loading") == 1
         for _ in range(2):
-            gw._first_token("w0")
+            gw.routing.first_token("w0")
         # a heartbeat taken well after the routing shows the load still in flight: joined
         time.sleep(ROUTED_GRACE_S + 0.1)
         registry.heartbeat(WorkerRecord("w0", "127.0.0.1:1", loading=["a"]), ttl_seconds=30)
         assert gw._choose(adapter, set()).worker_id == "w0"
         assert count("loading") == 2
-        gw._first_token("w0")
+        gw.routing.first_token("w0")
         # the worker has dropped it (evicted, or the load failed): the gateway's own record
         # is older than the heartbeat and is forgotten
         time.sleep(ROUTED_GRACE_S + 0.1)
@@ -326,11 +326,11 @@ def test_loads_the_gateway_started_take_their_bytes_from_the_workers_room(
         b = AdapterRecord("b", "/src", version=1, rank=8, size_bytes=10 * mb)
         r = AdapterRecord("r", "/src", version=1, rank=8, size_bytes=10 * mb)
         assert gw._choose(a, set()).worker_id == "w0"  # least loaded (w1 runs 3), has room
-        gw._first_token("w0")
+        gw.routing.first_token("w0")
         assert gw._choose(r, set()).worker_id == "w0"  # resident there: no load, no bytes
-        gw._first_token("w0")
+        gw.routing.first_token("w0")
         w0 = next(w for w in registry.list_workers() if w.worker_id == "w0")
-        assert gw._since_heartbeat(w0) == ({"a"}, 5 * mb)
+        assert gw.routing.since_heartbeat(worker_view(w0), w0.heartbeat_unix) == ({"a"}, 5 * mb)
         # "b" would fit in w0's 15 MB as heartbeated, but not in the 5 MB left after "a":
         # the cold start goes to w1 although w0 is less loaded (2 in flight against 3)
         assert gw._choose(b, set()).worker_id == "w1"
@@ -351,7 +351,7 @@ def test_equally_loaded_workers_take_turns(redis_url: str) -> None:
         chosen = []
         for _ in range(6):
             w = gw._choose(None, set()).worker_id
-            gw._done(w, pending=True)
+            gw.routing.done(w, pending=True)
             chosen.append(w)
         assert chosen == ["w0", "w1", "w2"] * 2
     finally:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.routing import RoundRobinRouter, WorkerView, route_rank_aware
 from services.predictor.placement import (
     AdapterDemand,
     PrefetchSelector,
-    RoundRobinRouter,
-    WorkerView,
     plan_placement,
     rank_cost,
-    route_rank_aware,
 )
 
 MB = 1 << 20

@@ -129,8 +129,9 @@ def test_mixed_ranks_cost_more_under_padding() -> None:
 
 def test_idle_workers_take_turns_as_the_gateway_routes() -> None:
     """Requests for new adapters arriving at an idle cluster: every worker ties, and the
-    simulated gateway rotates the order ties are broken in per request (as
-    ``GatewayServicer._choose`` does), so they alternate instead of all going to worker-0."""
+    simulated gateway rotates the order ties are broken in per request (the gateway's own
+    :class:`services.common.routing.RoutingState`), so they alternate instead of all going to
+    worker-0."""
     tr = _trace([0.0, 10.0, 20.0, 30.0], ["a", "b", "c", "d"])
     _, res = _run(tr, SIMPLE, "plora-no-predictor", workers=2)
     assert res.worker.tolist() == [0, 1, 0, 1]
