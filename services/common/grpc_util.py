@@ -1,9 +1,9 @@
 """gRPC plumbing shared by every service: the server factory, error mapping, health waits.
 
-The server factory follows gRPC's ``examples/python`` (STYLE.md "Follow" 4): it binds a port
-(0 = any free port, used by the tests), registers the standard health service and server
-reflection, and returns the real port. Domain errors (``services.common.errors``) are mapped to
-status codes here and nowhere else (STYLE.md "Follow" 6).
+The server factory follows gRPC's ``examples/python``: it binds a port (0 = any free port, used
+by the tests), registers the standard health service and server reflection, and returns the
+real port. Domain errors (``services.common.errors``) are mapped to status codes here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -129,12 +129,21 @@ def map_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+class Deadline(Protocol):
+    """What the deadline helpers read of a call: a ``grpc.ServicerContext``, or a front door's
+    own stand-in for one."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the caller's deadline (None or huge: no deadline)."""
+        ...
+
+
 #: ``time_remaining()`` above this many seconds means the client set no deadline (grpcio
 #: reports an "infinite" deadline as ~9.2e18 s rather than None).
 _NO_DEADLINE_S = 1e9
 
 
-def remaining_or(context: grpc.ServicerContext, default: float) -> float:
+def remaining_or(context: Deadline, default: float) -> float:
     """Seconds left before the client's deadline, or ``default`` when it set none."""
     remaining = context.time_remaining()
     if remaining is None or remaining > _NO_DEADLINE_S:
@@ -184,7 +193,7 @@ def log_request_failure(
     )
 
 
-def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
+def ended_by_client(context: Deadline) -> grpc.StatusCode:
     """Status to count for a stream the client ended before it finished:
     ``DEADLINE_EXCEEDED`` when the client's deadline has passed (within
     :data:`DEADLINE_SLACK_S`), else ``CANCELLED`` (the client cancelled or went away), the

@@ -28,8 +28,9 @@ from services.common.registry import AdapterRecord, Registry, WorkerRecord, conn
 from services.common.routing import ROUTED_GRACE_S, worker_view
 from services.common.types import ModelSpec
 from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.server import GatewayService, GatewayServicer
+from services.gateway.server import GatewayService
 from tests.conftest import REPO, OwnRedis
 
 #: A tiny served model for registrations through a gateway with no real worker.
@@ -277,7 +278,7 @@ def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url:
     for wid in ("w0", "w1"):
         registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
     config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
-    gw = GatewayServicer(config, registry, GatewayMetrics())
+    gw = GatewayCore(config, registry, GatewayMetrics())
     routed = gw.metrics.routed
 
     def count(reason: str) -> float:
@@ -320,7 +321,7 @@ def test_loads_the_gateway_started_take_their_bytes_from_the_workers_room(
         WorkerRecord("w1", "127.0.0.1:1", running=3, room_bytes=100 * mb), ttl_seconds=30
     )
     config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
-    gw = GatewayServicer(config, registry, GatewayMetrics())
+    gw = GatewayCore(config, registry, GatewayMetrics())
     try:
         a = AdapterRecord("a", "/src", version=1, rank=8, size_bytes=10 * mb)
         b = AdapterRecord("b", "/src", version=1, rank=8, size_bytes=10 * mb)
@@ -346,7 +347,7 @@ def test_equally_loaded_workers_take_turns(redis_url: str) -> None:
     for wid in ("w0", "w1", "w2"):
         registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
     config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
-    gw = GatewayServicer(config, registry, GatewayMetrics())
+    gw = GatewayCore(config, registry, GatewayMetrics())
     try:
         chosen = []
         for _ in range(6):
@@ -520,7 +521,7 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
         port,
         generate,
     ):
-        stale = service.servicer.metrics.stale_reads
+        stale = service.core.metrics.stale_reads
         admin = grpc.insecure_channel(f"127.0.0.1:{service.port}")
         stub = gateway_pb2_grpc.GatewayStub(admin)
         assert len(generate("a")) == 2 and len(generate("")) == 2
@@ -554,7 +555,7 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
             generate("a")  # gone from the new Redis: not served from the old cache
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         # and its old record is forgotten: a later outage cannot serve a deleted adapter
-        assert "a" not in service.servicer._adapters._data
+        assert "a" not in service.core.catalog._adapters._data
 
 
 def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
@@ -663,14 +664,14 @@ def test_a_request_refused_for_a_superseded_version_is_sent_again_with_the_new_o
         registry.put_adapter(AdapterRecord("a", "/src", version=2, rank=8))  # elsewhere
         streamer.refuse_below["a"] = 2
         assert len(list(stub.Generate(request, timeout=10))) == 2
-        assert service.servicer.metrics.retries._value.get() == 1
+        assert service.core.metrics.retries._value.get() == 1
         # refused although the registry has nothing newer: the worker's NOT_FOUND, once
         streamer.refuse_below["a"] = 3
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(request, timeout=10))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "version 2 was superseded" in err.value.details()
-        assert service.servicer.metrics.retries._value.get() == 1
+        assert service.core.metrics.retries._value.get() == 1
     finally:
         channel.close()
         service.stop(0)
@@ -700,7 +701,7 @@ def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborte
             time.sleep(0.05)
         assert [(u.adapter_id, u.below_version) for u in streamer.unloads] == [("a", 0), ("a", 2)]
 
-        registry = service.servicer.registry
+        registry = service.core.registry
         put = registry.put_adapter
 
         def another_gateway_registers_first(record: AdapterRecord) -> bool:
@@ -777,7 +778,7 @@ def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive
         took = time.monotonic() - started
         assert served_by == ["w0", "w0"]
         assert took < 25.0, took  # a ping unanswered for 10 s, then w0
-        assert service.servicer.metrics.retries._value.get() >= 1
+        assert service.core.metrics.retries._value.get() >= 1
         channel.close()
     finally:
         if service is not None:
@@ -796,7 +797,7 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
     nothing resident (gauge and GetClusterStatus), since its pool is gone."""
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
     registry = Registry(connect(redis_url))
-    metrics = service.servicer.metrics
+    metrics = service.core.metrics
 
     def until(what: str, check: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 5
@@ -889,7 +890,7 @@ def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
-    retries = service.servicer.metrics.retries._value
+    retries = service.core.metrics.retries._value
     request = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
     try:
         for _ in range(6):  # the first to reach w1 fails over; later ones leave it out
@@ -973,7 +974,7 @@ def test_a_failed_request_is_logged_with_the_id_the_workers_saw(
     (``<caller's id>~<8 hex>``), the adapter and tenant, the status and its message, at INFO
     (the causes are logged once as warnings where they happen: a warning per request would
     flood the terminal during an outage). A request that ends OK adds no line."""
-    caplog.set_level(logging.INFO, logger="services.gateway.server")
+    caplog.set_level(logging.INFO, logger="services.gateway.core")
     streamer = _TokenStreamer(0.0)
     worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
