@@ -63,6 +63,7 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
     its own record at that heartbeat and forgets every adapter, so version 1 is served.
     (Also: the worker logs its settings at start, and each request that failed with its id.)"""
     caplog.set_level(logging.INFO, logger="services.worker.server")
+    caplog.set_level(logging.INFO, logger="services.worker.core")  # the failed request's line
     service = _worker(own_redis.url, model_dir)
     channel = grpc.insecure_channel(service.address)
     stub = worker_pb2_grpc.WorkerStub(channel)
