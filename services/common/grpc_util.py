@@ -61,7 +61,6 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[st
         ("grpc.keepalive_permit_without_calls", 1),
         # a peer that was down a while (a worker paused after crash-looping, or restarting):
         # reconnect within 2 s of its coming back, not after grpc's backoff of up to 120 s
-        # (trial: a restarted worker refused for ~5 s though it served and heartbeated)
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
@@ -71,10 +70,10 @@ def server_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str
     """Options of every server: accept the channels' keepalive pings, and one listener per port.
 
     A gRPC server by default accepts a ping on an idle connection only every 5 minutes and
-    answers a third early one with GOAWAY ``too_many_pings`` ("ENHANCE_YOUR_CALM"): the
-    gateway's idle worker channels were dropped that way after ~2 idle minutes, and a
-    request arriving then failed on every worker at once (UNAVAILABLE, "no healthy worker").
-    Pings at half the channels' interval are allowed here. ``SO_REUSEPORT`` (on by default
+    answers a third early one with GOAWAY ``too_many_pings`` ("ENHANCE_YOUR_CALM"), which
+    would drop the gateway's idle worker channels within minutes and fail the next request on
+    every worker at once (UNAVAILABLE, "no healthy worker"). Pings at half the channels'
+    interval are allowed here. ``SO_REUSEPORT`` (on by default
     in gRPC) is off, so a second server on a taken port fails to bind instead of sharing the
     port and receiving half of the first one's requests (two ``plora up`` on 50051).
     """

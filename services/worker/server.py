@@ -434,8 +434,8 @@ class WorkerService:
         its thread dead), log every thread's stack, stop serving, leave the registry and exit
         with :data:`EXIT_ENGINE_STALLED`, so the supervisor (``plora up``, Docker's restart
         policy) starts a fresh worker; its streams end UNAVAILABLE and the gateway sends
-        requests that had no token yet to another worker. Without it the worker kept
-        heartbeating healthy and every request routed to it waited out its deadline.
+        requests that had no token yet to another worker (a stalled worker would otherwise go
+        on heartbeating healthy, and every request routed to it wait out its deadline).
 
         Returns:
             Whether it ended the worker (only seen where ``_exit`` returns: tests).
