@@ -7,8 +7,7 @@ production forecaster (:mod:`services.predictor.forecast`; once per trace, share
 simulation of it, see :mod:`plora.simulator.feed`) and the LoRAServe placement and
 prefetch choice (:mod:`services.predictor.placement`), the simulated gateway routes with the
 gateway's own routing state (:class:`services.common.routing.RoutingState`), and arrivals come
-from the
-production trace loaders (:mod:`plora.traces`). The :class:`AdapterStore` itself runs
+from the production trace loaders (:mod:`plora.traces`). The :class:`AdapterStore` itself runs
 loader threads on the wall clock, so the simulator replays its decisions (the same order of
 alloc, compaction, victim choice, prefetch admission) on the virtual clock instead; see
 :class:`SimWorker`.
@@ -1125,7 +1124,9 @@ class ClusterSimulation:
                 if rank_aware:
                     routing.record(chosen, name, size, t)
                 return
-            # A full queue refuses the request: the simulated gateway tries the next worker.
+            # A full queue refuses the request and the simulated gateway tries the next
+            # worker. (The gateway does not: a worker's RESOURCE_EXHAUSTED is the request's
+            # answer, services.gateway.retry.should_retry.)
             views = [v for v in views if v.worker_id != chosen]
         self.status[r] = _FAILED
         self.done[r] = t  # rejected on arrival

@@ -1,9 +1,9 @@
 """gRPC plumbing shared by every service: the server factory, error mapping, health waits.
 
-The server factory follows gRPC's ``examples/python``: it binds a port
-(0 = any free port, used by the tests), registers the standard health service and server
-reflection, and returns the real port. Domain errors (``services.common.errors``) are mapped to
-status codes here and nowhere else.
+The server factory follows gRPC's ``examples/python``: it binds a port (0 = any free port, used
+by the tests), registers the standard health service and server reflection, and returns the
+real port. Domain errors (``services.common.errors``) are mapped to status codes here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -61,7 +61,6 @@ def channel_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[st
         ("grpc.keepalive_permit_without_calls", 1),
         # a peer that was down a while (a worker paused after crash-looping, or restarting):
         # reconnect within 2 s of its coming back, not after grpc's backoff of up to 120 s
-        # (trial: a restarted worker refused for ~5 s though it served and heartbeated)
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
@@ -71,10 +70,10 @@ def server_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str
     """Options of every server: accept the channels' keepalive pings, and one listener per port.
 
     A gRPC server by default accepts a ping on an idle connection only every 5 minutes and
-    answers a third early one with GOAWAY ``too_many_pings`` ("ENHANCE_YOUR_CALM"): the
-    gateway's idle worker channels were dropped that way after ~2 idle minutes, and a
-    request arriving then failed on every worker at once (UNAVAILABLE, "no healthy worker").
-    Pings at half the channels' interval are allowed here. ``SO_REUSEPORT`` (on by default
+    answers a third early one with GOAWAY ``too_many_pings`` ("ENHANCE_YOUR_CALM"), which
+    would drop the gateway's idle worker channels within minutes and fail the next request on
+    every worker at once (UNAVAILABLE, "no healthy worker"). Pings at half the channels'
+    interval are allowed here. ``SO_REUSEPORT`` (on by default
     in gRPC) is off, so a second server on a taken port fails to bind instead of sharing the
     port and receiving half of the first one's requests (two ``plora up`` on 50051).
     """
@@ -129,12 +128,21 @@ def map_errors(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+class Deadline(Protocol):
+    """What the deadline helpers read of a call: a ``grpc.ServicerContext``, or a front door's
+    own stand-in for one."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the caller's deadline (None or huge: no deadline)."""
+        ...
+
+
 #: ``time_remaining()`` above this many seconds means the client set no deadline (grpcio
 #: reports an "infinite" deadline as ~9.2e18 s rather than None).
 _NO_DEADLINE_S = 1e9
 
 
-def remaining_or(context: grpc.ServicerContext, default: float) -> float:
+def remaining_or(context: Deadline, default: float) -> float:
     """Seconds left before the client's deadline, or ``default`` when it set none."""
     remaining = context.time_remaining()
     if remaining is None or remaining > _NO_DEADLINE_S:
@@ -184,7 +192,7 @@ def log_request_failure(
     )
 
 
-def ended_by_client(context: grpc.ServicerContext) -> grpc.StatusCode:
+def ended_by_client(context: Deadline) -> grpc.StatusCode:
     """Status to count for a stream the client ended before it finished:
     ``DEADLINE_EXCEEDED`` when the client's deadline has passed (within
     :data:`DEADLINE_SLACK_S`), else ``CANCELLED`` (the client cancelled or went away), the

@@ -43,8 +43,8 @@ ROUND_ROBIN = "round_robin"
 @dataclass(slots=True)
 class WorkerView:
     """What placement and routing know of a worker (from its heartbeat); read-only by
-    convention (not frozen: the gateway and the simulator build one per worker per request,
-    and a frozen dataclass costs 9x more to build).
+    convention outside :class:`RoutingState`, which updates its own views in place between
+    heartbeats (so not frozen; a frozen dataclass also costs 9x more to build).
 
     Attributes:
         worker_id: Registry id.

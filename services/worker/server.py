@@ -2,8 +2,9 @@
 
 One worker per accelerator. It loads the base model, publishes its shape to Redis (the gateway
 validates adapters against it), runs the continuous-batching engine and the adapter store, and
-heartbeats its queue, residency and pool statistics to Redis. The servicer only converts
-messages and delegates (STYLE.md "Follow" 3).
+heartbeats its queue, residency and pool statistics to Redis. Each RPC converts its request,
+makes one call into :class:`~services.worker.core.WorkerCore` and converts the answer; a domain
+error becomes its status in one place (:func:`services.common.grpc_util.abort`).
 """
 
 from __future__ import annotations
@@ -25,21 +26,13 @@ from services.common import convert
 from services.common.adapters import load_lora_weights
 from services.common.config import settings_line
 from services.common.errors import (
-    EMPTY_REQUEST,
     AdapterSourceError,
     InvalidAdapterError,
-    InvalidRequestError,
-    PLoRAError,
-    RequestCancelledError,
 )
 from services.common.grpc_util import (
     abort,
-    already_aborted,
     create_server,
-    ended_by_client,
-    log_request_failure,
     map_errors,
-    remaining_or,
     set_serving,
 )
 from services.common.lifecycle import run_service, write_ready_file
@@ -48,7 +41,8 @@ from services.common.registry import Registry, RegistryUnavailableError, WorkerR
 from services.common.types import LoRAWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
 from services.worker.config import WorkerConfig
-from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.core import GenerateParams, WorkerCore, pool_stats_dict, resident_ids
+from services.worker.engine import Engine, EngineConfig, TokenEvent
 from services.worker.metrics import WorkerMetrics
 from services.worker.model import LlamaModel
 from services.worker.model_loader import default_cache_dir, model_display_name, resolve_model
@@ -92,146 +86,78 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def generate_params(request: worker_pb2.WorkerGenerateRequest) -> GenerateParams:
+    """A ``plora.v1.WorkerGenerateRequest`` as the core takes it (unset fields: defaults)."""
+    req = request.request
+    return GenerateParams(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        messages=tuple((m.role, m.content) for m in req.messages),
+        max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else 64,
+        temperature=float(req.temperature),
+        top_p=float(req.top_p) if req.HasField("top_p") else 1.0,
+        top_k=int(req.top_k),
+        seed=int(req.seed) if req.HasField("seed") else None,
+        stop=tuple(req.stop),
+        adapter=AdapterRef.of(request.adapter) if request.adapter.adapter_id else None,
+        tenant_id=req.tenant_id,
+    )
+
+
+def generate_response(
+    event: TokenEvent, request_id: str, worker_id: str
+) -> gateway_pb2.GenerateResponse:
+    """An engine event as a ``plora.v1.GenerateResponse`` (the last one with the finish, the
+    usage and the worker's figures)."""
+    response = gateway_pb2.GenerateResponse(
+        text=event.text,
+        token_ids=event.token_ids,
+        request_id=request_id,
+        adapter_cold=event.adapter_cold,  # on every message: TTFT's label
+    )
+    if event.finish_reason is not None:
+        response.finish_reason = _FINISH[event.finish_reason]
+        response.usage.prompt_tokens = event.prompt_tokens
+        response.usage.completion_tokens = event.completion_tokens
+        response.worker_id = worker_id
+        response.adapter_wait_seconds = event.adapter_wait_seconds
+        response.worker_ttft_seconds = event.ttft_seconds or 0.0
+    return response
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Implements ``plora.v1.Worker`` by delegating to the engine and the store."""
+    """Implements ``plora.v1.Worker`` over a :class:`~services.worker.core.WorkerCore`."""
 
-    def __init__(
-        self,
-        config: WorkerConfig,
-        engine: Engine,
-        tokenizer: Tokenizer,
-        store: AdapterStore,
-        metrics: WorkerMetrics,
-    ) -> None:
-        self.config = config
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.store = store
-        self.metrics = metrics
-
-    def _prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
-        if request.messages:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
-        elif request.prompt:
-            text = request.prompt
-        else:
-            raise InvalidRequestError(EMPTY_REQUEST)
-        context = self.engine.max_model_len
-        if self.tokenizer.min_tokens(len(text)) >= context:
-            # refused before encoding: see Tokenizer.min_tokens
-            raise InvalidRequestError(
-                f"the prompt has {len(text)} characters, more than this worker's context of "
-                f"{context} tokens (prompt + generated) can hold: shorten the prompt"
-            )
-        return self.tokenizer.encode(text)
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
 
     def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.WorkerGenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[gateway_pb2.GenerateResponse]:
-        received = time.monotonic()
-        req = request.request
-        code = grpc.StatusCode.OK
-        detail = ""
-        stream = None
+        request_id = request.request.request_id
+        events = self.core.generate(generate_params(request), context)
         try:
-            adapter = AdapterRef.of(request.adapter) if request.adapter.adapter_id else None
-            engine_request = EngineRequest(
-                request_id=req.request_id,
-                prompt_token_ids=self._prompt_ids(req),
-                max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else 64,
-                temperature=float(req.temperature),
-                top_p=float(req.top_p) if req.HasField("top_p") else 1.0,
-                top_k=int(req.top_k),
-                seed=int(req.seed) if req.HasField("seed") else None,
-                stop=tuple(req.stop),
-                adapter=adapter,
-            )
-            stream = self.engine.submit(engine_request)
-            context.add_callback(stream.cancel)
-            first_at = None
-            for event in stream:
-                if event.error is not None:
-                    raise event.error
-                if first_at is None and event.token_ids:
-                    first_at = time.monotonic()
-                    self.metrics.ttft.observe(first_at - received)
-                response = gateway_pb2.GenerateResponse(
-                    text=event.text,
-                    token_ids=event.token_ids,
-                    request_id=req.request_id,
-                    adapter_cold=event.adapter_cold,  # on every message: TTFT's label
-                )
-                if event.token_ids:
-                    self.metrics.tokens.inc(len(event.token_ids))
-                if event.finish_reason is not None:
-                    response.finish_reason = _FINISH[event.finish_reason]
-                    response.usage.prompt_tokens = event.prompt_tokens
-                    response.usage.completion_tokens = event.completion_tokens
-                    response.worker_id = self.config.worker_id
-                    response.adapter_wait_seconds = event.adapter_wait_seconds
-                    response.worker_ttft_seconds = event.ttft_seconds or 0.0
-                    self.metrics.prompt_tokens.inc(event.prompt_tokens)
-                    if first_at is not None and event.completion_tokens >= 2:
-                        self.metrics.tpot.observe(
-                            (time.monotonic() - first_at) / (event.completion_tokens - 1)
-                        )
-                    if event.adapter_cold:
-                        self.metrics.cold_starts.inc()
-                        self.metrics.cold_start_wait.observe(event.adapter_wait_seconds)
-                yield response
-        except PLoRAError as exc:
-            code, detail = getattr(grpc.StatusCode, exc.status_code_name), str(exc)
-            if isinstance(exc, RequestCancelledError) and not context.is_active():
-                # the call ended under it: its deadline, or the client (the gateway, which
-                # cancels when its own client's deadline passes, a moment before this one's)
-                code, detail = ended_by_client(context), ""
-            abort(context, exc, req.request_id)
-        except Exception as exc:  # noqa: BLE001 - INTERNAL with a reference id
-            if already_aborted(context):
-                raise
-            code, detail = grpc.StatusCode.INTERNAL, repr(exc)
-            abort(context, exc, req.request_id)
+            for event in events:
+                yield generate_response(event, request_id, self.core.config.worker_id)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes its status here
+            abort(context, exc, request_id)
         finally:
-            if stream is not None:
-                stream.cancel()  # no-op when finished; frees KV and the lease otherwise
-            if code is grpc.StatusCode.OK and not context.is_active():
-                code = ended_by_client(context)
-            self.metrics.requests.labels(code.name).inc()
-            if code is not grpc.StatusCode.OK:
-                log_request_failure(
-                    logger,
-                    req.request_id,
-                    code,
-                    detail,
-                    time.monotonic() - received,
-                    request.adapter.adapter_id,
-                    req.tenant_id,
-                )
+            events.close()
 
     @map_errors
     def LoadAdapter(  # noqa: N802
         self, request: worker_pb2.LoadAdapterRequest, context: grpc.ServicerContext
     ) -> worker_pb2.LoadAdapterResponse:
-        ref = AdapterRef.of(request.adapter)
-        start = time.monotonic()
-        lease = self.store.acquire(ref)
-        try:
-            lease.wait(remaining_or(context, self.config.load_wait_timeout_s))
-            if lease.error() is not None:
-                raise lease.error()  # type: ignore[misc]
-            return worker_pb2.LoadAdapterResponse(
-                load_seconds=time.monotonic() - start if lease.cold else 0.0,
-                from_tier="source" if lease.cold else "device",
-            )
-        finally:
-            lease.release()
+        result = self.core.load_adapter(AdapterRef.of(request.adapter), context)
+        return worker_pb2.LoadAdapterResponse(
+            load_seconds=result.load_seconds, from_tier=result.from_tier
+        )
 
     @map_errors
     def UnloadAdapter(  # noqa: N802
         self, request: worker_pb2.UnloadAdapterRequest, context: grpc.ServicerContext
     ) -> worker_pb2.UnloadAdapterResponse:
-        dropped = self.store.unload(request.adapter_id, int(request.below_version))
+        dropped = self.core.unload_adapter(request.adapter_id, int(request.below_version))
         return worker_pb2.UnloadAdapterResponse(was_loaded=dropped)
 
     @map_errors
@@ -239,50 +165,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.PrefetchAdaptersRequest, context: grpc.ServicerContext
     ) -> worker_pb2.PrefetchAdaptersResponse:
         items = [(AdapterRef.of(i.adapter), float(i.expected_count)) for i in request.items]
-        result = self.store.prefetch(items)
-        for outcome, n in result._asdict().items():
-            self.metrics.prefetch_requests.labels(outcome).inc(n)
+        result = self.core.prefetch(items)
         return worker_pb2.PrefetchAdaptersResponse(**result._asdict())
 
     @map_errors
     def GetWorkerStatus(  # noqa: N802
         self, request: worker_pb2.GetWorkerStatusRequest, context: grpc.ServicerContext
     ) -> worker_pb2.GetWorkerStatusResponse:
+        status = self.core.status()
         return worker_pb2.GetWorkerStatusResponse(
-            worker_id=self.config.worker_id,
-            queue_length=self.engine.queue_length,
-            running=self.engine.running,
-            resident_adapters=resident_ids(self.store),
-            pool=convert.pool_stats(pool_stats_dict(self.store.stats(), self.config)),
-            device=str(self.engine.config.device),
+            worker_id=status.worker_id,
+            queue_length=status.queue_length,
+            running=status.running,
+            resident_adapters=status.resident,
+            pool=convert.pool_stats(status.pool),
+            device=status.device,
         )
-
-
-def resident_ids(store: AdapterStore) -> list[str]:
-    """Sorted ids of the adapters resident in the device pool."""
-    return sorted({r.adapter_id for r in store.resident_adapters()})
-
-
-def pool_stats_dict(s: StoreStats, config: WorkerConfig) -> dict[str, object]:
-    """A store statistics snapshot as ``plora.v1.PoolStats`` keys (heartbeat JSON)."""
-    return {
-        "allocator": config.allocator,
-        "eviction": config.eviction,
-        "pool_bytes": s.pool_bytes,
-        "page_bytes": s.page_bytes,
-        "pages_total": s.pages_total,
-        "pages_used": s.pages_used,
-        "pages_free": s.pages_free,
-        "live_bytes": s.live_bytes,
-        "utilization": s.utilization,
-        "external_fragmentation": s.external_fragmentation,
-        "internal_waste": s.internal_waste,
-        "utilization_under_pressure": s.utilization_under_pressure,
-        "loads": sum(s.loads_by_tier.values()),
-        "evictions": sum(s.evictions_by_reason.values()),
-        "compactions": s.compactions,
-        "cold_starts": s.cold_starts,
-    }
 
 
 class WorkerService:
@@ -339,9 +237,8 @@ class WorkerService:
                 adapter_wait_timeout_s=config.load_wait_timeout_s,
             ),
         )
-        self.servicer = WorkerServicer(
-            config, self.engine, self.tokenizer, self.store, self.metrics
-        )
+        self.core = WorkerCore(config, self.engine, self.tokenizer, self.store, self.metrics)
+        self.servicer = WorkerServicer(self.core)
 
         def register(server: grpc.Server) -> list[str]:
             worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
@@ -537,8 +434,8 @@ class WorkerService:
         its thread dead), log every thread's stack, stop serving, leave the registry and exit
         with :data:`EXIT_ENGINE_STALLED`, so the supervisor (``plora up``, Docker's restart
         policy) starts a fresh worker; its streams end UNAVAILABLE and the gateway sends
-        requests that had no token yet to another worker. Without it the worker kept
-        heartbeating healthy and every request routed to it waited out its deadline.
+        requests that had no token yet to another worker (a stalled worker would otherwise go
+        on heartbeating healthy, and every request routed to it wait out its deadline).
 
         Returns:
             Whether it ended the worker (only seen where ``_exit`` returns: tests).

@@ -28,8 +28,9 @@ from services.common.registry import AdapterRecord, Registry, WorkerRecord, conn
 from services.common.routing import ROUTED_GRACE_S, worker_view
 from services.common.types import ModelSpec
 from services.gateway.config import GatewayConfig
+from services.gateway.core import GatewayCore
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.server import GatewayService, GatewayServicer
+from services.gateway.server import GatewayService
 from tests.conftest import REPO, OwnRedis
 
 #: A tiny served model for registrations through a gateway with no real worker.
@@ -67,9 +68,8 @@ def test_cluster_status_with_no_workers(gateway) -> None:
 
 
 def test_error_messages_repeat_at_most_the_start_of_a_huge_field(gateway) -> None:
-    """A 5,000-character adapter id came back whole in RegisterAdapter's INVALID_ARGUMENT, a
-    10,000-character one in Generate's refusal: the messages now repeat its first characters
-    and its length."""
+    """A refusal of a huge adapter id (5,000 characters in RegisterAdapter, 10,000 in Generate)
+    repeats only its first characters and its length."""
     calls = [
         lambda: gateway.RegisterAdapter(
             gateway_pb2.RegisterAdapterRequest(adapter_id="a" * 5000, source="/x"), timeout=10
@@ -96,7 +96,8 @@ def test_error_messages_repeat_at_most_the_start_of_a_huge_field(gateway) -> Non
 def test_a_source_path_the_system_refuses_is_invalid_argument(
     gateway, source: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """These were INTERNAL with a traceback in the gateway's log."""
+    """A path the system refuses to look up is INVALID_ARGUMENT, with no traceback in the
+    gateway's log."""
     with pytest.raises(grpc.RpcError) as err:
         gateway.RegisterAdapter(
             gateway_pb2.RegisterAdapterRequest(adapter_id="a", source=source), timeout=10
@@ -108,8 +109,8 @@ def test_a_source_path_the_system_refuses_is_invalid_argument(
 
 
 def test_every_rpc_applies_the_adapter_id_and_tenant_id_rules(gateway) -> None:
-    """Generate looked ``../../x`` up (NOT_FOUND) where RegisterAdapter refused it, and no RPC
-    checked ``tenant_id``: each refuses both now with INVALID_ARGUMENT and one message."""
+    """Every RPC refuses a malformed adapter id (``../../x``) and tenant id with
+    INVALID_ARGUMENT and the same message."""
     g = gateway_pb2
     by_adapter = {
         "Generate": lambda a, t: list(
@@ -201,8 +202,8 @@ def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again
 ) -> None:
     """``kill -9`` of Redis under a running gateway: every RPC that needs the registry, the
     streamed Generate included, fails UNAVAILABLE with a message naming the registry and what
-    to do (it was INTERNAL with a redis traceback in the log); once Redis is back on its port
-    the same gateway serves again."""
+    to do (no redis traceback in the log); once Redis is back on its port the same gateway
+    serves again."""
     service = GatewayService(
         GatewayConfig(port=0, metrics_port=0, redis_url=own_redis.url, worker_cache_s=0.0)
     ).start()
@@ -277,7 +278,7 @@ def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url:
     for wid in ("w0", "w1"):
         registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
     config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
-    gw = GatewayServicer(config, registry, GatewayMetrics())
+    gw = GatewayCore(config, registry, GatewayMetrics())
     routed = gw.metrics.routed
 
     def count(reason: str) -> float:
@@ -320,7 +321,7 @@ def test_loads_the_gateway_started_take_their_bytes_from_the_workers_room(
         WorkerRecord("w1", "127.0.0.1:1", running=3, room_bytes=100 * mb), ttl_seconds=30
     )
     config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
-    gw = GatewayServicer(config, registry, GatewayMetrics())
+    gw = GatewayCore(config, registry, GatewayMetrics())
     try:
         a = AdapterRecord("a", "/src", version=1, rank=8, size_bytes=10 * mb)
         b = AdapterRecord("b", "/src", version=1, rank=8, size_bytes=10 * mb)
@@ -346,7 +347,7 @@ def test_equally_loaded_workers_take_turns(redis_url: str) -> None:
     for wid in ("w0", "w1", "w2"):
         registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
     config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
-    gw = GatewayServicer(config, registry, GatewayMetrics())
+    gw = GatewayCore(config, registry, GatewayMetrics())
     try:
         chosen = []
         for _ in range(6):
@@ -424,9 +425,9 @@ def _start_token_streamer(
 
 
 def test_stopping_gateway_ends_a_long_stream_with_unavailable_saying_why(redis_url: str) -> None:
-    """A stream still running when the gateway stops used to end with gRPC's bare
-    "Cancelling all calls" (a client mid-generation when ``plora up`` stopped); it ends a
-    second before the grace period runs out, with UNAVAILABLE naming the shutdown."""
+    """A stream still running when the gateway stops (a client mid-generation when ``plora
+    up`` stops) ends a second before the grace period runs out, with UNAVAILABLE naming the
+    shutdown rather than gRPC's bare "Cancelling all calls"."""
     worker, _ = _start_token_streamer(redis_url, 0.05)
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -520,7 +521,7 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
         port,
         generate,
     ):
-        stale = service.servicer.metrics.stale_reads
+        stale = service.core.metrics.stale_reads
         admin = grpc.insecure_channel(f"127.0.0.1:{service.port}")
         stub = gateway_pb2_grpc.GatewayStub(admin)
         assert len(generate("a")) == 2 and len(generate("")) == 2
@@ -554,17 +555,16 @@ def test_generate_goes_on_through_a_redis_outage_for_records_read_before_it(
             generate("a")  # gone from the new Redis: not served from the old cache
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         # and its old record is forgotten: a later outage cannot serve a deleted adapter
-        assert "a" not in service.servicer._adapters._data
+        assert "a" not in service.core.catalog._adapters._data
 
 
 def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
     own_redis: OwnRedis,
 ) -> None:
-    """A Redis that stops answering (SIGSTOP: no refusal, reads time out after 5 s) made
-    every request wait out the timeout before the stale records were served (5.3 s TTFT
-    each in the new-user trial). Now the first read to time out marks the registry
-    unreachable and later requests are served from the cache at once, or fail at once, until
-    a background check finds Redis answering again."""
+    """A Redis that stops answering (SIGSTOP: no refusal, reads time out after 5 s): the first
+    read to time out marks the registry unreachable, and later requests are served from the
+    cache at once, or fail at once, instead of each waiting out the timeout, until a
+    background check finds Redis answering again."""
     pid = own_redis.pid
     with _gateway_before_a_streaming_worker(own_redis.url) as (_, _, generate):
         try:
@@ -588,10 +588,9 @@ def test_a_hung_redis_costs_one_request_its_timeout_not_every_request(
 def test_admin_calls_wait_out_a_hung_redis_once_then_fail_at_once(
     own_redis: OwnRedis, tmp_path
 ) -> None:
-    """The admin calls read and write Redis directly (no cache). With a hung Redis each one
-    waited out the 5 s socket timeout before UNAVAILABLE (session 15's note); now the first
-    call to time out marks the registry unreachable and the rest fail at once, naming it,
-    until the gateway's background check finds Redis answering again."""
+    """The admin calls read and write Redis directly (no cache). With a hung Redis the first
+    call to time out (5 s socket timeout) marks the registry unreachable and the rest fail
+    at once, naming it, until the gateway's background check finds Redis answering again."""
     pid = own_redis.pid
     with _gateway_before_a_streaming_worker(own_redis.url) as (service, _, _):
         channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -647,7 +646,7 @@ def test_a_request_refused_for_a_superseded_version_is_sent_again_with_the_new_o
     """A gateway's cached record can be older than the registry's (another gateway, or this
     one within ``adapter_cache_s``); a worker that has seen the newer version refuses the
     old one (NOT_FOUND). The gateway reads the record again and sends the request once more
-    with the newer version (new-user trial: NOT_FOUND right after a re-registration)."""
+    with the newer version (no NOT_FOUND right after a re-registration)."""
     streamer = _TokenStreamer(0.0)
     worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
     registry = Registry(connect(redis_url))
@@ -663,14 +662,14 @@ def test_a_request_refused_for_a_superseded_version_is_sent_again_with_the_new_o
         registry.put_adapter(AdapterRecord("a", "/src", version=2, rank=8))  # elsewhere
         streamer.refuse_below["a"] = 2
         assert len(list(stub.Generate(request, timeout=10))) == 2
-        assert service.servicer.metrics.retries._value.get() == 1
+        assert service.core.metrics.retries._value.get() == 1
         # refused although the registry has nothing newer: the worker's NOT_FOUND, once
         streamer.refuse_below["a"] = 3
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(request, timeout=10))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "version 2 was superseded" in err.value.details()
-        assert service.servicer.metrics.retries._value.get() == 1
+        assert service.core.metrics.retries._value.get() == 1
     finally:
         channel.close()
         service.stop(0)
@@ -681,9 +680,9 @@ def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborte
     redis_url: str, tmp_path
 ) -> None:
     """Re-registration has the workers drop the versions older than the new one only (a late
-    unload dropped the new version while a request loaded it: NOT_FOUND in the new-user
-    trial). Of two registrations of one id racing, the one that reserved the later version
-    stays, and the other answers ABORTED instead of overwriting it."""
+    unload must not drop the new version while a request loads it). Of two registrations of
+    one id racing, the one that reserved the later version stays, and the other answers
+    ABORTED instead of overwriting it."""
     streamer = _TokenStreamer(0.0)
     worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
     source = write_peft_adapter(tmp_path / "a", SPEC, rank=4, alpha=8.0, seed=1)
@@ -700,7 +699,7 @@ def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborte
             time.sleep(0.05)
         assert [(u.adapter_id, u.below_version) for u in streamer.unloads] == [("a", 0), ("a", 2)]
 
-        registry = service.servicer.registry
+        registry = service.core.registry
         put = registry.put_adapter
 
         def another_gateway_registers_first(record: AdapterRecord) -> bool:
@@ -745,9 +744,8 @@ def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive
 ) -> None:
     """A worker that stops answering (SIGSTOP; a paused VM) while it holds a request that
     has had no token yet: the gateway's channel to it misses a keepalive answer and fails
-    the call UNAVAILABLE, and the request is retried on the other worker. Before, it hung
-    until the client's deadline (new-user trial: DEADLINE_EXCEEDED after 25 s; 600 s
-    without a client deadline), while ``plora status`` already showed the worker down."""
+    the call UNAVAILABLE, and the request is retried on the other worker rather than hanging
+    until the client's deadline."""
     frozen = subprocess.Popen(
         [sys.executable, "-c", _STREAMER_PROCESS], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
@@ -777,7 +775,7 @@ def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive
         took = time.monotonic() - started
         assert served_by == ["w0", "w0"]
         assert took < 25.0, took  # a ping unanswered for 10 s, then w0
-        assert service.servicer.metrics.retries._value.get() >= 1
+        assert service.core.metrics.retries._value.get() >= 1
         channel.close()
     finally:
         if service is not None:
@@ -789,14 +787,13 @@ def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive
 
 
 def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_url: str) -> None:
-    """The per-worker gauges were set only by the worker-list reads requests made, so an idle
-    gateway went on showing a frozen worker healthy with a 1 s heartbeat age and a drained
-    queue full (new-user trial). They now follow the registry every second, and the series
-    of a worker gone from it are removed. A down worker's last resident list is shown as
-    nothing resident (gauge and GetClusterStatus), since its pool is gone."""
+    """The per-worker gauges follow the registry every second, requests or not (an idle
+    gateway shows a frozen worker down and a drained queue empty), and the series of a worker
+    gone from it are removed. A down worker's last resident list is shown as nothing resident
+    (gauge and GetClusterStatus), since its pool is gone."""
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
     registry = Registry(connect(redis_url))
-    metrics = service.servicer.metrics
+    metrics = service.core.metrics
 
     def until(what: str, check: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 5
@@ -843,9 +840,8 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
 
 
 def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: str) -> None:
-    """The gateway gave every attempt of a request the timeout it computed before the first
-    one, so a retry could run past the client's deadline; each worker call now gets what is
-    left of it as the call starts."""
+    """Each worker call of a request gets what is left of the client's deadline as the call
+    starts, so a retry never runs past it."""
     failing, serving = _TokenStreamer(0.0, "w0"), _TokenStreamer(0.0, "w1")
     failing.fail_after_s = 1.0
     servers = [
@@ -873,10 +869,9 @@ def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: 
 def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
     redis_url: str,
 ) -> None:
-    """After ``kill -9`` of a worker its liveness key outlives it by up to 5 s, and the gateway
-    went on choosing it first, each request paying a refused connection and a retry (trial
-    17: 3-4 such retries after every kill). A worker whose call failed is now left out until
-    a heartbeat newer than the one it had then speaks for it."""
+    """After ``kill -9`` of a worker its liveness key outlives it by up to 5 s. A worker whose
+    call failed is left out until a heartbeat newer than the one it had then speaks for it,
+    so requests do not each pay a refused connection and a retry meanwhile."""
     serving, _ = _start_token_streamer(redis_url, 0.0)
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
@@ -889,7 +884,7 @@ def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
-    retries = service.servicer.metrics.retries._value
+    retries = service.core.metrics.retries._value
     request = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=2)
     try:
         for _ in range(6):  # the first to reach w1 fails over; later ones leave it out
@@ -909,11 +904,10 @@ def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
 def test_only_an_adapters_owner_replaces_or_deletes_it_and_shared_ones_are_the_operators(
     redis_url: str, tmp_path
 ) -> None:
-    """An adapter registered without a tenant is shared: every tenant is served it, but one
-    tenant re-registering it swapped the weights everyone got, took the id over and locked
-    the others (and the operator) out; any tenant could delete it (new-user trial 20). Now
-    only calls with the owner's exact tenant_id (none, for a shared adapter) replace or
-    delete it; the owner's own calls and serving are unchanged."""
+    """An adapter registered without a tenant is shared: every tenant is served it, but only
+    calls with the owner's exact tenant_id (none, for a shared adapter) replace or delete it,
+    so no tenant can swap the weights everyone gets, take the id over or delete it; the
+    owner's own calls and serving are unaffected."""
     worker, _ = _start_token_streamer(redis_url, 0.0)
     v1 = write_peft_adapter(tmp_path / "v1", SPEC, rank=4, alpha=8.0, seed=1)
     v2 = write_peft_adapter(tmp_path / "v2", SPEC, rank=4, alpha=8.0, seed=2)
@@ -968,12 +962,11 @@ def test_only_an_adapters_owner_replaces_or_deletes_it_and_shared_ones_are_the_o
 def test_a_failed_request_is_logged_with_the_id_the_workers_saw(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A client's failed request could not be found in any log (new-user trial 20): the
-    gateway now logs every Generate that did not end OK with the id the workers see
+    """The gateway logs every Generate that did not end OK with the id the workers see
     (``<caller's id>~<8 hex>``), the adapter and tenant, the status and its message, at INFO
     (the causes are logged once as warnings where they happen: a warning per request would
     flood the terminal during an outage). A request that ends OK adds no line."""
-    caplog.set_level(logging.INFO, logger="services.gateway.server")
+    caplog.set_level(logging.INFO, logger="services.gateway.core")
     streamer = _TokenStreamer(0.0)
     worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
     service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()

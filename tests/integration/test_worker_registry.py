@@ -56,13 +56,14 @@ def _generate(stub: worker_pb2_grpc.WorkerStub, record: AdapterRecord) -> list:
 def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
     own_redis: OwnRedis, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Redis restarted without its data: adapters are registered again from version 1. A
-    worker that had served version 3 refused version 1 as superseded, and a registration
-    made before the worker's first heartbeat to the new Redis could not tell it to drop its
-    copy (the new-user trial hit this in 3 of 5 tries). The worker notices the registry lost
-    its own record at that heartbeat and forgets every adapter, so version 1 is served.
+    """Redis restarted without its data: adapters are registered again from version 1, which a
+    worker that had served version 3 would refuse as superseded, and a registration made
+    before the worker's first heartbeat to the new Redis cannot tell it to drop its copy. The
+    worker notices the registry lost its own record at that heartbeat and forgets every
+    adapter, so version 1 is served.
     (Also: the worker logs its settings at start, and each request that failed with its id.)"""
     caplog.set_level(logging.INFO, logger="services.worker.server")
+    caplog.set_level(logging.INFO, logger="services.worker.core")  # the failed request's line
     service = _worker(own_redis.url, model_dir)
     channel = grpc.insecure_channel(service.address)
     stub = worker_pb2_grpc.WorkerStub(channel)
@@ -111,10 +112,10 @@ def test_a_worker_forgets_its_adapters_when_redis_comes_back_empty(
 def test_a_stalled_engine_makes_the_worker_leave_the_registry_and_exit(
     own_redis: OwnRedis, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A worker whose engine deadlocked kept heartbeating healthy, so the gateway kept routing
-    requests to it and each waited out its deadline. Past ``stall_timeout_s`` without progress
-    while it has requests, the worker now logs every thread's stack, stops serving, leaves the
-    registry and exits (status 70) for its supervisor to restart it; idle, it never does."""
+    """Past ``stall_timeout_s`` without progress while it has requests (a deadlocked engine
+    would otherwise go on heartbeating healthy and draw requests), the worker logs every
+    thread's stack, stops serving, leaves the registry and exits (status 70) for its
+    supervisor to restart it; idle, it never does."""
     service = _worker(
         own_redis.url, model_dir, stall_timeout_s=1.0, heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0
     )

@@ -1,0 +1,575 @@
+"""The gateway's serving logic, behind whichever front door receives the requests.
+
+:class:`GatewayCore` validates requests, resolves adapter records
+(:mod:`~services.gateway.catalog`), checks tenancy (:mod:`~services.gateway.tenancy`), routes
+each request to a worker (the shared :class:`~services.common.routing.RoutingState`), relays
+the worker's stream (:mod:`~services.gateway.workers`), sends a request again on another
+worker when one fails before the first token (:func:`~services.gateway.retry.should_retry`),
+streams request events to the predictor without waiting on it, and keeps the gateway's
+metrics. Its answers are domain values
+(:mod:`~services.gateway.results`) and its failures domain errors
+(:class:`~services.common.errors.PLoRAError`): a front door converts both, the gRPC one in
+:mod:`services.gateway.server`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Generator, Iterator
+from typing import Protocol
+
+import grpc
+
+from plora.v1 import gateway_pb2, predictor_pb2, worker_pb2
+from services.common import convert
+from services.common.adapters import inspect_adapter
+from services.common.errors import (
+    AdapterNotFoundError,
+    NoHealthyWorkerError,
+    PLoRAError,
+    PoolExhaustedError,
+    RegistrationConflictError,
+    quoted,
+)
+from services.common.grpc_util import ended_by_client, log_request_failure, remaining_or, status_for
+from services.common.registry import AdapterRecord, Registry, RegistryUnavailableError, WorkerRecord
+from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
+from services.gateway.catalog import Catalog
+from services.gateway.config import GatewayConfig
+from services.gateway.events import EventStreamer
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.results import AdapterStatus, ClusterStatus, GenerateChunk
+from services.gateway.retry import Retry, should_retry
+from services.gateway.tenancy import check_owner, check_tenant, visible_to
+from services.gateway.validation import (
+    adapter_source,
+    check_adapter_id,
+    check_tenant_id,
+    validate_generate,
+)
+from services.gateway.workers import WorkerCallError, WorkerClients, WorkerStream
+
+logger = logging.getLogger(__name__)
+
+
+class Client(Protocol):
+    """The caller of one request, as the core needs it (a ``grpc.ServicerContext`` is one)."""
+
+    def is_active(self) -> bool:
+        """Whether the caller still waits for the answer."""
+        ...
+
+    def time_remaining(self) -> float | None:
+        """Seconds left before the caller's deadline (None or huge: no deadline)."""
+        ...
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` once the call ends, however it ends."""
+        ...
+
+
+class GatewayStoppingError(PLoRAError):
+    """The gateway is stopping and ended a stream still running after its grace period
+    (UNAVAILABLE)."""
+
+    status_code_name = "UNAVAILABLE"
+
+
+class Generation(Iterator[GenerateChunk]):
+    """One Generate request in progress: iterate for its chunks; :meth:`close` ends it early
+    (the client went away).
+
+    Attributes:
+        request_id: The request's id: the caller's, or one the gateway made.
+    """
+
+    def __init__(self, request_id: str, chunks: Generator[GenerateChunk, None, None]) -> None:
+        self.request_id = request_id
+        self._chunks = chunks
+
+    def __next__(self) -> GenerateChunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop the request where it is (its bookkeeping and metrics are settled)."""
+        self._chunks.close()
+
+
+class GatewayCore:
+    """The gateway's serving logic over the registry, the workers and the predictor.
+
+    Args:
+        config: The gateway's settings.
+        registry: The Redis registry.
+        metrics: The gateway's Prometheus series.
+    """
+
+    def __init__(self, config: GatewayConfig, registry: Registry, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.catalog = Catalog(config, registry, metrics)
+        self.routing = RoutingState(
+            config.routing, on_pending=lambda w, n: metrics.worker_pending.labels(w).set(n)
+        )
+        self.workers = WorkerClients()
+        # monotonic time after which streams still running are ended (the gateway stops)
+        self._drain_deadline: float | None = None
+        self._drain_grace_s = 0.0
+        self.events = EventStreamer(
+            config.predictor_address,
+            config.event_queue_size,
+            on_sent=lambda n: metrics.events_sent.inc(n),
+            on_dropped=lambda n: metrics.events_dropped.inc(n),
+            on_connected=lambda c: metrics.predictor_connected.set(1 if c else 0),
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the event stream and the background worker-list reads."""
+        self.events.start()
+        self.catalog.start_gauges()
+
+    def begin_drain(self, grace_s: float, cut_after_s: float) -> None:
+        """The gateway is stopping: streams still running ``cut_after_s`` seconds from now end
+        with UNAVAILABLE and a message that says so, at their next token, instead of the
+        bare "Cancelling all calls" gRPC gives them when the server's ``grace_s`` runs out.
+
+        Args:
+            grace_s: The server's grace period, seconds (named in the message).
+            cut_after_s: When to end the remaining streams, seconds from now (< ``grace_s``,
+                so the status reaches the client before the server cancels the call).
+        """
+        self._drain_grace_s = grace_s
+        self._drain_deadline = time.monotonic() + max(0.0, cut_after_s)
+
+    def close(self) -> None:
+        """Stop the event stream and the registry checks, and close worker channels."""
+        self.catalog.close()
+        self.events.stop()
+        self.workers.close()
+
+    # -- Generate -------------------------------------------------------------------------
+
+    def generate(self, request: gateway_pb2.GenerateRequest, client: Client) -> Generation:
+        """Serve one generation request (``plora.v1.GenerateRequest``, the cluster's request
+        schema: a front door builds one).
+
+        Each chunk the chosen worker streams is passed on as it comes. The request is counted
+        (``plora_gateway_requests_total`` by status, in flight) and, when it does not end OK,
+        logged once with the id the workers see.
+
+        Raises:
+            PLoRAError: While iterating: the request was refused or failed (the worker's own
+                status as :class:`~services.gateway.workers.WorkerCallError`).
+        """
+        request_id = request.request_id or uuid.uuid4().hex
+        return Generation(request_id, self._counted(request, request_id, client))
+
+    def _counted(
+        self, request: gateway_pb2.GenerateRequest, request_id: str, client: Client
+    ) -> Generator[GenerateChunk, None, None]:
+        received = time.monotonic()
+        # A caller's id is for tracing, not unique: the workers see it with a suffix of this
+        # call's own, so one client's (or tenant's) id in flight never refuses another's.
+        call_id = f"{request_id}~{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        self.metrics.in_flight.inc()
+        code = grpc.StatusCode.OK
+        detail = ""
+        try:
+            yield from self._generate(request, request_id, call_id, received, client)
+        except Exception as exc:
+            code = status_for(exc)
+            detail = str(exc) if isinstance(exc, PLoRAError) else repr(exc)
+            raise
+        finally:
+            if not client.is_active() and code is grpc.StatusCode.OK:
+                code = ended_by_client(client)
+            self.metrics.requests.labels(code.name).inc()
+            self.metrics.in_flight.dec()
+            if code is not grpc.StatusCode.OK:
+                log_request_failure(
+                    logger,
+                    call_id,
+                    code,
+                    detail,
+                    time.monotonic() - received,
+                    request.adapter_id,
+                    request.tenant_id,
+                )
+
+    def _generate(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        request_id: str,
+        call_id: str,
+        received: float,
+        client: Client,
+    ) -> Iterator[GenerateChunk]:
+        validate_generate(request, self.config)
+        adapter: AdapterRecord | None = None
+        if request.adapter_id:
+            adapter = self.catalog.adapter(request.adapter_id)
+            check_tenant(adapter, request.tenant_id)
+        self.events.offer(
+            predictor_pb2.RequestEvent(
+                request_id=request_id,
+                adapter_id=request.adapter_id,
+                tenant_id=request.tenant_id,
+                arrival_unix=time.time(),
+                prompt_tokens=0,
+            )
+        )
+        worker_request = self._worker_request(request, call_id, adapter)
+        tried: set[str] = set()
+        refreshed = False  # the adapter's record was read again after a worker refused it
+        while True:
+            worker = self._choose(adapter, tried)
+            tried.add(worker.worker_id)
+            first_token = False
+            try:
+                stream = self._call(worker, worker_request, received, client)
+                for chunk in stream:
+                    if not first_token and (chunk.token_ids or chunk.finish_reason):
+                        # at the first token, so a stream that ends badly later counts too
+                        first_token = True
+                        self.routing.first_token(worker.worker_id)
+                        cold = str(chunk.adapter_cold).lower()
+                        self.metrics.ttft.labels(cold).observe(time.monotonic() - received)
+                    self._observe(chunk, received, stream)
+                    chunk.request_id = request_id
+                    yield chunk
+                return
+            except WorkerCallError as exc:
+                error = exc
+            finally:
+                self.routing.done(worker.worker_id, pending=not first_token)
+            action = self._retry(error, first_token, client, adapter, refreshed)
+            if action is Retry.ELSEWHERE:
+                logger.warning(
+                    "worker %s failed before the first token (%s); retrying elsewhere",
+                    worker.worker_id,
+                    error.details,
+                )
+                self.routing.failed(worker.worker_id, worker.heartbeat_unix)
+                self.metrics.retries.inc()
+                self.catalog.expire_workers()
+                continue
+            if action is Retry.REFRESH_ADAPTER:
+                assert adapter is not None
+                refreshed = True
+                fresh = self._newer_version(adapter, request.tenant_id)
+                if fresh is not None:
+                    logger.info(
+                        "worker %s refused %s v%d (%s); retrying with v%d",
+                        worker.worker_id,
+                        adapter.adapter_id,
+                        adapter.version,
+                        error.details,
+                        fresh.version,
+                    )
+                    adapter = fresh
+                    worker_request.adapter.CopyFrom(convert.adapter_info(fresh))
+                    tried.discard(worker.worker_id)
+                    self.metrics.retries.inc()
+                    continue
+                action = self._retry(error, first_token, client, adapter, refreshed)
+            if action is Retry.CLIENT_GONE:
+                return
+            raise self._relayed_error(worker, error)
+
+    def _retry(
+        self,
+        error: WorkerCallError,
+        first_token: bool,
+        client: Client,
+        adapter: AdapterRecord | None,
+        refreshed: bool,
+    ) -> Retry:
+        return should_retry(
+            error.status_code_name,
+            first_token_sent=first_token,
+            client_active=client.is_active(),
+            has_adapter=adapter is not None,
+            refreshed=refreshed,
+        )
+
+    def _worker_request(
+        self, request: gateway_pb2.GenerateRequest, call_id: str, adapter: AdapterRecord | None
+    ) -> worker_pb2.WorkerGenerateRequest:
+        """What the worker is sent: the request under the call's id, with the default
+        ``max_new_tokens`` filled in and the adapter's record."""
+        forwarded = gateway_pb2.GenerateRequest()
+        forwarded.CopyFrom(request)
+        forwarded.request_id = call_id
+        if not forwarded.HasField("max_new_tokens"):
+            forwarded.max_new_tokens = self.config.default_max_new_tokens
+        return worker_pb2.WorkerGenerateRequest(
+            request=forwarded, adapter=convert.adapter_info(adapter) if adapter else None
+        )
+
+    def _call(
+        self,
+        worker: WorkerRecord,
+        worker_request: worker_pb2.WorkerGenerateRequest,
+        received: float,
+        client: Client,
+    ) -> WorkerStream:
+        """Start the call to ``worker``, ended with the client's. It gets what is left of the
+        client's deadline (else of ``request_timeout_s``) as it starts: a retry does not get
+        the whole of it again, and the worker's deadline is the client's, so a stream the
+        deadline ends is counted as such there too (not cancelled by this gateway a moment
+        before the worker's own clock passes it)."""
+        budget = received + self.config.request_timeout_s - time.monotonic()
+        timeout = remaining_or(client, max(0.001, budget))
+        stream = self.workers.generate(worker.address, worker_request, timeout)
+        client.add_callback(stream.cancel)
+        return stream
+
+    def _observe(self, chunk: GenerateChunk, received: float, stream: WorkerStream) -> None:
+        """Count a chunk's tokens (and the request's end); past the drain deadline, end the
+        stream.
+
+        Raises:
+            GatewayStoppingError: The gateway is stopping and its grace period is over.
+        """
+        if chunk.token_ids:
+            self.metrics.tokens.inc(len(chunk.token_ids))
+        if chunk.finish_reason:
+            self.metrics.e2e.observe(time.monotonic() - received)
+        elif self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+            stream.cancel()
+            raise GatewayStoppingError(
+                f"the gateway is shutting down and ended this stream after its "
+                f"{self._drain_grace_s:g} s grace period; send the request again once the "
+                "cluster is back"
+            )
+
+    def _newer_version(self, adapter: AdapterRecord, tenant_id: str) -> AdapterRecord | None:
+        """The adapter's record read again, if it is a later version than ``adapter`` (and the
+        tenant may use it), else None.
+
+        Raises:
+            AdapterPermissionError: The newer version belongs to another tenant.
+        """
+        fresh = self.catalog.reread_adapter(adapter.adapter_id)
+        if fresh is None or fresh.version <= adapter.version:
+            return None
+        check_tenant(fresh, tenant_id)
+        return fresh
+
+    @staticmethod
+    def _relayed_error(worker: WorkerRecord, error: WorkerCallError) -> WorkerCallError:
+        """The worker's status as the request's, its message saying what to do."""
+        details = error.details or error.status_code_name
+        if error.status_code_name == "UNAVAILABLE":
+            details = (
+                f"worker {worker.worker_id} failed while streaming this request "
+                f"({details}); send it again (requests not yet started there are "
+                "retried on another worker)"
+            )
+        return WorkerCallError(error.status_code_name, error.details, details)
+
+    def _choose(self, adapter: AdapterRecord | None, exclude: set[str]) -> WorkerRecord:
+        """The worker for a request (``exclude``: those tried already), counted as sent there.
+
+        Raises:
+            NoHealthyWorkerError: No healthy worker is left.
+        """
+        healthy = [w for w in self.catalog.workers() if w.healthy and w.worker_id not in exclude]
+        workers = self.routing.usable(healthy)
+        if not workers:
+            raise NoHealthyWorkerError(
+                "no healthy worker is available; check `plora status` and the workers' logs"
+            )
+        by_id = {w.worker_id: w for w in workers}
+        rank_aware = adapter is not None and self.config.routing != ROUND_ROBIN
+        chosen, reason = self.routing.route(
+            adapter.adapter_id if adapter else "",
+            [(worker_view(w), w.heartbeat_unix) for w in workers],
+            self.catalog.placement() if rank_aware else {},
+            size_bytes=adapter.size_bytes if adapter else 0,
+            now=time.time(),
+        )
+        self.metrics.routed.labels(self.config.routing, reason).inc()
+        return by_id[chosen]
+
+    # -- adapters -------------------------------------------------------------------------
+
+    def register_adapter(self, adapter_id: str, source: str, tenant_id: str) -> AdapterRecord:
+        """Inspect a PEFT adapter against the served base model and register it (a new
+        version when the id exists; only its owner replaces it).
+
+        Raises:
+            InvalidRequestError: A malformed id, tenant id or source path.
+            NoHealthyWorkerError: No worker has published the base model yet.
+            PoolExhaustedError: The adapter is larger than every worker's pool.
+            AdapterPermissionError: The id belongs to another tenant.
+            RegistrationConflictError: A concurrent registration of the id won.
+        """
+        check_adapter_id(adapter_id)
+        check_tenant_id(tenant_id)
+        path = adapter_source(source)
+        with self.catalog.direct():
+            return self._register(adapter_id, path, tenant_id)
+
+    def _register(self, adapter_id: str, source: str, tenant_id: str) -> AdapterRecord:
+        published = self.registry.get_model_spec()
+        if published is None:
+            raise NoHealthyWorkerError(
+                "no worker has published the base model to the registry yet; wait for a "
+                "worker to start (workers publish it with every heartbeat: a second after "
+                "Redis restarted empty)"
+            )
+        spec, dtype_name = published
+        import torch  # noqa: PLC0415 - only needed to size adapters in the serving dtype
+
+        manifest = inspect_adapter(source, spec, dtype=getattr(torch, dtype_name))
+        pools = [int(w.pool.get("pool_bytes", 0)) for w in self.catalog.workers() if w.healthy]
+        largest = max(pools, default=0)
+        if largest and manifest.size_bytes > largest:
+            raise PoolExhaustedError(
+                f"adapter {quoted(adapter_id)} needs {manifest.size_bytes} bytes but the "
+                f"largest worker pool holds {largest}; raise --pool-bytes or use a smaller rank"
+            )
+        previous = None
+        try:
+            previous = self.registry.get_adapter(adapter_id)
+        except AdapterNotFoundError:
+            previous = None
+        if previous is not None:
+            check_owner(previous, tenant_id, "replaces")
+        record = AdapterRecord(
+            adapter_id=adapter_id,
+            source=source,
+            tenant_id=tenant_id,
+            rank=manifest.rank,
+            alpha=float(manifest.alpha),
+            target_modules=list(manifest.target_modules),
+            size_bytes=manifest.size_bytes,
+            sha256=manifest.sha256,
+            version=self.registry.next_adapter_version(adapter_id),
+            use_rslora=manifest.use_rslora,
+            created_unix_ms=int(time.time() * 1000),
+            num_modules=manifest.num_modules,
+        )
+        if record.version == 1:
+            # The first version since this Redis started counting: a worker may still hold a
+            # copy from before the registry was emptied (an external Redis restarted without
+            # persistence), with a higher version it would take this one to be superseded
+            # by. Workers forget it before the record exists, so no request can race it.
+            self._broadcast_unload(record.adapter_id, wait=True)
+        if not self.registry.put_adapter(record):
+            raise RegistrationConflictError(
+                f"adapter {quoted(adapter_id)} was registered again meanwhile, with a "
+                f"later version than this call's {record.version}, which stays registered; "
+                "GetAdapter shows it, register again to replace it"
+            )
+        self.catalog.forget_adapter(record.adapter_id)
+        if previous is not None:
+            # only the older versions: a late unload must spare this one if a request has
+            # already started loading it
+            self._broadcast_unload(record.adapter_id, below_version=record.version)
+        logger.info(
+            "registered adapter %s v%d (rank %d, %d bytes, tenant %s) from %s",
+            record.adapter_id,
+            record.version,
+            record.rank,
+            record.size_bytes,
+            record.tenant_id or "-",
+            source,
+        )
+        return record
+
+    def get_adapter(self, adapter_id: str, tenant_id: str) -> AdapterStatus:
+        """An adapter's record, the healthy workers holding it and those it is placed on.
+
+        Raises:
+            InvalidRequestError: A malformed id or tenant id.
+            AdapterNotFoundError: Not registered.
+            AdapterPermissionError: Another tenant's.
+        """
+        check_adapter_id(adapter_id)
+        check_tenant_id(tenant_id)
+        with self.catalog.direct():
+            record = self.registry.get_adapter(adapter_id)
+            check_tenant(record, tenant_id)
+            resident = [
+                w.worker_id for w in self.catalog.workers() if record.adapter_id in w.resident
+            ]
+            placed = self.registry.get_placement().get(record.adapter_id, [])
+            return AdapterStatus(record, resident, placed)
+
+    def list_adapters(self, tenant_id: str) -> list[AdapterRecord]:
+        """The registered adapters ``tenant_id`` may use ("" = every adapter).
+
+        Raises:
+            InvalidRequestError: A malformed tenant id.
+        """
+        check_tenant_id(tenant_id)
+        with self.catalog.direct():
+            return [r for r in self.registry.list_adapters() if visible_to(r, tenant_id)]
+
+    def delete_adapter(self, adapter_id: str, tenant_id: str) -> int:
+        """Delete an adapter from the registry and every worker; returns its version.
+
+        Raises:
+            InvalidRequestError: A malformed id or tenant id.
+            AdapterNotFoundError: Not registered.
+            AdapterPermissionError: ``tenant_id`` is not its owner.
+        """
+        check_adapter_id(adapter_id)
+        check_tenant_id(tenant_id)
+        with self.catalog.direct():
+            record = self.registry.get_adapter(adapter_id)
+            check_owner(record, tenant_id, "deletes")
+            self.registry.delete_adapter(adapter_id)
+            self.catalog.forget_adapter(adapter_id)
+            self._broadcast_unload(adapter_id)
+            logger.info(
+                "deleted adapter %s v%d (tenant %s)",
+                record.adapter_id,
+                record.version,
+                record.tenant_id or "-",
+            )
+            return record.version
+
+    def _broadcast_unload(
+        self, adapter_id: str, wait: bool = False, below_version: int = 0
+    ) -> None:
+        """Drop every copy of an adapter (or, with ``below_version``, its versions older
+        than that one) from the healthy workers, best effort (a worker that is down holds
+        nothing when it comes back): in the background, or with ``wait`` before returning."""
+
+        def run() -> None:
+            try:
+                workers = [w for w in self.catalog.workers() if w.healthy]
+            except RegistryUnavailableError:
+                return  # logged by the registry; best effort, as for a worker that is down
+            self.workers.unload(workers, adapter_id, below_version)
+
+        if wait:
+            run()
+        else:
+            threading.Thread(target=run, name="unload-broadcast", daemon=True).start()
+
+    def cluster_status(self) -> ClusterStatus:
+        """Every worker as its last heartbeat has it, read now, and the registry's counts.
+
+        Raises:
+            RegistryUnavailableError: Redis is unreachable.
+        """
+        with self.catalog.direct():
+            self.catalog.expire_workers()
+            workers = self.catalog.workers()
+            published = self.registry.get_model_spec()
+            return ClusterStatus(
+                workers=workers,
+                adapters_registered=len(self.registry.list_adapters()),
+                base_model=published[0].name if published else "",
+                predictor_connected=self.events.connected,
+            )
