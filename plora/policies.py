@@ -35,6 +35,8 @@ class PolicySpec:
             ``--prefetch``; needs ``predictor``).
         host_staging: Workers read the registered adapters into free host-cache space ahead
             of demand (``AdapterStore.stage``; the worker's ``--host-staging``).
+        oracle: Simulator only: eviction and prefetch know the future arrivals
+            (:mod:`plora.simulator.oracle`), the bound the forecast is measured against.
 
     Raises:
         ValueError: an unknown allocator, eviction or routing name, or prefetch without the
@@ -48,6 +50,7 @@ class PolicySpec:
     predictor: bool
     prefetch: bool
     host_staging: bool = False
+    oracle: bool = False
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATORS:
@@ -56,7 +59,7 @@ class PolicySpec:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
-        if self.prefetch and not self.predictor:
+        if self.prefetch and not (self.predictor or self.oracle):
             raise ValueError("prefetch needs the predictor")
 
 
@@ -76,13 +79,23 @@ POLICIES: dict[str, PolicySpec] = {
 }
 
 
-def get_policy(name: str) -> PolicySpec:
-    """The policy called ``name``.
+#: Policies only the simulator runs: ``oracle`` knows the future (Belady eviction per worker and
+#: prefetch of the next requests, through the same loader threads, pool and routing as
+#: ``plora``), the bound of what any forecast could win.
+SIM_POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (PolicySpec("oracle", "paged", "lru", "rank_aware", False, True, True, oracle=True),)
+}
+
+
+def get_policy(name: str, *, simulated: bool = False) -> PolicySpec:
+    """The policy called ``name``; with ``simulated``, the simulator-only ones too.
 
     Raises:
         ValueError: Unknown name (the message lists the known ones).
     """
+    known = {**POLICIES, **SIM_POLICIES} if simulated else POLICIES
     try:
-        return POLICIES[name]
+        return known[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; expected one of {tuple(POLICIES)}") from None
+        raise ValueError(f"unknown policy {name!r}; expected one of {tuple(known)}") from None

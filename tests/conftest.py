@@ -112,7 +112,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
     root = tmp_path_factory.mktemp("cluster")
     state_file = root / "cluster.json"
     log = open(root / "up.log", "wb")  # noqa: SIM115
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the calibrated prefetch gate off: the predictor-loop tests check that a forecast hot
+    # adapter is prefetched at all, after a burst too short to calibrate on
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PLORA_PREDICTOR_PREFETCH_MIN_PROBABILITY": "0"}
     env.pop("PLORA_REDIS_URL", None)
     proc = subprocess.Popen(
         [

@@ -46,6 +46,7 @@ arrivals of the same instant. The same inputs give the same result, bit for bit.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -60,10 +61,12 @@ import torch
 
 from plora.policies import PolicySpec, get_policy
 from plora.simulator.feed import DemandFeed, FeedSettings
+from plora.simulator.oracle import LOOKAHEAD_S, BeladyPolicy, FutureArrivals
 from plora.simulator.presets import Preset
 from plora.traces import Trace, map_keys_to_adapters
 from services.common.errors import PoolExhaustedError
 from services.common.routing import RANK_AWARE, RoutingState, WorkerView
+from services.predictor.calibration import ForecastCalibrator
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER
 from services.predictor.placement import AdapterDemand, PrefetchSelector, plan_placement
@@ -77,7 +80,13 @@ from services.worker.eviction import (
 )
 from services.worker.pool import Allocator
 from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
-from services.worker.store import HOST_STAGING_INTERVAL_S, HostCache, PackedAdapter, StoreConfig
+from services.worker.store import (
+    HOST_STAGING_INTERVAL_S,
+    HOST_STAGING_MIN_EXPECTED,
+    HostCache,
+    PackedAdapter,
+    StoreConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +125,8 @@ class SimConfig:
             predictor service does).
         train_budget_s: Wall-clock budget per ``train`` call (the LSTM runs one step anyway).
         prefetch_min_expected: Prefetch threshold.
+        prefetch_min_probability: Calibrated probability a prefetch needs
+            (:class:`~services.predictor.calibration.ForecastCalibrator`).
         max_prefetch_per_worker: Prefetch items per worker per tick.
         compaction_max_ratio: The store's compaction budget (units moved per unit needed;
             default the worker's, ``StoreConfig.compaction_max_ratio``).
@@ -142,6 +153,7 @@ class SimConfig:
     train_every: int = 1
     train_budget_s: float = _PREDICTOR.train_budget_s
     prefetch_min_expected: float = _PREDICTOR.prefetch_min_expected
+    prefetch_min_probability: float = _PREDICTOR.prefetch_min_probability
     max_prefetch_per_worker: int = _PREDICTOR.max_prefetch_per_worker
     compaction_max_ratio: float = StoreConfig.compaction_max_ratio
     prefetch_min_gain: float = StoreConfig.prefetch_min_gain
@@ -316,7 +328,11 @@ class SimWorker:
         self.allocator: Allocator = make_allocator(
             sim.policy.allocator, p.pool_bytes, p.page_bytes, p.alignment_bytes
         )
-        self.evictor: EvictionPolicy = make_policy(sim.policy.eviction)
+        self.evictor: EvictionPolicy = (
+            BeladyPolicy(sim.future, sim.name_index, lambda: sim.now)
+            if sim.future is not None
+            else make_policy(sim.policy.eviction)
+        )
         self.host = HostCache(p.host_cache_bytes)
         self.rng = np.random.default_rng([sim.config.seed, wid])
         k = len(sim.adapters)
@@ -372,7 +388,7 @@ class SimWorker:
             "prefetch_ignored": 0, "prefetch_already": 0, "rejected": 0, "steps": 0,
             "splits": 0, "host_stages": 0, "demand_loads": 0, "cold_queue_s": 0.0,
             "cold_read_s": 0.0, "cold_room_copy_s": 0.0, "demand_behind_prefetch": 0,
-            "demand_behind_prefetch_s": 0.0,
+            "demand_behind_prefetch_s": 0.0, "prefetch_cancelled": 0,
         }  # fmt: skip
         self.pressure = PressureSampler()  # utilization and fragmentation under pressure
         self.ever_held: set[int] = set()  # adapters this worker has held (cold-start causes)
@@ -481,9 +497,25 @@ class SimWorker:
                 heapq.heappush(self.job_heap, (0, -job.expected, sim.next_seq(), job))
         self.waiters.setdefault(a, []).append(r)
         if not job.started and self.active >= sim.preset.loader_threads:
-            # every loader thread is busy: is a prefetch taking the load bandwidth?
-            job.behind = any(j.started and not j.demanded for j in self.jobs.values())
+            # every loader thread is busy: a prefetch still reading yields its thread
+            job.behind = not self._preempt_prefetch(t) and any(
+                j.started and not j.demanded for j in self.jobs.values()
+            )
         self.start_jobs(t)
+        return True
+
+    def _preempt_prefetch(self, t: float) -> bool:
+        """Demand before prefetch (``AdapterStore`` does the same): cancel the prefetch with the
+        least expected demand among those still reading from the source or host tier, so a
+        waiting request's load takes its loader thread now. False when none is reading (the
+        demand load then waits for a thread)."""
+        reading = [j for j in self.jobs.values() if j.started and not j.demanded and j.read_t < 0]
+        if not reading:
+            return False
+        job = min(reading, key=lambda j: (j.expected, -j.started_t))
+        del self.jobs[job.a]
+        self.active -= 1
+        self.c["prefetch_cancelled"] += 1
         return True
 
     def wake(self, t: float) -> None:
@@ -718,6 +750,8 @@ class SimWorker:
 
     def read_done(self, job: _Load, t: float) -> None:
         """The adapter's bytes are in host memory: cache them and find pool space."""
+        if self.jobs.get(job.a) is not job:
+            return  # a prefetch cancelled for a demand load (_preempt_prefetch)
         if job.tier == "source":
             self.host.put(self.sim.packed(job.a))
         job.read_t = t
@@ -994,6 +1028,12 @@ class ClusterSimulation:
         self._packed: dict[int, PackedAdapter] = {}
         self._dtype = {4: torch.float32, 2: torch.bfloat16}[self.preset.dtype_bytes]
         self._src = config.source_latencies_s
+        self.now = 0.0  # the virtual clock at the event being handled
+        self.future = (
+            FutureArrivals(trace.times, self._req_adapter_np, len(adapters))
+            if policy.oracle
+            else None
+        )
         self.workers = [SimWorker(w, self) for w in range(config.workers)]
         self.by_name = {w.name: w for w in self.workers}
         self.routing = RoutingState(policy.routing)  # the simulated gateway's
@@ -1012,9 +1052,17 @@ class ClusterSimulation:
             elif feed.settings != config.feed_settings() or feed.trace_key != trace_key(trace):
                 raise ValueError("feed was made for other forecaster settings or another trace")
             self.feed = feed
+        self.calibrator: ForecastCalibrator | None = None
+        if policy.predictor:
+            self.calibrator = ForecastCalibrator(config.horizon_s)
+        if policy.predictor or policy.oracle:
             self.selector = PrefetchSelector(
-                high=config.prefetch_min_expected, low=config.prefetch_min_expected / 2
+                high=config.prefetch_min_expected,
+                low=config.prefetch_min_expected / 2,
+                calibrator=self.calibrator,
+                min_probability=config.prefetch_min_probability,
             )
+        self._arrivals_seen = 0  # requests the simulated predictor has heard of
         self.ticks = 0
         self._last_staging = -HOST_STAGING_INTERVAL_S
         self.predictor_wall_s = 0.0
@@ -1138,20 +1186,30 @@ class ClusterSimulation:
         """One predictor round (``PredictorCore.tick``): the forecast of this tick (from the
         shared feed), then eviction forecasts, placement and prefetch."""
         feed = self.feed
-        assert feed is not None and self.selector is not None
+        assert self.selector is not None
         k = self.ticks
-        if feed.ticks[k] != t:
-            raise RuntimeError(f"tick {k} at {t} s, the feed has it at {feed.ticks[k]} s")
-        ads, exps = feed.get(k)
+        if self.future is not None:  # the oracle: the exact counts ahead
+            ads, exps = self.future.counts(t, t + LOOKAHEAD_S)
+        else:
+            assert feed is not None
+            if feed.ticks[k] != t:
+                raise RuntimeError(f"tick {k} at {t} s, the feed has it at {feed.ticks[k]} s")
+            ads, exps = feed.get(k)
         self.ticks += 1
         names = self._names_arr[ads].tolist()
         exp_l = exps.tolist()
         expected = dict(zip(names, exp_l, strict=True))
+        if self.calibrator is not None:  # the requests since the last tick, then the forecast
+            hi = bisect.bisect_right(self.arrival, t)
+            arrived = self._names_arr[self._req_adapter_np[self._arrivals_seen : hi]].tolist()
+            self._arrivals_seen = hi
+            self.calibrator.observe(t, expected, arrived)
         for w in self.workers:
             w.evictor.set_forecast(expected)
         if self.policy.host_staging and t - self._last_staging >= HOST_STAGING_INTERVAL_S:
             self._last_staging = t
-            order = ads[np.lexsort((ads, -exps))].tolist()  # most demand first; ties by id
+            keep = exps >= HOST_STAGING_MIN_EXPECTED  # the rest stay in id order
+            order = ads[keep][np.lexsort((ads[keep], -exps[keep]))].tolist()
             for w in self.workers:
                 w.stage_order(order, t)
         ranks = self._ranks_l
@@ -1199,7 +1257,7 @@ class ClusterSimulation:
         workers = self.workers
         dispatch = self._dispatch
         tick_s = self.config.tick_s
-        next_tick = tick_s if self.feed is not None and n else _INF
+        next_tick = tick_s if (self.feed is not None or self.future is not None) and n else _INF
         if next_tick < _INF:
             self.push(next_tick, _EV_TICK, -1, None)
         for w in workers:  # the adapters are registered before the first request
@@ -1210,6 +1268,7 @@ class ClusterSimulation:
             ta = arrival[i] if i < n else _INF
             if heap and heap[0][0] <= ta:
                 t, _, kind, wid, payload = pop(heap)
+                self.now = t
                 events += 1
                 if kind == _EV_BOUNDARY:
                     workers[wid].boundary(t, payload)
@@ -1230,6 +1289,7 @@ class ClusterSimulation:
                 continue
             if i >= n:
                 break
+            self.now = ta
             dispatch(i, ta)
             i += 1
             events += 1
@@ -1328,5 +1388,5 @@ def simulate(
     feed: DemandFeed | None = None,
 ) -> SimResult:
     """Simulate ``trace`` under ``policy`` (see :class:`ClusterSimulation`)."""
-    spec = get_policy(policy) if isinstance(policy, str) else policy
+    spec = get_policy(policy, simulated=True) if isinstance(policy, str) else policy
     return ClusterSimulation(trace, adapters, spec, config, feed).run()

@@ -300,6 +300,44 @@ def compare_pair(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float 
     }
 
 
+def gap_closed(
+    plora: float | None, no_predictor: float | None, oracle: float | None
+) -> float | None:
+    """Share of the gap between ``plora-no-predictor`` and ``oracle`` that ``plora`` closes:
+    ``(no_predictor - plora) / (no_predictor - oracle)`` (1 = as good as knowing the future,
+    0 = no better than no forecast, < 0 = worse). None when a figure is missing or the oracle
+    leaves no gap."""
+    if plora is None or no_predictor is None or oracle is None or no_predictor <= oracle:
+        return None
+    return (no_predictor - plora) / (no_predictor - oracle)
+
+
+def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """report.json's ``comparison``: ``plora`` vs ``baseline`` (:func:`compare_pair`), plus the
+    predictor's ablation: ``predictor_ttft_reduction`` (and ``_p99_``, and the cold-start wait)
+    of ``plora`` vs ``plora-no-predictor``, and ``predictor_gap_closed`` (:func:`gap_closed`,
+    on TTFT mean) when ``oracle`` ran. None when ``plora`` did not run."""
+    p = summaries.get("plora")
+    if p is None:
+        return None
+    b = summaries.get("baseline")
+    out: dict[str, Any] = dict(compare_pair(p, b)) if b is not None else {}
+    n = summaries.get("plora-no-predictor")
+    o = summaries.get("oracle")
+    if n is not None:
+        out["predictor_ttft_reduction"] = reduction(p.get("ttft_mean_s"), n.get("ttft_mean_s"))
+        out["predictor_ttft_p99_reduction"] = reduction(p.get("ttft_p99_s"), n.get("ttft_p99_s"))
+        out["predictor_cold_start_wait_reduction"] = reduction(
+            p.get("cold_start_wait_mean_s"), n.get("cold_start_wait_mean_s")
+        )
+        out["predictor_gap_closed"] = (
+            gap_closed(p.get("ttft_mean_s"), n.get("ttft_mean_s"), o.get("ttft_mean_s"))
+            if o is not None
+            else None
+        )
+    return out or None
+
+
 def paper_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The simulated figures beside the papers' (:data:`PAPER_FIGURES`).
 

@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from plora.policies import POLICIES, get_policy
+from plora.policies import POLICIES, SIM_POLICIES, get_policy
 from plora.simulator.calibrate import fit_replay, read_records
 from plora.simulator.engine import (
     AdapterSet,
@@ -41,8 +41,8 @@ from plora.simulator.presets import PRESET_NAMES, Preset, get_preset
 from plora.simulator.presets import source_latencies as preset_source_latencies
 from plora.simulator.report import (
     POLICY_KEYS,
-    compare_pair,
     compare_to_replay,
+    comparison_block,
     load_replay_report,
     paper_comparison,
     render_markdown,
@@ -73,8 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="hardware preset")
     parser.add_argument(
         "--policies",
-        default="plora,baseline",
-        help=f"comma-separated policies from {','.join(POLICIES)} (default plora,baseline)",
+        default="plora,plora-no-predictor,oracle,baseline",
+        help=f"comma-separated policies from {','.join([*POLICIES, *SIM_POLICIES])} "
+        "(default plora,plora-no-predictor,oracle,baseline: the predictor's ablation and its "
+        "bound beside the baseline)",
     )
     parser.add_argument("--out", required=True, help="output directory (report.json, plots)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="t' = t / X (default 1)")
@@ -196,7 +198,7 @@ def run_simulations(
     results: dict[str, SimResult] = {}
     summaries: dict[str, dict[str, Any]] = {}
     feeds: dict[tuple[int, int], DemandFeed] = {}
-    needs_feed = any(get_policy(p).predictor for p in policies)
+    needs_feed = any(get_policy(p, simulated=True).predictor for p in policies)
 
     def feed_for(tr: Trace, ad: AdapterSet) -> DemandFeed:
         key = (id(tr), id(ad))
@@ -211,7 +213,7 @@ def run_simulations(
     if needs_feed:
         feed_for(trace, adapters)  # start it now: a child process runs ahead meanwhile
     for name in policies:
-        spec = get_policy(name)
+        spec = get_policy(name, simulated=True)
         feed = feed_for(trace, adapters) if spec.predictor else None
         tell(name, "simulate")
         res = simulate(trace, adapters, spec, config, feed)
@@ -252,9 +254,9 @@ def run_simulations(
                 "compute_cpu_s": main.compute_cpu_s,
                 "ticks": len(main),
                 "child_process": main.child_process,
-                "shared_by": [p for p in policies if get_policy(p).predictor],
+                "shared_by": [p for p in policies if get_policy(p, simulated=True).predictor],
             }
-            if main is not None and get_policy(name).predictor
+            if main is not None and get_policy(name, simulated=True).predictor
             else None
         )
     for f in feeds.values():
@@ -435,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        get_policy(p)  # fail fast on a typo
+        get_policy(p, simulated=True)  # fail fast on a typo
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -517,11 +519,7 @@ def run(args: argparse.Namespace) -> int:
     }
     for n, s in summaries.items():
         report[n] = s
-    report["comparison"] = (
-        compare_pair(summaries["plora"], summaries["baseline"])
-        if "plora" in summaries and "baseline" in summaries
-        else None
-    )
+    report["comparison"] = comparison_block(summaries)
     report["papers"] = paper_comparison(summaries)
     if args.replay_report:
         report["validation"] = _validation(args.replay_report)

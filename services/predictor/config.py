@@ -32,6 +32,10 @@ class PredictorConfig:
         prefetch_min_expected: Expected count over the horizon above which an adapter is
             prefetched; an adapter already chosen stays until it falls below half of it
             (hysteresis).
+        prefetch_min_probability: Calibrated probability of a request within the horizon
+            (:class:`~services.predictor.calibration.ForecastCalibrator`, learnt online from
+            what arrived) an adapter needs to be prefetched: a prefetch saves a cold start
+            with that probability and costs a load and an eviction otherwise.
         max_prefetch_per_worker: Most adapters sent per worker per tick.
         prefetch: ``on``: send each tick's prefetch choice to the workers; ``off``: forecast,
             place and publish only (``PLORA_PREDICTOR_PREFETCH``; the ``plora-no-prefetch``
@@ -49,6 +53,7 @@ class PredictorConfig:
     tick_s: float = 1.0
     horizon_s: float = 5.0
     prefetch_min_expected: float = 0.1
+    prefetch_min_probability: float = 0.75
     max_prefetch_per_worker: int = 8
     prefetch: str = "on"
     train_budget_s: float = 0.05
@@ -61,6 +66,11 @@ class PredictorConfig:
             raise ConfigError(f"forecaster must be one of {FORECASTER_NAMES}")
         require_seconds(self.tick_s, "--tick-s", "PLORA_PREDICTOR_TICK_S")
         require_seconds(self.horizon_s, "--horizon-s", "PLORA_PREDICTOR_HORIZON_S")
+        if not 0.0 <= self.prefetch_min_probability <= 1.0:
+            raise ConfigError(
+                "--prefetch-min-probability / PLORA_PREDICTOR_PREFETCH_MIN_PROBABILITY must be "
+                f"in [0, 1], got {self.prefetch_min_probability}"
+            )
         if self.prefetch not in ("on", "off"):
             raise ConfigError(f"prefetch must be 'on' or 'off', got {self.prefetch!r}")
 
@@ -97,6 +107,13 @@ class PredictorConfig:
             "(env PLORA_PREDICTOR_PREFETCH; default on)",
         )
         parser.add_argument(
+            "--prefetch-min-probability",
+            type=float,
+            help="calibrated probability of a request within the horizon an adapter needs to be "
+            "prefetched; 0 prefetches every adapter the forecast makes hot "
+            "(env PLORA_PREDICTOR_PREFETCH_MIN_PROBABILITY; default 0.75)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -120,6 +137,11 @@ class PredictorConfig:
             horizon_s=float_flag_or_env(args.horizon_s, "PLORA_PREDICTOR_HORIZON_S", d.horizon_s),
             prefetch=choice_or_env(
                 args.prefetch, "--prefetch", "PLORA_PREDICTOR_PREFETCH", d.prefetch, ("on", "off")
+            ),
+            prefetch_min_probability=float_flag_or_env(
+                args.prefetch_min_probability,
+                "PLORA_PREDICTOR_PREFETCH_MIN_PROBABILITY",
+                d.prefetch_min_probability,
             ),
             ready_file=args.ready_file or "",
         )

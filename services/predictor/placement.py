@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from services.common.routing import WorkerView as WorkerView
 from services.common.routing import worker_view as worker_view
+from services.predictor.calibration import ForecastCalibrator
 
 #: Reference rank of :func:`rank_cost` (cost 1 + beta at this rank).
 RANK_REF = 64
@@ -159,27 +160,49 @@ class PrefetchSelector:
 
     An adapter is *hot* once its expected count over the horizon reaches ``high`` and stays hot
     until it drops below ``low`` (``low <= high``), so an adapter hovering at the threshold is not
-    loaded and evicted in turn.
+    loaded and evicted in turn. With a ``calibrator``, it must also be likely to be requested:
+    its calibrated probability (:class:`~services.predictor.calibration.ForecastCalibrator`)
+    must reach ``min_probability`` (three quarters of it once hot: the same hysteresis), so
+    prefetch volume follows the forecast's measured precision.
 
     Args:
         high: Expected count at which an adapter becomes hot.
         low: Expected count below which a hot adapter stops being hot.
+        calibrator: Calibrated probabilities of the forecast (None: expected counts alone).
+        min_probability: Calibrated probability at which a prefetch pays (with a calibrator).
     """
 
-    def __init__(self, high: float = 0.5, low: float = 0.25) -> None:
+    def __init__(
+        self,
+        high: float = 0.5,
+        low: float = 0.25,
+        *,
+        calibrator: ForecastCalibrator | None = None,
+        min_probability: float = 0.0,
+    ) -> None:
         if not 0 <= low <= high:
             raise ValueError("need 0 <= low <= high")
+        if not 0 <= min_probability <= 1:
+            raise ValueError("need 0 <= min_probability <= 1")
         self.high = high
         self.low = low
+        self.calibrator = calibrator
+        self.min_probability = min_probability
         self.hot: set[str] = set()
 
     def update(self, demand: Mapping[str, AdapterDemand]) -> set[str]:
         """Update and return the hot set from the latest forecast."""
         hot = set()
+        cal = self.calibrator
         for a, d in demand.items():
-            threshold = self.low if a in self.hot else self.high
-            if d.expected >= threshold:
-                hot.add(a)
+            was = a in self.hot
+            if d.expected < (self.low if was else self.high):
+                continue
+            if cal is not None:
+                floor = self.min_probability * (0.75 if was else 1.0)
+                if cal.probability(d.expected) < floor:
+                    continue
+            hot.add(a)
         self.hot = hot
         return hot
 

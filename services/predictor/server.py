@@ -28,6 +28,7 @@ from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors
 from services.common.lifecycle import lower_thread_priority, run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, RegistryUnavailableError, connect
+from services.predictor.calibration import ForecastCalibrator
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import Forecast, make_forecaster
 from services.predictor.metrics import PredictorMetrics
@@ -147,8 +148,14 @@ class PredictorCore:
         self._lock = threading.Lock()
         self.latest: Forecast | None = None
         self.recall = OnlineRecall(config.horizon_s)
+        # the forecast's hit rates, learnt from what arrived: prefetch only where it pays
+        self.calibrator = ForecastCalibrator(config.horizon_s)
+        self._arrived: list[str] = []  # adapters requested since the last tick
         self.selector = PrefetchSelector(
-            high=config.prefetch_min_expected, low=config.prefetch_min_expected / 2
+            high=config.prefetch_min_expected,
+            low=config.prefetch_min_expected / 2,
+            calibrator=self.calibrator,
+            min_probability=config.prefetch_min_probability,
         )
         self.placement: dict[str, list[str]] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -171,6 +178,7 @@ class PredictorCore:
         with self._lock:
             self.forecaster.observe(adapter_id, t)
             self.recall.arrival(t, adapter_id)
+            self._arrived.append(adapter_id)
 
     def tick(self, now: float | None = None) -> None:
         """One round: forecast, publish, plan placement, prefetch, then train and persist.
@@ -190,6 +198,9 @@ class PredictorCore:
         if recall is not None:
             self.metrics.recall_at_3.set(recall)
         expected = forecast.expected_by_id()
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        self.calibrator.observe(now, expected, arrived)
         try:
             self.registry.set_forecast(expected, self.config.horizon_s, self.config.forecaster)
             self._place_and_prefetch(forecast, expected)

@@ -53,6 +53,7 @@ from services.worker.store import (
     StoreEvent,
     StoreStats,
 )
+from services.worker.store_types import staging_key
 from services.worker.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -398,7 +399,7 @@ class WorkerService:
                 )
             if staging:
                 self._last_staging = now
-                records.sort(key=lambda r: (-expected.get(r.adapter_id, 0.0), r.adapter_id))
+                records.sort(key=lambda r: staging_key(r.adapter_id, expected))
                 self.store.stage([AdapterRef.of(r) for r in records])
         self._last_heartbeat = now
 

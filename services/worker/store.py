@@ -89,6 +89,7 @@ from services.worker.store_types import (
     _NO_WAITER,
     DTYPES,
     HOST_STAGING_INTERVAL_S,
+    HOST_STAGING_MIN_EXPECTED,
     SOURCE_RETRY_S,
     Loader,
     PrefetchResult,
@@ -105,6 +106,7 @@ from services.worker.store_types import (
 __all__ = [
     "DTYPES",
     "HOST_STAGING_INTERVAL_S",
+    "HOST_STAGING_MIN_EXPECTED",
     "SOURCE_RETRY_S",
     "AdapterStore",
     "HostCache",

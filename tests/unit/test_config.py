@@ -269,6 +269,8 @@ def _other_value(action: argparse.Action, default: Any) -> tuple[str, object]:
         return other, other
     if action.dest.endswith("_bytes"):
         return f"{2 * default >> 10}KiB", 2 * default
+    if action.dest.endswith("_probability"):
+        return str(default / 2), default / 2
     if isinstance(default, (int, float)):
         return str(default + 1), default + 1
     return f"{action.dest}-from-env", f"{action.dest}-from-env"

@@ -262,8 +262,8 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {"a": ["w0"]},
             ("w0", "loading"),
         ),
-        # loading on a worker the placement moved it from: the request goes where the copy
-        # will stay
+        # loading on a worker the placement moved it from: the request joins the load in
+        # flight rather than start a second copy where the placement wants it
         (
             "a",
             [
@@ -271,7 +271,7 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
                 WorkerView("w1", queue_length=0),
             ],
             {"a": ["w1"]},
-            ("w1", "placed"),
+            ("w0", "loading"),
         ),
     ],
 )

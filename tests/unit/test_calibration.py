@@ -1,0 +1,98 @@
+"""ForecastCalibrator (services/predictor/calibration.py), the calibrated prefetch gate, the
+simulator's oracle bound and the predictor's ablation figures of report.json."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from plora.simulator.oracle import BeladyPolicy, FutureArrivals
+from plora.simulator.report import comparison_block, gap_closed
+from services.predictor.calibration import ForecastCalibrator
+from services.predictor.placement import AdapterDemand, PrefetchSelector
+from services.worker.eviction import Candidate
+
+
+def test_unseen_buckets_read_the_score_as_poisson() -> None:
+    cal = ForecastCalibrator(5.0)
+    assert cal.probability(0.01) == 0.0  # below min_expected: never prefetched
+    for x in (0.1, 1.0, 3.0):
+        assert cal.probability(x) == pytest.approx(1 - math.exp(-x))
+
+
+def test_hit_rates_are_learnt_per_bucket_from_what_arrived() -> None:
+    """'a' is forecast high and requested every second; 'b' forecast as high in another
+    bucket and never requested: their calibrated probabilities part."""
+    cal = ForecastCalibrator(5.0)
+    for t in range(200):
+        cal.observe(float(t), {"a": 3.0, "b": 0.4}, ["a"])
+    assert cal.probability(3.0) > 0.97
+    assert cal.probability(0.4) < 0.05
+    rows = cal.table()
+    assert sum(r["predictions"] for r in rows) == 2 * (200 - 5)  # the last horizon is pending
+
+
+def test_a_prediction_is_a_hit_only_inside_its_horizon() -> None:
+    cal = ForecastCalibrator(5.0, prior_weight=0.0)
+    cal.observe(0.0, {"a": 1.0}, [])
+    cal.observe(7.0, {}, ["a"])  # after (0, 5]: a miss
+    cal.observe(8.0, {"a": 1.0}, [])
+    cal.observe(12.0, {}, ["a"])  # inside (8, 13]
+    cal.observe(20.0, {}, [])
+    assert (cal.hits[cal.bucket(1.0)], cal.count[cal.bucket(1.0)]) == (1, 2)
+
+
+def test_prefetch_selector_gates_on_calibrated_probability() -> None:
+    cal = ForecastCalibrator(5.0)
+    for t in range(100):
+        cal.observe(float(t), {"a": 3.0, "b": 0.4}, ["a"])
+    sel = PrefetchSelector(0.1, 0.05, calibrator=cal, min_probability=0.75)
+    demand = {"a": AdapterDemand(8, 100, 3.0), "b": AdapterDemand(8, 100, 0.4)}
+    assert sel.update(demand) == {"a"}
+    assert PrefetchSelector(0.1, 0.05).update(demand) == {"a", "b"}  # uncalibrated
+
+
+def test_belady_evicts_the_adapter_needed_last() -> None:
+    times = np.array([1.0, 2.0, 3.0, 9.0])
+    adapters = np.array([0, 1, 0, 2])
+    future = FutureArrivals(times, adapters, 4)
+    assert future.next_use(0, 1.0) == 3.0 and future.next_use(3, 0.0) == math.inf
+    ads, counts = future.counts(0.0, 3.0)
+    assert ads.tolist() == [0, 1] and counts.tolist() == [2.0, 1.0]
+    now = 1.5
+    pol = BeladyPolicy(future, {"a0": 0, "a1": 1, "a2": 2, "a3": 3}, lambda: now)
+    cands = [Candidate(f"a{i}", 10, last_used=float(i)) for i in range(4)]
+    assert [c.adapter_id for c in pol.order(cands)] == ["a3", "a2", "a0", "a1"]
+
+
+@pytest.mark.parametrize(
+    ("plora", "no_pred", "oracle", "expected"),
+    [
+        (2.0, 3.0, 1.0, 0.5),
+        (3.0, 3.0, 1.0, 0.0),
+        (3.5, 3.0, 1.0, -0.25),
+        (1.0, 3.0, 1.0, 1.0),
+        (2.0, 3.0, 3.0, None),  # the oracle leaves no gap
+        (2.0, None, 1.0, None),
+    ],
+)
+def test_gap_closed(plora, no_pred, oracle, expected) -> None:  # noqa: ANN001
+    assert gap_closed(plora, no_pred, oracle) == (
+        pytest.approx(expected) if expected is not None else None
+    )
+
+
+def test_comparison_block_has_the_predictor_ablation() -> None:
+    def s(ttft: float) -> dict[str, float]:
+        return {"ttft_mean_s": ttft, "ttft_p99_s": 10 * ttft, "cold_start_wait_mean_s": ttft}
+
+    block = comparison_block(
+        {"plora": s(2.0), "plora-no-predictor": s(4.0), "oracle": s(1.0), "baseline": s(8.0)}
+    )
+    assert block is not None
+    assert block["ttft_mean_reduction"] == pytest.approx(0.75)  # vs the baseline
+    assert block["predictor_ttft_reduction"] == pytest.approx(0.5)
+    assert block["predictor_gap_closed"] == pytest.approx(2 / 3)
+    assert comparison_block({"baseline": s(1.0)}) is None
