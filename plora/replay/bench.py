@@ -132,8 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         type=_csv,
-        default=["plora", "baseline"],
-        help="comma-separated cluster policies (default plora,baseline)",
+        default=["plora", "plora-no-predictor", "baseline"],
+        help="comma-separated cluster policies (default plora,plora-no-predictor,baseline: the "
+        "predictor's ablation beside the baseline)",
     )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
@@ -154,6 +155,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.25,
         help="pool per worker as a share of all adapters' bytes (default 0.25)",
+    )
+    parser.add_argument(
+        "--host-cache-fraction",
+        type=float,
+        default=None,
+        help="host cache per worker as a share of all adapters' bytes (at least the pool), so "
+        "cold loads read the source as they do at scale when the working set outgrows host "
+        "memory (default: the worker's own host cache size)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens per request (8)")
     parser.add_argument(
@@ -329,6 +338,7 @@ def run_policy(
     dict[str, float],
     dict[str, dict[str, float]],
     list[float],
+    dict[str, float],
 ]:
     """Start a fresh cluster with ``policy``, register the adapters, warm up, let it settle
     (:func:`wait_settled`), measure the uncontended TTFT (``--ttft-probes``), replay, stop it.
@@ -342,7 +352,8 @@ def run_policy(
         probes; ``replay_s``: first send to last completion plus the final sample;
         ``stop_s``), per service its CPU seconds during the replay (``cpu_s``) and resident
         bytes at its end (``rss_bytes``), from its ``process_*`` metrics, and the probes'
-        TTFTs in seconds (:meth:`~plora.replay.client.ReplayClient.uncontended_ttft`).
+        TTFTs in seconds (:meth:`~plora.replay.client.ReplayClient.uncontended_ttft`), and the
+        workers' cold starts during the replay by cause (:func:`cold_causes`).
     """
     import grpc  # noqa: PLC0415
 
@@ -416,7 +427,9 @@ def run_policy(
                     flush=True,
                 )
             timings["probes_s"] = time.monotonic() - mark
-            cpu_before = _process_figures(_scrape_metrics(state))
+            before = _scrape_metrics(state)
+            cpu_before = _process_figures(before)
+            cold_before = cold_causes(before)
             t0 = time.monotonic()
             with StatusSampler(gateway, t0) as sampler:
                 records = client.replay(requests, t0=t0, on_progress=progress)
@@ -426,6 +439,8 @@ def run_policy(
         texts = _scrape_metrics(state)
         _save_metrics(texts, run_dir / "metrics")
         usage = _service_usage(cpu_before, _process_figures(texts))
+        cold_after = cold_causes(texts)
+        causes = {c: cold_after[c] - cold_before.get(c, 0.0) for c in sorted(cold_after)}
     finally:
         mark = time.monotonic()
         cluster.stop()
@@ -435,7 +450,7 @@ def run_policy(
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")
     write_json(run_dir / "samples.json", [s.to_dict() for s in samples])
-    return records, samples, timings, usage, uncontended
+    return records, samples, timings, usage, uncontended, causes
 
 
 def wait_settled(
@@ -535,6 +550,21 @@ def _sample_sums(texts: dict[str, str], wanted: frozenset[str]) -> dict[str, dic
                 if sample.name in wanted:
                     figures = out.setdefault(name, {})
                     figures[sample.name] = figures.get(sample.name, 0.0) + float(sample.value)
+    return out
+
+
+def cold_causes(texts: dict[str, str]) -> dict[str, float]:
+    """The workers' cold starts so far by cause (``plora_worker_cold_starts_total{cause}``,
+    :mod:`services.worker.cold`), summed over the workers."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    out: dict[str, float] = {}
+    for text in texts.values():
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "plora_worker_cold_starts_total" and "cause" in sample.labels:
+                    cause = sample.labels["cause"]
+                    out[cause] = out.get(cause, 0.0) + float(sample.value)
     return out
 
 
@@ -650,6 +680,13 @@ def run(args: argparse.Namespace) -> int:
         from services.common.config import parse_bytes  # noqa: PLC0415
 
         pool_bytes = parse_bytes(args.pool_bytes)
+    if args.host_cache_fraction is not None:
+        if args.host_cache_fraction <= 0:
+            print("plora bench replay: --host-cache-fraction must be > 0", file=sys.stderr)
+            return 2
+        host_bytes = max(pool_bytes, auto_pool_bytes(sizes, args.host_cache_fraction))
+        args.worker_arg = [*args.worker_arg, f"--host-cache-bytes={host_bytes}"]
+        print(f"host cache {host_bytes} B/worker", flush=True)
 
     ids = [p.name for p in paths]
     adapter_of = map_keys_to_adapters(trace.keys_by_popularity(), ids, seed=args.seed)
@@ -761,7 +798,7 @@ def _run_round(
         print(f"[{label}] starting a fresh cluster ({args.workers} workers)", flush=True)
         try:
             with _signals_interrupt():
-                records, samples, timings, usage, uncontended = run_policy(
+                records, samples, timings, usage, uncontended, causes = run_policy(
                     args,
                     policy,
                     round_dir / policy,
@@ -792,6 +829,7 @@ def _run_round(
         rnd.records[policy], rnd.samples[policy] = records, samples
         done[policy] = {
             **summarize_policy(records, samples, uncontended),
+            "cold_causes": causes,
             "phase_seconds": timings,
             "service_usage": usage,
         }

@@ -407,6 +407,23 @@ def build_report(
         and "error" not in pair[1]
         else None
     )
+    p, n = summaries.get("plora"), summaries.get("plora-no-predictor")
+    if (
+        report["comparison"] is not None
+        and p is not None
+        and n is not None
+        and "error" not in p
+        and "error" not in n
+    ):
+        report["comparison"]["predictor_ttft_reduction"] = reduction(
+            p.get("ttft_mean_s"), n.get("ttft_mean_s")
+        )
+        report["comparison"]["predictor_ttft_p99_reduction"] = reduction(
+            p.get("ttft_p99_s"), n.get("ttft_p99_s")
+        )
+        report["comparison"]["predictor_cold_start_wait_reduction"] = reduction(
+            p.get("cold_start_wait_mean_s"), n.get("cold_start_wait_mean_s")
+        )
     if repeats is not None:
         report["repeats"] = dict(repeats)
     return report

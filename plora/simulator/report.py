@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from plora.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
+from plora.replay.report import reduction
 from plora.simulator.engine import SimResult
 from services.worker.cold import COLD_CAUSES
 
@@ -64,13 +65,6 @@ def _f(x: float | np.floating | None) -> float | None:
         return None
     x = float(x)
     return None if math.isnan(x) or math.isinf(x) else x
-
-
-def reduction(a: float | None, b: float | None) -> float | None:
-    """``1 - a / b`` (None when either is missing or ``b`` is 0)."""
-    if a is None or b is None or b == 0:
-        return None
-    return 1.0 - a / b
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

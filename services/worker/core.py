@@ -234,7 +234,7 @@ class WorkerCore:
         if first_at is not None and event.completion_tokens >= 2:
             self.metrics.tpot.observe((time.monotonic() - first_at) / (event.completion_tokens - 1))
         if event.adapter_cold:
-            self.metrics.cold_starts.inc()
+            self.metrics.cold_starts.labels(cause=event.adapter_cold_cause or "unloaded").inc()
             self.metrics.cold_start_wait.observe(event.adapter_wait_seconds)
 
     def load_adapter(self, ref: AdapterRef, client: Client) -> LoadResult:

@@ -167,6 +167,8 @@ class TokenEvent:
         completion_tokens: Tokens generated so far.
         adapter_cold: The adapter was not resident when the request was scheduled.
         adapter_wait_seconds: Seconds the request waited for its adapter (0 when warm).
+        adapter_cold_cause: Why it was cold (:data:`services.worker.cold.COLD_CAUSES`; ""
+            when warm or unknown).
         ttft_seconds: Engine receipt -> first token, once known.
         error: The domain error that ended the request (then no ``finish_reason``).
     """
@@ -178,6 +180,7 @@ class TokenEvent:
     completion_tokens: int = 0
     adapter_cold: bool = False
     adapter_wait_seconds: float = 0.0
+    adapter_cold_cause: str = ""
     ttft_seconds: float | None = None
     error: Exception | None = None
 
@@ -246,6 +249,7 @@ class _Seq:
     completion: int = 0
     ttft: float | None = None
     cold: bool = False
+    cold_cause: str = ""
     wait_s: float = 0.0
     prefill_work: float = 0.0  # seconds of steps attributed to its prompt so far
     acquire_error: Exception | None = None  # the provider refused the lease (failed at admit)
@@ -377,6 +381,7 @@ class Engine:
             try:
                 seq.lease = self.provider.acquire(req.adapter)
                 seq.cold = bool(seq.lease.cold)
+                seq.cold_cause = str(getattr(seq.lease, "cold_cause", ""))
             except Exception as exc:  # noqa: BLE001 - reported on the stream at admission
                 seq.acquire_error = exc
         with self._cond:
@@ -628,6 +633,7 @@ class Engine:
             completion_tokens=s.completion,
             adapter_cold=s.cold,
             adapter_wait_seconds=s.wait_s,
+            adapter_cold_cause=s.cold_cause,
             ttft_seconds=s.ttft,
             error=error,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS, service_registry
+from services.worker.cold import COLD_CAUSES
 
 #: Decode inter-token latency buckets (seconds): GPU steps are 10-50 ms, CPU ones 50-500 ms.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -58,9 +59,14 @@ class WorkerMetrics:
         )
         self.cold_starts = Counter(
             "plora_worker_cold_starts",
-            "Requests whose adapter was not resident when scheduled",
+            "Requests whose adapter was not resident when scheduled, by cause "
+            "(services/worker/cold.py: prefetch_late, first_use, evicted_recency, "
+            "evicted_forecast, evicted_for_prefetch, unloaded)",
+            ["cause"],
             registry=r,
         )
+        for cause in COLD_CAUSES:
+            self.cold_starts.labels(cause=cause)
         self.cold_start_wait = Histogram(
             "plora_worker_cold_start_wait_seconds",
             "Time a cold request waited for its adapter",

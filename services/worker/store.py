@@ -71,6 +71,7 @@ from services.common.errors import (
 from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterRef
 from services.worker.allocators import make_allocator
+from services.worker.cold import cold_cause, eviction_cause
 from services.worker.device_pool import DevicePool
 from services.worker.eviction import Candidate, make_policy
 from services.worker.packing import (
@@ -135,12 +136,16 @@ logger = logging.getLogger(__name__)
 class StoreLease:
     """A lease from :class:`AdapterStore` (implements ``AdapterLease``)."""
 
-    def __init__(self, store: AdapterStore, entry: _Entry, cold: bool, created: float) -> None:
+    def __init__(
+        self, store: AdapterStore, entry: _Entry, cold: bool, created: float, cause: str = ""
+    ) -> None:
         self._store = store
         self._entry = entry
         self._cold = cold
         self._created = created
         self._released = False
+        self.cold_cause = cause
+        """Why the lease started cold (:data:`services.worker.cold.COLD_CAUSES`; "" warm)."""
 
     @property
     def ref(self) -> AdapterRef:
@@ -291,6 +296,9 @@ class AdapterStore(StoreLoading):
         self._c = _Counters()
         # utilization and fragmentation sampled under pressure (room.PressureSampler)
         self._pressure = PressureSampler()
+        # cold-start causes (services.worker.cold): what this store held, and why each left
+        self._ever_held: set[str] = set()
+        self._evicted_why: dict[str, str] = {}
         self._threads = [
             threading.Thread(target=self._worker, name=f"adapter-loader-{i}", daemon=True)
             for i in range(config.loader_threads)
@@ -354,14 +362,24 @@ class AdapterStore(StoreLoading):
             self._check_fits(ref)
             self._observe_version(ref)
             e = self._entries.get(ref.adapter_id)
+            cause = ""
             if e is None:
                 e = _Entry(ref, now, demanded=True)
+                e.cause = cause = cold_cause(
+                    prefetch_in_flight=False,
+                    ever_held=ref.adapter_id in self._ever_held,
+                    last_eviction=self._evicted_why.get(ref.adapter_id),
+                )
                 self._entries[ref.adapter_id] = e
                 self._push(e)
+                self._preempt_prefetch()
             elif e.state is _State.LOADING and not e.demanded:
                 e.demanded = True
+                e.cause = cause = "prefetch_late"
                 if not e.job_started:
                     self._push(e)  # upgrade a queued prefetch to demand priority
+            elif e.state is _State.LOADING:
+                cause = e.cause  # it joins a demand load in flight
             cold = e.state is not _State.RESIDENT
             e.refcount += 1
             e.last_used = now
@@ -372,9 +390,10 @@ class AdapterStore(StoreLoading):
             if cold:
                 e.cold_created.append(now)
                 self._c.cold_starts += 1
+                self._c.cold_causes[cause] = self._c.cold_causes.get(cause, 0) + 1
             else:
                 self._c.device_hits += 1
-            return StoreLease(self, e, cold, now)
+            return StoreLease(self, e, cold, now, cause)
 
     def prefetch(self, items: Sequence[tuple[AdapterRef, float]]) -> PrefetchResult:
         """Load adapters in the background ahead of demand, at low priority.
@@ -689,6 +708,8 @@ class AdapterStore(StoreLoading):
                 host_stages=c.stages,
                 host_stage_seconds=c.stage_seconds,
                 host_stages_queued=len(self._staging),
+                cold_starts_by_cause=dict(c.cold_causes),
+                prefetches_cancelled=c.prefetch_cancelled,
             )
 
     def close(self) -> None:
@@ -812,6 +833,11 @@ class AdapterStore(StoreLoading):
                 self._free_alloc(e)
 
     def _count_eviction(self, e: _Entry, reason: str) -> None:
+        self._evicted_why[e.ref.adapter_id] = (
+            eviction_cause(for_demand=reason == "demand", by_forecast=self._policy.last_by_forecast)
+            if reason in ("demand", "prefetch")
+            else "unloaded"
+        )
         c = self._c
         c.evictions[reason] = c.evictions.get(reason, 0) + 1
         if e.prefetch and not e.used:

@@ -210,6 +210,11 @@ class StoreLoading:
             packed, tier, read_s = self._host_copy(ref)
         else:  # a parked load retried: its bytes are already in host memory
             packed, tier, read_s = e.packed, e.tier, e.read_s
+        with self._lock:
+            if e.yielding and not e.demanded:  # a demand load wants this thread
+                self._drop_prefetch(e)
+                self._c.prefetch_cancelled += 1
+                raise _PrefetchIgnored()
         if packed.nbytes > self._pool.capacity_bytes:
             raise PoolExhaustedError(
                 f"adapter {ref.adapter_id!r} holds {packed.nbytes} bytes but the device pool "
@@ -228,6 +233,7 @@ class StoreLoading:
             e.slots = packed.slots
             e.views = None  # built on the first weights() call
             e.state = _State.RESIDENT
+            self._ever_held.add(ref.adapter_id)
             e.ready_at = t1
             e.event.set()
             seconds = read_s + (t1 - t0)
@@ -250,6 +256,34 @@ class StoreLoading:
                 self._emit(StoreEvent("cold_start", ref.adapter_id, ref.version, seconds=w))
             e.cold_created = []
             self._cv.notify_all()
+
+    def _drop_prefetch(self: AdapterStore, e: _Entry) -> None:
+        """Give up a prefetch that holds no pool memory (lock held); its host copy stays."""
+        if self._entries.get(e.ref.adapter_id) is e:
+            del self._entries[e.ref.adapter_id]
+        e.detached = True
+        e.state = _State.FAILED
+        e.event.set()
+
+    def _preempt_prefetch(self: AdapterStore) -> None:
+        """Demand before prefetch (lock held): when every loader thread is busy, the running
+        prefetch with the least expected demand that has not yet taken pool room yields its
+        thread once its read returns (its bytes stay in the host cache). The simulator's
+        worker does the same (``SimWorker._preempt_prefetch``), where a read is cancelled at
+        once."""
+        if self._loads_running < self.config.loader_threads:
+            return
+        running = [
+            x
+            for x in self._entries.values()
+            if x.state is _State.LOADING
+            and x.job_started
+            and not x.demanded
+            and x.alloc is None
+            and not x.yielding
+        ]
+        if running:
+            min(running, key=lambda x: x.expected).yielding = True
 
     def _copy_in(
         self: AdapterStore,
@@ -325,11 +359,7 @@ class StoreLoading:
                     self._evict(self._entries[d.victim], "demand" if e.demanded else "prefetch")
                     continue
                 if d.action is RoomAction.DROP:
-                    if self._entries.get(e.ref.adapter_id) is e:
-                        del self._entries[e.ref.adapter_id]
-                    e.detached = True
-                    e.state = _State.FAILED
-                    e.event.set()
+                    self._drop_prefetch(e)
                     self._c.prefetch_ignored += 1
                     self._emit(StoreEvent("prefetch_ignored", e.ref.adapter_id, e.ref.version))
                     raise _PrefetchIgnored()

@@ -292,6 +292,8 @@ class StoreStats:
     host_stages: int = 0
     host_stage_seconds: float = 0.0
     host_stages_queued: int = 0
+    cold_starts_by_cause: dict[str, int] = field(default_factory=dict)
+    prefetches_cancelled: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict."""
@@ -347,6 +349,7 @@ class _Entry:
 
     __slots__ = (
         "alloc",
+        "cause",
         "cold_created",
         "demanded",
         "detached",
@@ -368,6 +371,7 @@ class _Entry:
         "tier",
         "used",
         "views",
+        "yielding",
     )
 
     def __init__(self, ref: AdapterRef, now: float, *, demanded: bool, expected: float = 0.0):
@@ -388,6 +392,8 @@ class _Entry:
         self.error: Exception | None = None
         self.ready_at = 0.0
         self.cold_created: list[float] = []
+        self.cause = ""  # a demand load: the cold-start cause of the request that started it
+        self.yielding = False  # a running prefetch asked to give its thread to a demand load
         # a demand load parked while the pool has no room: its host copy, the tier and read
         # time it came from, and when it gives up (PoolExhaustedError)
         self.packed: PackedAdapter | None = None
@@ -422,6 +428,7 @@ class _Counters:
     )
     failed_loads: int = 0
     cold_starts: int = 0
+    cold_causes: dict[str, int] = field(default_factory=dict)
     cold_wait_total: float = 0.0
     cold_wait_max: float = 0.0
     evictions: dict[str, int] = field(default_factory=dict)
@@ -432,5 +439,6 @@ class _Counters:
     prefetch_used: int = 0
     prefetch_wasted: int = 0
     prefetch_ignored: int = 0
+    prefetch_cancelled: int = 0
     stages: int = 0
     stage_seconds: float = 0.0

@@ -884,3 +884,30 @@ def test_streaming_adapter_stays_intact_while_others_load_and_evict(device: str)
         assert s.stats().evictions_by_reason.get("demand", 0) > 0
         assert torch.equal(a.flat(), want)
         a.release()
+
+
+def test_cold_starts_say_why() -> None:
+    """Each cold lease carries its cause (services/worker/cold.py), counted in the stats:
+    never held here, evicted for a demand load by recency, a prefetch still loading."""
+    s, src = store(pages=4)  # room for two rank-2 adapters
+    with s:
+        a = ready(s.acquire(ref("a")))
+        assert a.cold_cause == "first_use"
+        a.release()
+        for name in ("b", "c"):
+            lease = ready(s.acquire(ref(name)))
+            lease.release()
+        again = ready(s.acquire(ref("a")))  # "a" was the least recently used: evicted
+        assert (again.cold, again.cold_cause) == (True, "evicted_recency")
+        again.release()
+        src.gate = threading.Event()
+        s.prefetch([(ref("d"), 5.0)])
+        late = s.acquire(ref("d"))
+        assert (late.cold, late.cold_cause) == (True, "prefetch_late")
+        src.gate.set()
+        ready(late).release()
+        warm = s.acquire(ref("d"))
+        assert (warm.cold, warm.cold_cause) == (False, "")
+        warm.release()
+        causes = s.stats().cold_starts_by_cause
+    assert causes == {"first_use": 3, "evicted_recency": 1, "prefetch_late": 1}
