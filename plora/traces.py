@@ -5,7 +5,7 @@ each with an adapter key, a prompt length and an output length in tokens. The sa
 the forecaster evaluation (``plora eval predictor``), the simulator and the replay benchmark, so
 everything here is deterministic from a seed and does no I/O beyond reading the file.
 
-Formats (``fmt`` of :func:`load_trace`; the data are described in ``shared/data/README.md``):
+Formats (``fmt`` of :func:`load_trace`; where to download each: docs/benchmarks.md):
 
 ``"alibaba"``
     Alibaba cluster-trace-v2026-GenAI ``lora_request_trace.csv``: one row per request.

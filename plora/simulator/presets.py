@@ -218,8 +218,8 @@ LLAMA3_8B = ModelSpec(
 #: waits 0.19 / 0.41 s (rank 16, 19.5 MB), 0.62 s (rank 32, 39 MB), 0.72 / 1.11 s (rank 64,
 #: 78 MB), i.e. about 0.1 s + bytes / 100 MB/s (read, convert, pack, copy); client TTFT minus
 #: worker TTFT 13 ms (gateway and two gRPC hops). The growth with batch size is taken from the
-#: stated reference figures of ``shared/data/README.md`` for the same model on this machine
-#: (17 tokens/s at batch 1 and 95 tokens/s at batch 8, i.e. batch 8 costs 1.43x batch 1).
+#: reference figures for the same model on this machine (17 tokens/s at batch 1 and
+#: 95 tokens/s at batch 8, i.e. batch 8 costs 1.43x batch 1).
 #: The machine was shared with other jobs (load average 6-11) during that run: the preset
 #: describes it loaded, not idle.
 CPU_STEP_MEASUREMENTS: dict[str, float] = {

@@ -20,9 +20,8 @@ from services.common.grpc_util import CHANNEL_OPTIONS
 
 #: Longest pause (seconds) between two connection attempts while the predictor is down. Each
 #: attempt also waits up to 2 s for the channel (whose own reconnect backoff is capped at 2 s,
-#: ``CHANNEL_OPTIONS``), so a predictor that comes back is reconnected to within ~2 s (README,
-#: "Quick start"); a refused local connection every ~3 s costs nothing. It was 5 s, and a
-#: restarted predictor waited up to that long for its event stream.
+#: ``CHANNEL_OPTIONS``), so a predictor that comes back is reconnected to within ~2 s
+#: (docs/architecture.md, failures); a refused local connection every ~3 s costs nothing.
 RECONNECT_BACKOFF_MAX_S = 1.0
 
 logger = logging.getLogger(__name__)

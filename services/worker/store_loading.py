@@ -104,7 +104,7 @@ class StoreLoading:
     def _source_failed(self: AdapterStore, ref: AdapterRef, err: BaseException, what: str) -> None:
         """Note a failed source read of ``ref`` (lock held): background reads skip it for
         :data:`SOURCE_RETRY_S`; logged as a warning the first time for this version, at DEBUG
-        after (a broken adapter used to fill the log every pass and every prefetch tick)."""
+        after, so a broken adapter does not fill the log every pass and every prefetch tick)."""
         again = self._failed_source.get(ref.adapter_id, (0, 0.0))[0] == ref.version
         self._failed_source[ref.adapter_id] = (ref.version, time.monotonic() + SOURCE_RETRY_S)
         log = logger.debug if again else logger.warning

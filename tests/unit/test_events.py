@@ -48,7 +48,7 @@ def test_without_a_predictor_events_are_discarded_silently() -> None:
 def test_a_predictor_that_comes_back_is_reconnected_to_within_2_s() -> None:
     """README: peers reconnect within 2 s of a restarted service's return. The stream's
     backoff grew to 5 s while the predictor was down, so a predictor back after ~12 s waited
-    3.5 s for its events (trial 18 read 3 s)."""
+    3.5 s for its events."""
     from services.common.grpc_util import create_server
 
     class Sink(predictor_pb2_grpc.PredictorServicer):

@@ -59,7 +59,7 @@ def test_servers_accept_the_channels_idle_keepalive_pings() -> None:
 def test_a_channel_reconnects_within_seconds_to_a_peer_that_was_down_a_while() -> None:
     """A worker left stopped for a minute (a crash-loop pause) served again, but the gateway's
     channel to it was deep in gRPC's exponential reconnect backoff (up to 120 s) and its
-    calls were refused for seconds more (trial 17). With the channels' options a peer that
+    calls were refused for seconds more. With the channels' options a peer that
     comes back after 20 s down is reached within about 2 s."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -84,8 +84,8 @@ def test_no_created_series_beside_the_documented_ones(service: str) -> None:
 
 
 def test_store_failures_reach_the_worker_counters() -> None:
-    """Failed loads and staging reads were only logged (new-user trial 20): an operator's
-    dashboard had no series for them. The worker counts the store's events."""
+    """Failed loads and staging reads are counted, not only logged: an operator's dashboard
+    needs a series for them. The worker counts the store's events."""
     from types import SimpleNamespace
 
     from services.worker.server import WorkerService

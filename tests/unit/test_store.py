@@ -325,7 +325,7 @@ def test_a_load_waiting_for_room_is_dropped_when_no_request_waits_for_it(
 ) -> None:
     """A request whose client gave up (deadline, cancel) released its lease, but its load
     stayed parked for the whole load_wait_timeout_s and then logged "no room" with nobody
-    waiting (new-user trial 20). It is dropped at the last release, quietly; a later request
+    waiting. It is dropped at the last release, quietly; a later request
     loads it afresh."""
     s, _ = store(pages=8, load_wait_timeout_s=5.0)
     events: list[StoreEvent] = []
@@ -645,7 +645,7 @@ def test_a_failed_load_stops_prefetches_of_that_version_not_demand_loads(
 def test_reconcile_drops_what_the_registry_deleted_or_replaced_while_unload_was_missed() -> None:
     """A worker frozen while adapters were deleted or registered again never got the
     gateway's unload and kept the old copies resident (listed in its status) until the pool
-    needed the room (new-user trial 20). Its periodic check against the registry drops them;
+    needed the room. Its periodic check against the registry drops them;
     an adapter first seen after the registry was read is left alone."""
     s, _ = store(pages=32, host_staging=True)
     with s:

@@ -35,7 +35,7 @@ class EnsembleForecaster(Forecaster):
     mixed total: ``expected_i = (sum_m v_m L_m) q_i``, so its ranking is the ranking of ``q``.
     ``probability_i = sum_m w_m p_mi`` (a member that does not score an adapter contributes
     0). ``pool="rates"`` mixes the raw expected counts instead (``expected_i = sum_m w_m
-    e_mi``, the fixed-weight behaviour of earlier versions).
+    e_mi``, fixed weights).
 
     **Learning.** The metrics the predictor serves are rankings weighted by requests (hit@k,
     recall@3), so the loss is the log-loss of the mixture on the requests that arrive: once the
