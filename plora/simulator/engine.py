@@ -481,6 +481,7 @@ class SimWorker:
             )
         sim.cold[r] = CAUSE_INDEX[cause] + 1
         if job is None:
+            self.evictor.note_miss(sim.adapters.names[a])
             job = _Load(a, True, 0.0)
             job.cause = cause
             job.queued_t = t

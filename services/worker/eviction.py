@@ -4,10 +4,14 @@
     The S-LoRA-style baseline (arXiv 2311.03285): evict the adapter whose
     last use is oldest.
 ``predictive`` (:class:`PredictivePolicy`)
-    Predictive-LoRA (arXiv 2512.20210, demand-aware eviction): evict the adapter with the lowest
-    forecast demand per byte, ``expected_count / nbytes``, using the latest forecast given by
-    :meth:`EvictionPolicy.set_forecast` (adapters absent from it have demand 0). Ties, and the
-    whole order when no forecast was ever given, fall back to LRU.
+    Predictive-LoRA (arXiv 2512.20210, demand-aware eviction) where the forecast earns it: two
+    experts, *recency* (LRU) and *forecast* (lowest forecast demand per byte,
+    ``expected_count / nbytes``, from the latest :meth:`EvictionPolicy.set_forecast`; ties by
+    LRU), weighted as LeCaR does (Vietri et al., "Driving Cache Replacement with ML-based
+    LeCaR", HotStorage 2018): each eviction follows the expert of larger weight, and a request
+    that misses on an adapter one expert alone chose to evict (remembered for the last
+    :data:`REGRET_HISTORY` evictions) multiplies that expert's weight by ``exp(-LEARNING_RATE)``.
+    A forecast that evicts what is asked for next loses its say; recency takes over.
 
 Policies only *order* candidates; the store decides which adapters are candidates (resident,
 not in use, not being written) and how many to evict. The ordering functions are pure and
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -122,6 +127,9 @@ class EvictionPolicy(ABC):
         """Whether a forecast was ever given."""
         return self._forecast is not None
 
+    def note_miss(self, adapter_id: str) -> None:  # noqa: B027 - a hook, no-op by default
+        """A request found ``adapter_id`` not resident (learning policies use it)."""
+
     def demand(self, adapter_id: str) -> float:
         """Forecast demand of one adapter (0 when unknown)."""
         return (self._forecast or {}).get(adapter_id, 0.0)
@@ -151,17 +159,22 @@ class EvictionPolicy(ABC):
             incoming_expected: The prefetch's forecast expected count (ignored when demanded).
             min_gain: ``prefetch_min_gain`` of the store.
         """
-        if demanded:
-            cands = list(evictable)
-        else:
-            limit = prefetch_victim_limit(incoming_expected, min_gain)
-            cands = [c for c in evictable if self.demand(c.adapter_id) < limit]
+        cands = self._candidates(evictable, demanded, incoming_expected, min_gain)
         if not cands:
             self.last_by_forecast = False
             return None
         victim = self.order(cands)[0]
         self.last_by_forecast = victim is not min(cands, key=_recency_key)
         return victim.adapter_id
+
+    def _candidates(
+        self, evictable: Iterable[Candidate], demanded: bool, incoming: float, min_gain: float
+    ) -> list[Candidate]:
+        """Those of ``evictable`` a load may evict (:meth:`choose_victim`'s rule)."""
+        if demanded:
+            return list(evictable)
+        limit = prefetch_victim_limit(incoming, min_gain)
+        return [c for c in evictable if self.demand(c.adapter_id) < limit]
 
     def prefetch_fits(
         self,
@@ -204,15 +217,77 @@ class LRUPolicy(EvictionPolicy):
         return lru_order(candidates)
 
 
+#: Evictions whose victims a later miss can blame on the expert that chose them.
+REGRET_HISTORY = 256
+#: Multiplicative penalty ``exp(-LEARNING_RATE)`` of an expert whose victim was asked for again.
+LEARNING_RATE = 0.45
+
+
 class PredictivePolicy(EvictionPolicy):
-    """Lowest forecast demand per byte first; LRU without a forecast."""
+    """Forecast demand per byte or recency, whichever has regretted less (see the module
+    doc); LRU without a forecast.
+
+    Attributes:
+        weights: ``{"recency": w, "forecast": w}``, summing to 1.
+    """
 
     name = "predictive"
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the forecast leads at first (Predictive-LoRA's policy) until it regrets a victim
+        self.weights = {"recency": 0.45, "forecast": 0.55}
+        self._history: OrderedDict[str, str] = OrderedDict()  # victim -> expert that chose it
+
     def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        if self._forecast is None:
+        if self._forecast is None or self.weights["forecast"] <= self.weights["recency"]:
             return lru_order(candidates)
         return predictive_order(candidates, self._forecast)
+
+    def choose_victim(
+        self,
+        evictable: Iterable[Candidate],
+        *,
+        demanded: bool,
+        incoming_expected: float,
+        min_gain: float,
+    ) -> str | None:
+        cands = self._candidates(evictable, demanded, incoming_expected, min_gain)
+        self.last_by_forecast = False
+        if not cands:
+            return None
+        by_recency = min(cands, key=_recency_key)
+        forecast = self._forecast
+        if forecast is None:
+            return by_recency.adapter_id
+
+        def per_byte(c: Candidate) -> tuple[float, float, str]:
+            demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
+            return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
+
+        by_forecast = min(cands, key=per_byte)
+        follow = "forecast" if self.weights["forecast"] > self.weights["recency"] else "recency"
+        victim = by_forecast if follow == "forecast" else by_recency
+        self.last_by_forecast = victim is not by_recency
+        if by_forecast is not by_recency:  # the experts disagree: a later miss teaches
+            self._history.pop(victim.adapter_id, None)
+            self._history[victim.adapter_id] = follow
+            while len(self._history) > REGRET_HISTORY:
+                self._history.popitem(last=False)
+        return victim.adapter_id
+
+    def note_miss(self, adapter_id: str) -> None:
+        """A request found ``adapter_id`` not resident: if the experts disagreed on its
+        eviction, the one followed regrets it (its weight shrinks by ``exp(-LEARNING_RATE)``,
+        then both are normalized)."""
+        expert = self._history.pop(adapter_id, None)
+        if expert is None:
+            return
+        w = self.weights
+        w[expert] *= math.exp(-LEARNING_RATE)
+        total = w["forecast"] + w["recency"]
+        w["forecast"] /= total
+        w["recency"] /= total
 
 
 def make_policy(kind: str) -> EvictionPolicy:

@@ -364,6 +364,7 @@ class AdapterStore(StoreLoading):
             e = self._entries.get(ref.adapter_id)
             cause = ""
             if e is None:
+                self._policy.note_miss(ref.adapter_id)
                 e = _Entry(ref, now, demanded=True)
                 e.cause = cause = cold_cause(
                     prefetch_in_flight=False,
