@@ -45,9 +45,11 @@ import math
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -63,10 +65,13 @@ from services.common.peft_config import (
     get_pattern_key,
     parse_adapter_config,
 )
+from services.common.sources import Confinement
 
 __all__ = [
     "CONFIG_NAME",
     "AdapterManifest",
+    "Confinement",
+    "adapter_sha256",
     "LoraAdapterConfig",
     "get_pattern_key",
     "inspect_adapter",
@@ -74,6 +79,7 @@ __all__ = [
     "parse_adapter_config",
     "parse_tensor_key",
     "read_adapter_config",
+    "read_config_bytes",
     "sha256_file",
 ]
 from services.common.types import (
@@ -220,7 +226,17 @@ def parse_tensor_key(key: str) -> tuple[int, str, str, str | None]:
 # Files
 
 
-def _adapter_dir(source: str | os.PathLike[str]) -> Path:
+def _adapter_dir(source: str | os.PathLike[str], confinement: Confinement | None = None) -> Path:
+    """The adapter directory ``source`` names: with ``confinement``, its real path checked
+    under the adapter roots (:meth:`Confinement.directory`: one message for every refusal);
+    without, the path as given (``~`` expanded).
+
+    Raises:
+        InvalidAdapterError: missing or not a directory (without ``confinement``).
+        SourceRefusedError: refused by ``confinement``.
+    """
+    if confinement is not None:
+        return confinement.directory(source)
     path = Path(source).expanduser()
     if not path.exists():
         raise InvalidAdapterError(
@@ -234,11 +250,16 @@ def _adapter_dir(source: str | os.PathLike[str]) -> Path:
     return path
 
 
-def read_adapter_config(path: Path) -> LoraAdapterConfig:
-    """Read and parse ``<path>/adapter_config.json``.
+def read_adapter_config(
+    path: Path, confinement: Confinement | None = None, data: bytes | None = None
+) -> LoraAdapterConfig:
+    """Read and parse ``<path>/adapter_config.json`` (with ``confinement``, opened under the
+    adapter roots: :meth:`Confinement.open`; ``data``: the file's bytes, already read by
+    :func:`read_config_bytes`, so the bytes hashed are the bytes parsed).
 
     Raises:
         InvalidAdapterError: missing file, invalid JSON, or a refused config.
+        SourceRefusedError: the file is refused by ``confinement``.
     """
     cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
@@ -247,15 +268,24 @@ def read_adapter_config(path: Path) -> LoraAdapterConfig:
             f"and {WEIGHTS_NAME} (what PeftModel.save_pretrained writes)"
         )
     try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        if data is None:
+            data = read_config_bytes(path, confinement)
+        raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidAdapterError(f"{cfg_path} is not valid JSON: {e}") from None
     return parse_adapter_config(raw)
 
 
-def _weights_path(path: Path) -> Path:
+def _weights_path(path: Path, confinement: Confinement | None = None) -> Path:
+    """``<path>/adapter_model.safetensors``; with ``confinement`` it was checked with the
+    directory (:meth:`Confinement.directory`) and is opened under the roots when read.
+
+    Raises:
+        InvalidAdapterError: the file is missing, or only pickle weights are there (without
+            ``confinement``).
+    """
     w = path / WEIGHTS_NAME
-    if w.is_file():
+    if confinement is not None or w.is_file():
         return w
     if (path / PICKLE_WEIGHTS_NAME).is_file():
         raise InvalidAdapterError(
@@ -313,9 +343,62 @@ def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> dict[str
     return out
 
 
-def _read_header(weights: Path) -> dict[str, _TensorInfo]:
-    size = weights.stat().st_size
-    with weights.open("rb") as f:
+def _open(path: Path, confinement: Confinement | None) -> BinaryIO:
+    """``path`` opened for reading: under the adapter roots with ``confinement``
+    (:meth:`Confinement.open`), else as given.
+
+    Raises:
+        SourceRefusedError: refused by ``confinement``.
+        OSError: the file cannot be opened (without ``confinement``).
+    """
+    return path.open("rb") if confinement is None else confinement.open(path)
+
+
+def _read_bytes(path: Path, confinement: Confinement | None) -> bytes:
+    """The whole of ``path`` (:func:`_open`)."""
+    with _open(path, confinement) as f:
+        return f.read()
+
+
+def read_config_bytes(path: Path, confinement: Confinement | None = None) -> bytes:
+    """The bytes of ``<path>/adapter_config.json`` (under the adapter roots with
+    ``confinement``).
+
+    Raises:
+        InvalidAdapterError: the file is missing or unreadable.
+        SourceRefusedError: refused by ``confinement``.
+    """
+    try:
+        return _read_bytes(path / CONFIG_NAME, confinement)
+    except FileNotFoundError:
+        raise InvalidAdapterError(
+            f"{str(path)!r} has no {CONFIG_NAME}; a PEFT adapter directory holds {CONFIG_NAME} "
+            f"and {WEIGHTS_NAME} (what PeftModel.save_pretrained writes)"
+        ) from None
+    except OSError as e:
+        raise InvalidAdapterError(f"{path / CONFIG_NAME} cannot be read: {e.strerror}") from None
+
+
+@contextmanager
+def _pinned(path: Path, confinement: Confinement | None) -> Iterator[str]:
+    """A path to hand a reader that opens files by name (safetensors' ``safe_open``): with
+    ``confinement``, ``/proc/self/fd/N`` of the file opened under the roots (the very file
+    checked, whatever is swapped in later), held open meanwhile; else ``path`` itself.
+
+    Raises:
+        SourceRefusedError: refused by ``confinement``.
+    """
+    if confinement is None:
+        yield str(path)
+        return
+    with confinement.open(path) as f:
+        proc = f"/proc/self/fd/{f.fileno()}"
+        yield proc if os.path.exists(proc) else str(path)
+
+
+def _read_header(weights: Path, confinement: Confinement | None = None) -> dict[str, _TensorInfo]:
+    with _open(weights, confinement) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise InvalidAdapterError(f"{weights} is not a safetensors file (shorter than 8 bytes)")
@@ -324,13 +407,56 @@ def _read_header(weights: Path) -> dict[str, _TensorInfo]:
     return parse_safetensors_header(head + body, size, str(weights))
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, streamed in ``chunk``-byte pieces."""
+def sha256_file(path: Path, chunk: int = 1 << 20, confinement: Confinement | None = None) -> str:
+    """Hex sha256 of a file, streamed in ``chunk``-byte pieces (opened under the adapter roots
+    with ``confinement``).
+
+    Raises:
+        SourceRefusedError: refused by ``confinement``.
+    """
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with _open(path, confinement) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def adapter_sha256(config_sha256: str, weights_sha256: str) -> str:
+    """The digest registration records for an adapter and a worker checks on every load:
+    ``sha256(sha256(adapter_config.json) || sha256(adapter_model.safetensors))``, the two
+    inner digests as raw 32-byte values, the config's first. A change to either file (the
+    config alone changes scaling, rank patterns, targets) changes it.
+
+    Args:
+        config_sha256: Hex sha256 of the ``adapter_config.json`` bytes.
+        weights_sha256: Hex sha256 of the ``adapter_model.safetensors`` bytes.
+
+    Returns:
+        64 hex characters.
+
+    Raises:
+        ValueError: an argument is not hex.
+    """
+    return hashlib.sha256(bytes.fromhex(config_sha256) + bytes.fromhex(weights_sha256)).hexdigest()
+
+
+def adapter_dir_sha256(
+    source: str | os.PathLike[str], confinement: Confinement | None = None
+) -> str:
+    """:func:`adapter_sha256` of the adapter directory ``source`` (both files read whole).
+
+    Raises:
+        InvalidAdapterError: a file is missing or unreadable.
+        SourceRefusedError: refused by ``confinement``.
+    """
+    path = _adapter_dir(source, confinement)
+    try:
+        return adapter_sha256(
+            hashlib.sha256(read_config_bytes(path, confinement)).hexdigest(),
+            sha256_file(_weights_path(path, confinement), confinement=confinement),
+        )
+    except OSError as e:
+        raise InvalidAdapterError(f"{path} cannot be read: {e.strerror}") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -488,7 +614,7 @@ class AdapterManifest:
         modules: ``(layer, projection) -> (r, scaling)``.
         num_modules: ``len(modules)``.
         size_bytes: Bytes of all A and B tensors in the serving dtype.
-        sha256: Hex sha256 of ``adapter_model.safetensors``.
+        sha256: :func:`adapter_sha256` of the config and the weights file.
         base_model_name_or_path: From the config (informational; shapes decide compatibility).
     """
 
@@ -543,7 +669,11 @@ def _manifest(
 
 
 def inspect_adapter(
-    source: str | os.PathLike[str], spec: ModelSpec, dtype: torch.dtype = torch.float32
+    source: str | os.PathLike[str],
+    spec: ModelSpec,
+    dtype: torch.dtype = torch.float32,
+    *,
+    confinement: Confinement | None = None,
 ) -> AdapterManifest:
     """Validate an adapter directory against the base model without keeping its tensors.
 
@@ -555,23 +685,29 @@ def inspect_adapter(
         source: Directory in PEFT layout.
         spec: Served base model.
         dtype: Serving dtype (decides ``size_bytes``).
+        confinement: Adapter roots (and tenant) the directory and each file read must lie
+            under; None = read as given.
 
     Returns:
         The adapter's manifest.
 
     Raises:
         InvalidAdapterError: malformed adapter or unsupported feature (INVALID_ARGUMENT).
+        SourceRefusedError: refused by ``confinement`` (an :class:`InvalidAdapterError`).
         IncompatibleAdapterError: does not fit ``spec`` (FAILED_PRECONDITION).
     """
     from safetensors import SafetensorError, safe_open
 
-    path = _adapter_dir(source)
-    cfg = read_adapter_config(path)
-    weights = _weights_path(path)
-    plans = plan_modules(cfg, _read_header(weights), spec, str(path))
-    sha = sha256_file(weights)
+    path = _adapter_dir(source, confinement)
+    config_bytes = read_config_bytes(path, confinement)
+    cfg = read_adapter_config(path, confinement, config_bytes)
+    weights = _weights_path(path, confinement)
+    plans = plan_modules(cfg, _read_header(weights, confinement), spec, str(path))
+    sha = adapter_sha256(
+        hashlib.sha256(config_bytes).hexdigest(), sha256_file(weights, confinement=confinement)
+    )
     try:
-        with safe_open(str(weights), framework="pt") as f:
+        with _pinned(weights, confinement) as name, safe_open(name, framework="pt") as f:
             for key, plan in plans.items():
                 name = canonical_module_name(*key)
                 for tkey, label in ((plan.key_a, "lora_A"), (plan.key_b, "lora_B")):
@@ -611,6 +747,7 @@ def load_lora_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     expected_sha256: str | None = None,
+    confinement: Confinement | None = None,
 ) -> LoRAWeights:
     """Validate and load an adapter's tensors, cast to the serving dtype.
 
@@ -623,8 +760,10 @@ def load_lora_weights(
         version: Registry version to record.
         dtype: Serving dtype; fp16/bf16/fp32/fp64 tensors are cast to it.
         device: Where the returned tensors live.
-        expected_sha256: When given, the weights file must still hash to it (the file was not
-            replaced since registration).
+        expected_sha256: When given, :func:`adapter_sha256` of the config and weights read
+            must equal it (neither file was changed since registration).
+        confinement: Adapter roots the directory and each file read must lie under; None =
+            read as given.
 
     Returns:
         ``LoRAWeights`` with A ``[r, in]`` and B ``[out, r]`` per module (contiguous) and the
@@ -633,20 +772,23 @@ def load_lora_weights(
     Raises:
         InvalidAdapterError: as :func:`inspect_adapter`, plus NaN/Inf values (also after the
             cast, i.e. values that overflow ``dtype``) and a sha256 mismatch.
+        SourceRefusedError: refused by ``confinement`` (an :class:`InvalidAdapterError`).
         IncompatibleAdapterError: does not fit ``spec``.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load as st_load
 
-    path = _adapter_dir(source)
-    cfg = read_adapter_config(path)
-    weights = _weights_path(path)
-    data = weights.read_bytes()
-    sha = hashlib.sha256(data).hexdigest()
+    path = _adapter_dir(source, confinement)
+    config_bytes = read_config_bytes(path, confinement)
+    config_sha = hashlib.sha256(config_bytes).hexdigest()
+    cfg = read_adapter_config(path, confinement, config_bytes)
+    weights = _weights_path(path, confinement)
+    data = _read_bytes(weights, confinement)
+    sha = adapter_sha256(config_sha, hashlib.sha256(data).hexdigest())
     if expected_sha256 and sha != expected_sha256:
         raise InvalidAdapterError(
-            f"{weights} changed since registration (sha256 {sha[:12]}..., registered "
-            f"{expected_sha256[:12]}...)"  # the caller says what to do (restore, re-register)
+            f"{path}: {CONFIG_NAME} or {WEIGHTS_NAME} changed since registration (sha256 "
+            f"{sha[:12]}..., registered {expected_sha256[:12]}...)"  # the caller says what to do
         )
     if len(data) >= 8:
         (n,) = struct.unpack("<Q", data[:8])

@@ -23,6 +23,7 @@ from plora.make_adapters import write_peft_adapter
 from services.common.adapters import (
     AdapterManifest,
     LoraAdapterConfig,
+    adapter_sha256,
     get_pattern_key,
     inspect_adapter,
     load_lora_weights,
@@ -376,7 +377,13 @@ def test_scaling_matches_peft(tmp_path, case):
         )
     man = inspect_adapter(d, TINY)
     assert {k: v[1] for k, v in man.modules.items()} == {k: m.scaling for k, m in w.modules.items()}
-    assert man.sha256 == w.sha256 == sha256_file(d / "adapter_model.safetensors")
+    assert (
+        man.sha256
+        == w.sha256
+        == adapter_sha256(
+            sha256_file(d / "adapter_config.json"), sha256_file(d / "adapter_model.safetensors")
+        )
+    )
 
 
 @pytest.mark.parametrize(
@@ -779,7 +786,7 @@ def test_a_registered_adapter_whose_files_went_away_is_a_failed_precondition(goo
     changed after registration give FAILED_PRECONDITION naming the adapter and the fix (they
     gave INVALID_ARGUMENT, which reads as a bad request field)."""
     manifest = inspect_adapter(good, TINY)
-    worker = SimpleNamespace(spec=TINY, dtype=torch.float32)
+    worker = SimpleNamespace(spec=TINY, dtype=torch.float32, confinement=None)
     ref = AdapterRef("mine", 3, str(good), manifest.size_bytes, manifest.sha256)
     assert WorkerService._load_adapter(worker, ref).nbytes > 0  # type: ignore[arg-type]
 
@@ -788,6 +795,9 @@ def test_a_registered_adapter_whose_files_went_away_is_a_failed_precondition(goo
         WorkerService._load_adapter(worker, ref)  # type: ignore[arg-type]
     assert e.value.status_code_name == "FAILED_PRECONDITION" and "register it again" in str(e.value)
 
+    assert str(good) not in str(e.value)  # no server path goes back to the client
+
     shutil.rmtree(good)  # removed
-    with pytest.raises(AdapterSourceError, match="does not exist"):
+    with pytest.raises(AdapterSourceError, match="does not exist") as e:
         WorkerService._load_adapter(worker, ref)  # type: ignore[arg-type]
+    assert str(good) not in str(e.value)
