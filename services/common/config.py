@@ -135,6 +135,33 @@ def add_server_arguments(
     )
 
 
+def add_adapter_root_argument(parser: argparse.ArgumentParser) -> None:
+    """``--adapter-root DIR`` (repeatable, into ``adapter_roots``) of the gateway and the
+    workers, falling back to ``PLORA_ADAPTER_ROOTS`` (:func:`adapter_roots_or_env`)."""
+    parser.add_argument(
+        "--adapter-root",
+        dest="adapter_roots",
+        action="append",
+        metavar="DIR",
+        help="directory adapter sources must lie under, every symlink followed; repeatable, "
+        f"the variable joins several with {os.pathsep!r}; none = sources are read wherever "
+        "they are (env PLORA_ADAPTER_ROOTS; default none)",
+    )
+
+
+def adapter_roots_or_env(
+    flag_values: Sequence[str] | None, name: str, env: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """The ``--adapter-root`` flags when given, else the variable ``name``
+    (``PLORA_ADAPTER_ROOTS``) split on ``os.pathsep``, else none (the config resolves and
+    checks them: :func:`services.common.sources.resolve_roots`)."""
+    from services.common.sources import split_roots  # noqa: PLC0415
+
+    if flag_values:
+        return tuple(flag_values)
+    return split_roots(env_or(name, "", env) or "")
+
+
 def require_at_least_one(value: int, flag: str, env: str) -> None:
     """Refuse a count or limit below 1, naming the flag and the variable that set it.
 

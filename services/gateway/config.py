@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from services.common.config import (
     DEFAULT_REDIS_URL,
+    adapter_roots_or_env,
+    add_adapter_root_argument,
     add_server_arguments,
     choice_or_env,
     env_float,
@@ -17,6 +19,7 @@ from services.common.config import (
     require_server_ports,
 )
 from services.common.errors import ConfigError
+from services.common.sources import resolve_roots
 
 ROUTING_POLICIES = ("rank_aware", "round_robin")
 
@@ -49,6 +52,9 @@ class GatewayConfig:
             records, worker list and placement read at most this many seconds before; 0 =
             fail every request at once (``PLORA_REGISTRY_STALE_S``).
         max_stop_strings: Most stop strings per request.
+        adapter_roots: Directories adapter sources must lie under, every symlink followed
+            (``--adapter-root``, repeatable; ``PLORA_ADAPTER_ROOTS``, ``os.pathsep``-separated);
+            resolved to real paths; empty = sources are read wherever they are.
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
@@ -66,9 +72,11 @@ class GatewayConfig:
     adapter_cache_s: float = 1.0
     registry_stale_s: float = 300.0
     max_stop_strings: int = 16
+    adapter_roots: tuple[str, ...] = ()
     ready_file: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
         require_server_ports("gateway", self.port, self.metrics_port)
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
@@ -122,6 +130,7 @@ class GatewayConfig:
             help="max_new_tokens of a request that leaves it unset "
             "(env PLORA_DEFAULT_MAX_NEW_TOKENS; default 64, or the limit if lower)",
         )
+        add_adapter_root_argument(parser)
         parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
@@ -153,5 +162,6 @@ class GatewayConfig:
             ),
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
+            adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
             ready_file=args.ready_file or "",
         )

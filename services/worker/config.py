@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from services.common.config import (
     DEFAULT_REDIS_URL,
+    adapter_roots_or_env,
+    add_adapter_root_argument,
     add_server_arguments,
     choice_or_env,
     env_or,
@@ -18,6 +20,7 @@ from services.common.config import (
     require_server_ports,
 )
 from services.common.errors import ConfigError
+from services.common.sources import resolve_roots
 
 ALLOCATORS = ("paged", "contiguous")
 EVICTIONS = ("lru", "predictive")
@@ -63,6 +66,9 @@ class WorkerConfig:
             ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` is 60 s too; a step of the default model takes
             well under a second, a long prefill of a large model on CPU may need more.
         heartbeat_interval_s / heartbeat_ttl_s: Registry heartbeat period and liveness TTL.
+        adapter_roots: Directories adapter sources must lie under, every symlink followed
+            (``--adapter-root``, repeatable; ``PLORA_ADAPTER_ROOTS``, ``os.pathsep``-separated);
+            resolved to real paths; empty = sources are read wherever they are.
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
@@ -91,9 +97,11 @@ class WorkerConfig:
     stall_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
+    adapter_roots: tuple[str, ...] = ()
     ready_file: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
         require_server_ports("worker", self.port, self.metrics_port)
         if self.allocator not in ALLOCATORS:
             raise ConfigError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
@@ -263,6 +271,7 @@ class WorkerConfig:
             "the worker exits (status 70) to be restarted, thread stacks in its log; 0 = "
             "never (env PLORA_STALL_TIMEOUT_S; default 60)",
         )
+        add_adapter_root_argument(parser)
         parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
@@ -340,5 +349,6 @@ class WorkerConfig:
             stall_timeout_s=float_flag_or_env(
                 args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
             ),
+            adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
             ready_file=args.ready_file or "",
         )

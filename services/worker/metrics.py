@@ -171,6 +171,13 @@ class WorkerMetrics:
             "is not staged again for 5 minutes)",
             registry=r,
         )
+        self.source_refused = Counter(
+            "plora_worker_adapter_source_refused",
+            "Adapter source reads refused because the registered source is not under the "
+            "worker's adapter roots (--adapter-root), or a file in it resolves outside them or "
+            "cannot be opened there (a registry record pointing elsewhere)",
+            registry=r,
+        )
         self.load_failures = Counter(
             "plora_worker_adapter_load_failures",
             "Adapter loads into the device pool that failed, by error (AdapterSourceError: "

@@ -38,6 +38,7 @@ from services.common.grpc_util import (
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, RegistryUnavailableError, WorkerRecord, connect
+from services.common.sources import Confinement, SourceRefusedError, redact
 from services.common.types import LoRAWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
 from services.worker.config import WorkerConfig
@@ -195,6 +196,8 @@ class WorkerService:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.metrics = WorkerMetrics()
+        #: Adapter roots every source read must lie under; None = none configured.
+        self.confinement = Confinement(config.adapter_roots) if config.adapter_roots else None
         self.registry = Registry(connect(config.redis_url))
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -294,8 +297,13 @@ class WorkerService:
                 registry's sha256 pins them: a file replaced after registration is refused
                 rather than served under the registered version); the request that needed it
                 gets FAILED_PRECONDITION, not INVALID_ARGUMENT, since the request is fine.
+                A source outside the adapter roots (a registry record pointing elsewhere) is
+                refused the same way and counted in
+                ``plora_worker_adapter_source_refused_total``. No message names a server path
+                (the worker's log does).
             IncompatibleAdapterError: the files do not fit the served model.
         """
+        what = f"registered adapter {ref.adapter_id!r} (v{ref.version}) can no longer be loaded"
         try:
             return load_lora_weights(
                 ref.source,
@@ -304,11 +312,36 @@ class WorkerService:
                 version=ref.version,
                 dtype=self.dtype,
                 expected_sha256=ref.sha256 or None,
+                confinement=self.confinement,
             )
-        except InvalidAdapterError as exc:
+        except SourceRefusedError as exc:
+            self.metrics.source_refused.inc()
+            logger.warning(
+                "adapter %s v%d: source %r refused (not under the adapter roots %s, or a file "
+                "in it resolves outside them or cannot be opened)",
+                ref.adapter_id,
+                ref.version,
+                ref.source,
+                list(self.config.adapter_roots),
+            )
             raise AdapterSourceError(
-                f"registered adapter {ref.adapter_id!r} (v{ref.version}) can no longer be "
-                f"loaded from {ref.source}: {exc}; restore its files or register it again"
+                f"{what}: its source is not an adapter directory this worker may read; "
+                "register it again from a directory under the adapter roots"
+            ) from exc
+        except InvalidAdapterError as exc:
+            logger.warning(
+                "adapter %s v%d from %r: %s", ref.adapter_id, ref.version, ref.source, exc
+            )
+            raise AdapterSourceError(
+                f"{what}: {redact(str(exc), ref.source)}; restore its files or register it again"
+            ) from exc
+        except OSError as exc:
+            logger.warning(
+                "adapter %s v%d from %r: %s", ref.adapter_id, ref.version, ref.source, exc
+            )
+            raise AdapterSourceError(
+                f"{what}: its files cannot be read ({exc.strerror or type(exc).__name__}); "
+                "restore them or register it again"
             ) from exc
 
     @property

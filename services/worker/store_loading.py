@@ -23,6 +23,7 @@ from services.common.errors import (
     RequestCancelledError,
 )
 from services.common.lifecycle import lower_thread_priority
+from services.common.sources import redact
 from services.worker.adapter_api import AdapterRef
 from services.worker.packing import PackedAdapter, pack_weights, slot_pieces
 from services.worker.pool import Allocation
@@ -170,7 +171,10 @@ class StoreLoading:
             except Exception as err:
                 with self._lock:
                     self._source_failed(e.ref, err, "load")
-                    self._fail(e, PLoRAError(f"loading adapter {e.ref.adapter_id!r} failed: {err}"))
+                    reason = redact(str(err), e.ref.source)
+                    self._fail(
+                        e, PLoRAError(f"loading adapter {e.ref.adapter_id!r} failed: {reason}")
+                    )
             finally:
                 with self._cv:
                     self._loads_running -= 1
@@ -187,8 +191,10 @@ class StoreLoading:
         except PLoRAError:
             raise
         except FileNotFoundError as err:
-            raise AdapterNotFoundError(
-                f"adapter {ref.adapter_id!r} source {ref.source!r} is missing: {err}"
+            logger.warning("adapter %s source %r: %s", ref.adapter_id, ref.source, err)
+            raise AdapterNotFoundError(  # no server path to the client: the log has it
+                f"adapter {ref.adapter_id!r} v{ref.version}: its source files are missing; "
+                "restore them or register it again"
             ) from err
         if ref.sha256 and weights.sha256 and ref.sha256 != weights.sha256:
             raise InvalidAdapterError(

@@ -255,7 +255,7 @@ def _stated_value(stated: str, field: dataclasses.Field) -> object:
     """The value a help's ``default D`` means, as ``field`` holds it ("none" = empty)."""
     word = re.match(r"[^\s,]+", stated).group(0)
     if word == "none":
-        return ""
+        return () if isinstance(field.default, tuple) else ""
     if field.name.endswith("_bytes"):
         return parse_bytes(word)
     return type(field.default)(word)
@@ -273,6 +273,9 @@ def _other_value(action: argparse.Action, default: Any) -> tuple[str, object]:
         return str(default / 2), default / 2
     if isinstance(default, (int, float)):
         return str(default + 1), default + 1
+    if isinstance(default, tuple):  # a list of directories (adapter roots)
+        dirs = [REPO / "docs", REPO / "tests"]
+        return os.pathsep.join(map(str, dirs)), tuple(os.path.realpath(d) for d in dirs)
     return f"{action.dest}-from-env", f"{action.dest}-from-env"
 
 
