@@ -34,6 +34,7 @@ from plora.policies import POLICIES, PolicySpec
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.config import (
     DEFAULT_STATE_FILE,
+    adapter_roots_or_env,
     checked_type,
     env_or,
     int_flag_or_env,
@@ -51,6 +52,7 @@ from services.common.lifecycle import (
 )
 from services.common.redis_server import EmbeddedRedis
 from services.common.registry import connect, redact_url
+from services.common.sources import resolve_roots
 
 if TYPE_CHECKING:
     from services.common.types import ModelSpec
@@ -311,6 +313,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=".plora/adapters",
         help="where the demo adapters are written (default .plora/adapters)",
     )
+    parser.add_argument(
+        "--adapter-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="directory adapter sources must lie under, passed to the gateway and every "
+        "worker, repeatable; with any root, --adapters-dir is one too (default: "
+        "$PLORA_ADAPTER_ROOTS, os.pathsep-separated, else none: sources are read anywhere)",
+    )
     parser.add_argument("--pool-bytes", default=None, help="device adapter pool per worker")
     parser.add_argument(
         "--worker-arg",
@@ -533,7 +544,26 @@ class Cluster:
             flags["worker"] += extra.split()
         for service, service_flags in flags.items():
             check_service_flags(service, service_flags)
+        for root in self._adapter_roots():
+            flags["gateway"] += ["--adapter-root", root]
+            flags["worker"] += ["--adapter-root", root]
         return _Plan(a.policy or "plora", flags, {} if a.policy else set_in_env)
+
+    def _adapter_roots(self) -> list[str]:
+        """The adapter roots of the gateway and the workers: ``--adapter-root``, else
+        ``PLORA_ADAPTER_ROOTS``; with any, the demo adapters' directory too (made by
+        :meth:`_prepare_files`), so the demo adapters register. None: sources are read
+        wherever they are, as the services do without roots.
+
+        Raises:
+            ConfigError: a root is not an existing directory.
+        """
+        a = self.args
+        roots = list(adapter_roots_or_env(a.adapter_root, "PLORA_ADAPTER_ROOTS"))
+        resolve_roots(roots)
+        if roots and a.demo_adapters > 0:
+            roots.append(os.path.abspath(a.adapters_dir))
+        return roots
 
     def _prepare_files(self) -> None:
         """Refuse to start over a running cluster, create the adapters' and the state file's

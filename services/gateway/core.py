@@ -37,6 +37,7 @@ from services.common.errors import (
 from services.common.grpc_util import ended_by_client, log_request_failure, remaining_or, status_for
 from services.common.registry import AdapterRecord, Registry, RegistryUnavailableError, WorkerRecord
 from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
+from services.common.sources import Confinement
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
@@ -400,12 +401,28 @@ class GatewayCore:
 
     # -- adapters -------------------------------------------------------------------------
 
-    def register_adapter(self, adapter_id: str, source: str, tenant_id: str) -> AdapterRecord:
+    def register_adapter(
+        self, adapter_id: str, source: str, tenant_id: str, *, confine_to_tenant: bool = False
+    ) -> AdapterRecord:
         """Inspect a PEFT adapter against the served base model and register it (a new
         version when the id exists; only its owner replaces it).
 
+        With adapter roots configured (``--adapter-root``), the source directory and each
+        file read in it must resolve under a root; with ``confine_to_tenant`` (a tenant's
+        key), under ``ROOT/<tenant_id>/`` of some root - and with no roots configured a
+        tenant-confined registration is refused, since no directory is the tenant's.
+
+        Args:
+            adapter_id: Registry id.
+            source: The adapter directory as the client gave it.
+            tenant_id: Owner ("" = shared).
+            confine_to_tenant: Require the source under ``ROOT/<tenant_id>/``.
+
         Raises:
             InvalidRequestError: A malformed id, tenant id or source path.
+            SourceRefusedError: The source is outside the roots (or the tenant's directory),
+                or not an adapter directory there: one message for every cause
+                (INVALID_ARGUMENT).
             NoHealthyWorkerError: No worker has published the base model yet.
             PoolExhaustedError: The adapter is larger than every worker's pool.
             AdapterPermissionError: The id belongs to another tenant.
@@ -413,11 +430,21 @@ class GatewayCore:
         """
         check_adapter_id(adapter_id)
         check_tenant_id(tenant_id)
-        path = adapter_source(source)
+        confinement = self._confinement(tenant_id if confine_to_tenant else None)
+        path = adapter_source(source, confinement)
         with self.catalog.direct():
-            return self._register(adapter_id, path, tenant_id)
+            return self._register(adapter_id, path, tenant_id, confinement)
 
-    def _register(self, adapter_id: str, source: str, tenant_id: str) -> AdapterRecord:
+    def _confinement(self, tenant: str | None) -> Confinement | None:
+        """Where a registration may read: the adapter roots (``ROOT/<tenant>/`` of each for a
+        tenant); None = no roots and no tenant, read as given."""
+        if not self.config.adapter_roots and tenant is None:
+            return None
+        return Confinement(self.config.adapter_roots, tenant)
+
+    def _register(
+        self, adapter_id: str, source: str, tenant_id: str, confinement: Confinement | None
+    ) -> AdapterRecord:
         published = self.registry.get_model_spec()
         if published is None:
             raise NoHealthyWorkerError(
@@ -428,7 +455,9 @@ class GatewayCore:
         spec, dtype_name = published
         import torch  # noqa: PLC0415 - only needed to size adapters in the serving dtype
 
-        manifest = inspect_adapter(source, spec, dtype=getattr(torch, dtype_name))
+        manifest = inspect_adapter(
+            source, spec, dtype=getattr(torch, dtype_name), confinement=confinement
+        )
         pools = [int(w.pool.get("pool_bytes", 0)) for w in self.catalog.workers() if w.healthy]
         largest = max(pools, default=0)
         if largest and manifest.size_bytes > largest:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from plora.v1 import gateway_pb2
 from services.common.errors import EMPTY_REQUEST, MAX_ECHO_PATH, InvalidRequestError, quoted
+from services.common.sources import Confinement
 from services.gateway.config import GatewayConfig
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
@@ -119,17 +120,24 @@ def check_tenant_id(tenant_id: str) -> None:
         )
 
 
-def adapter_source(source: str) -> str:
+def adapter_source(source: str, confinement: Confinement | None = None) -> str:
     """The absolute path of a RegisterAdapter ``source`` (``~`` expanded, links resolved).
-    It only looks the path up: whether it holds an adapter is for
-    :func:`~services.common.adapters.inspect_adapter` to say.
+    Without ``confinement`` it only looks the path up: whether it holds an adapter is for
+    :func:`~services.common.adapters.inspect_adapter` to say. With ``confinement`` (adapter
+    roots configured) the directory and its two files must resolve under a root
+    (``ROOT/<tenant>/`` for a tenant): :func:`~services.common.sources.confine`.
 
     Raises:
-        InvalidRequestError: empty, or a path the system refuses to look up (a NUL byte, a
-            name or a path too long, a directory it may not search).
+        InvalidRequestError: empty, or (without ``confinement``) a path the system refuses to
+            look up (a NUL byte, a name or a path too long, a directory it may not search).
+        SourceRefusedError: refused by ``confinement``, with one message whatever the cause
+            (missing, not a directory, a file missing or outside the roots, no permission),
+            naming no path (INVALID_ARGUMENT).
     """
     if not source:
         raise InvalidRequestError("source is required: a directory in PEFT layout")
+    if confinement is not None:
+        return str(confinement.directory(source))
     try:
         path = Path(source).expanduser().resolve()
         path.exists()  # raises for a name too long; a missing path is inspect_adapter's

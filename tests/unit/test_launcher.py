@@ -321,6 +321,8 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
         ({}, ["--model", "/nonexistent.gguf"], r"^model file /nonexistent.gguf does not exist"),
         # a new operator's PLORA_MODEL was ignored by plora up, which served SmolLM2
         ({"PLORA_MODEL": "/nonexistent.gguf"}, [], r"^model file /nonexistent.gguf does not"),
+        ({}, ["--adapter-root", "/nonexistent"], r"^--adapter-root / PLORA_ADAPTER_ROOTS: "),
+        ({"PLORA_ADAPTER_ROOTS": "/nonexistent"}, [], r"adapter root '/nonexistent' is not"),
     ]
     for env, argv, message in cases:
         with monkeypatch.context() as m:
@@ -334,6 +336,37 @@ def test_plora_up_refuses_a_bad_setting_before_starting_anything(
             cluster.stop()
         assert cluster.redis is None and not cluster.children
         assert not state.exists()
+
+
+def test_plora_up_passes_its_adapter_roots_and_its_demo_directory_to_gateway_and_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--adapter-root`` (else ``PLORA_ADAPTER_ROOTS``) reaches the gateway and every worker
+    as flags, with the demo adapters' directory added so they register; no root: no flag, the
+    services read sources wherever they are, as before."""
+    monkeypatch.delenv("PLORA_ADAPTER_ROOTS", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    demo = tmp_path / "demo"
+    base = ["--state-file", str(tmp_path / "c.json"), "--adapters-dir", str(demo)]
+
+    def roots_passed(argv: list[str]) -> dict[str, list[str]]:
+        plan = Cluster(parser.parse_args([*base, *argv]))._plan()
+        return {
+            service: [f[i + 1] for i, x in enumerate(f) if x == "--adapter-root"]
+            for service, f in plan.flags.items()
+        }
+
+    assert roots_passed([]) == {"gateway": [], "worker": [], "predictor": []}
+    both = [str(tmp_path), str(demo)]
+    assert roots_passed(["--adapter-root", str(tmp_path)]) == {
+        "gateway": both, "worker": both, "predictor": []
+    }  # fmt: skip
+    assert roots_passed(["--adapter-root", str(tmp_path), "--demo-adapters", "0"])["worker"] == [
+        str(tmp_path)
+    ]
+    monkeypatch.setenv("PLORA_ADAPTER_ROOTS", os.pathsep.join([str(tmp_path), "/"]))
+    assert roots_passed([])["gateway"] == [str(tmp_path), "/", str(demo)]
 
 
 def test_plora_up_refuses_a_demo_rank_above_the_model_s_before_starting_anything(
