@@ -27,7 +27,8 @@ class AdapterRef:
         version: Registry version; a lease for version v never serves bytes of another version.
         source: Directory in PEFT layout.
         size_bytes: Bytes in the serving dtype (from the registry), for admission checks.
-        sha256: sha256 of ``adapter_model.safetensors`` at registration.
+        sha256: :func:`~services.common.adapters.adapter_sha256` of the config and the
+            weights at registration.
     """
 
     adapter_id: str

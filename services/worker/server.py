@@ -27,6 +27,7 @@ from services.common.adapters import load_lora_weights
 from services.common.config import settings_line
 from services.common.errors import (
     AdapterSourceError,
+    IncompatibleAdapterError,
     InvalidAdapterError,
 )
 from services.common.grpc_util import (
@@ -328,6 +329,8 @@ class WorkerService:
                 f"{what}: its source is not an adapter directory this worker may read; "
                 "register it again from a directory under the adapter roots"
             ) from exc
+        except IncompatibleAdapterError as exc:
+            raise IncompatibleAdapterError(f"{what}: {redact(str(exc), ref.source)}") from exc
         except InvalidAdapterError as exc:
             logger.warning(
                 "adapter %s v%d from %r: %s", ref.adapter_id, ref.version, ref.source, exc
