@@ -193,6 +193,15 @@ def test_gateway_finds_the_predictor_and_waits_for_workers() -> None:
         assert gw["depends_on"][dep]["condition"] == "service_healthy"
 
 
+def test_gateway_and_workers_read_adapters_only_under_the_adapters_volume() -> None:
+    """The gateway and every worker are confined to ``/adapters``, the volume they mount,
+    so a registered source elsewhere is refused (docs/security.md, "Adapter sources")."""
+    for service in ("gateway", "worker-0", "worker-1"):
+        spec = COMPOSE["services"][service]
+        assert spec["environment"]["PLORA_ADAPTER_ROOTS"] == "/adapters", service
+        assert "adapters:/adapters:ro" in spec["volumes"], service
+
+
 def test_workers_advertise_their_container_names() -> None:
     for w in ("worker-0", "worker-1"):
         env = COMPOSE["services"][w]["environment"]
