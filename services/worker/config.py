@@ -18,6 +18,7 @@ from services.common.config import (
     require_server_ports,
 )
 from services.common.errors import ConfigError
+from services.common.peft_config import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, InspectionLimits
 
 ALLOCATORS = ("paged", "contiguous")
 EVICTIONS = ("lru", "predictive")
@@ -63,6 +64,10 @@ class WorkerConfig:
             ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` is 60 s too; a step of the default model takes
             well under a second, a long prefill of a large model on CPU may need more.
         heartbeat_interval_s / heartbeat_ttl_s: Registry heartbeat period and liveness TTL.
+        max_adapter_config_bytes: Largest ``adapter_config.json`` a load reads
+            (``PLORA_MAX_ADAPTER_CONFIG_BYTES``, as the gateway's).
+        max_safetensors_header_bytes: Largest safetensors header a load reads
+            (``PLORA_MAX_SAFETENSORS_HEADER_BYTES``, as the gateway's).
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
@@ -91,10 +96,22 @@ class WorkerConfig:
     stall_timeout_s: float = 60.0
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
+    max_adapter_config_bytes: int = MAX_CONFIG_BYTES
+    max_safetensors_header_bytes: int = MAX_HEADER_BYTES
     ready_file: str = ""
 
     def __post_init__(self) -> None:
         require_server_ports("worker", self.port, self.metrics_port)
+        require_at_least_one(
+            self.max_adapter_config_bytes,
+            "--max-adapter-config-bytes",
+            "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+        )
+        require_at_least_one(
+            self.max_safetensors_header_bytes,
+            "--max-safetensors-header-bytes",
+            "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+        )
         if self.allocator not in ALLOCATORS:
             raise ConfigError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.eviction not in EVICTIONS:
@@ -264,6 +281,16 @@ class WorkerConfig:
             "never (env PLORA_STALL_TIMEOUT_S; default 60)",
         )
         parser.add_argument(
+            "--max-adapter-config-bytes",
+            help="largest adapter_config.json a load reads, e.g. 1MiB; keep it at the "
+            "gateway's (env PLORA_MAX_ADAPTER_CONFIG_BYTES; default 1MiB)",
+        )
+        parser.add_argument(
+            "--max-safetensors-header-bytes",
+            help="largest safetensors header a load reads, e.g. 16MiB; keep it at the "
+            "gateway's (env PLORA_MAX_SAFETENSORS_HEADER_BYTES; default 16MiB)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -340,5 +367,27 @@ class WorkerConfig:
             stall_timeout_s=float_flag_or_env(
                 args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
             ),
+            max_adapter_config_bytes=size(
+                args.max_adapter_config_bytes,
+                "--max-adapter-config-bytes",
+                "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+                d.max_adapter_config_bytes,
+            ),
+            max_safetensors_header_bytes=size(
+                args.max_safetensors_header_bytes,
+                "--max-safetensors-header-bytes",
+                "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+                d.max_safetensors_header_bytes,
+            ),
             ready_file=args.ready_file or "",
+        )
+
+    @property
+    def inspection_limits(self) -> InspectionLimits:
+        """The bounds a load reads an adapter within; no rank cap (the gateway admitted the
+        adapter, and the pool decides what fits)."""
+        return InspectionLimits(
+            max_config_bytes=self.max_adapter_config_bytes,
+            max_header_bytes=self.max_safetensors_header_bytes,
+            max_lora_rank=None,
         )

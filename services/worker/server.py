@@ -304,6 +304,7 @@ class WorkerService:
                 version=ref.version,
                 dtype=self.dtype,
                 expected_sha256=ref.sha256 or None,
+                limits=self.config.inspection_limits,
             )
         except InvalidAdapterError as exc:
             raise AdapterSourceError(
