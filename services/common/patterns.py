@@ -75,9 +75,8 @@ _RE2_REASONS = (
 
 
 def _why_re2(error: Exception) -> str:
-    text = str(error.args[0] if error.args else error)
-    if text.startswith(("b'", 'b"')):
-        text = text[2:-1]
+    raw = error.args[0] if error.args else error
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     for fragment, why in _RE2_REASONS:
         if fragment in text:
             return why
@@ -111,13 +110,6 @@ def compile_pattern(field: str, pattern: str, wrap: tuple[str, str] = _NO_WRAP) 
             f"{where} is {len(pattern)} characters long; at most {MAX_PATTERN_CHARS} are "
             "accepted (list module names or shorten the regex)"
         )
-    text = wrap[0] + pattern + wrap[1]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            re.compile(text)
-    except (re.error, Warning, RecursionError, OverflowError) as e:
-        raise InvalidAdapterError(f"{where} is not a valid regex: {e}") from None
     if "{," in pattern:
         raise InvalidAdapterError(
             f"{where} uses {{,n}}, which RE2 reads as literal text where Python repeats; "
@@ -128,6 +120,17 @@ def compile_pattern(field: str, pattern: str, wrap: tuple[str, str] = _NO_WRAP) 
             f"{where} uses '[:', which RE2 reads as a POSIX class where Python reads "
             "literal text; escape it as '\\[:' or list the characters"
         )
+    text = wrap[0] + pattern + wrap[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            re.compile(text)
+    except Warning as e:
+        raise InvalidAdapterError(
+            f"{where} is ambiguous: Python's re warns {e}; escape the character"
+        ) from None
+    except (re.error, RecursionError, OverflowError) as e:
+        raise InvalidAdapterError(f"{where} is not a valid regex: {e}") from None
     try:
         return re2.compile(text, _OPTIONS)
     except re2.error as e:
