@@ -31,7 +31,7 @@ import re
 import warnings
 from collections.abc import Iterable
 
-import re2
+import re2  # type: ignore[import-untyped]  # google-re2 ships no type information
 
 from services.common.errors import InvalidAdapterError, quoted
 
