@@ -807,7 +807,8 @@ def load_lora_weights(
     path = _adapter_dir(source)
     cfg = read_adapter_config(path, limits)
     weights = _weights_path(path)
-    _read_header(weights, limits)  # the header's bounds before the whole file is read
+    with weights.open("rb") as f:  # the header's length is bounded before the file is read
+        header_length(f.read(8), weights.stat().st_size, str(weights), limits)
     data = weights.read_bytes()
     sha = hashlib.sha256(data).hexdigest()
     if expected_sha256 and sha != expected_sha256:
