@@ -9,6 +9,7 @@ import json
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +23,11 @@ from services.common.adapters import (
     load_lora_weights,
     parse_adapter_config,
 )
-from services.common.errors import InvalidAdapterError, PoolExhaustedError
+from services.common.errors import AdapterSourceError, InvalidAdapterError, PoolExhaustedError
 from services.common.peft_config import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, MAX_JSON_DEPTH
+from services.worker.adapter_api import AdapterRef
+from services.worker.config import WorkerConfig
+from services.worker.server import WorkerService
 from tests.adapter_builders import (
     CONFIG,
     WEIGHTS,
@@ -277,3 +281,18 @@ def test_pool_fit_is_checked_before_the_weights_are_hashed(tmp_path: Path) -> No
     with pytest.raises(PoolExhaustedError, match=f"needs {2 * a_bytes} bytes"):
         inspect_adapter(d, TINY, limits=InspectionLimits(max_lora_rank=None), max_bytes=512 << 20)
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_worker_loads_within_its_own_bounds(good: Path) -> None:
+    """A worker's load applies its config's size bounds (the request that needed the adapter
+    gets FAILED_PRECONDITION naming it) and no rank cap."""
+    manifest = inspect_adapter(good, TINY)
+    ref = AdapterRef("mine", 1, str(good), manifest.size_bytes, manifest.sha256)
+    size = (good / CONFIG).stat().st_size
+    strict = SimpleNamespace(
+        spec=TINY, dtype=torch.float32, config=WorkerConfig(max_adapter_config_bytes=size - 1)
+    )
+    with pytest.raises(AdapterSourceError, match=f"'mine' .* at most {size - 1}") as info:
+        WorkerService._load_adapter(strict, ref)  # type: ignore[arg-type]
+    assert info.value.status_code_name == "FAILED_PRECONDITION"
+    assert WorkerConfig().inspection_limits.max_lora_rank is None
