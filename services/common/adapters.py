@@ -146,6 +146,11 @@ _ST_FLOAT_DTYPES: dict[str, torch.dtype] = {
 _ST_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 #: Longest tensor name accepted in a safetensors header (PEFT's are under 100 characters).
 MAX_TENSOR_KEY_CHARS = 1024
+#: Most JSON values (counted as commas and opening brackets) in a safetensors header: a
+#: tensor takes 8, so this is 8,192 tensors (a LoRA of every projection of 585 layers), and
+#: parsing it holds the GIL for well under 100 ms where 16 MiB of small entries would hold it
+#: for over a second.
+MAX_HEADER_VALUES = 65536
 
 #: JSON escapes (a backslash and the character after it), removed first so that every quote
 #: left delimits a string; then the strings; then everything but brackets. Each regex is
@@ -166,7 +171,9 @@ def json_depth(text: str) -> int:
     return max(0, int(np.cumsum(steps, dtype=np.int64).max()))
 
 
-def load_json(raw: bytes, where: str, max_depth: int, what: str = "") -> object:
+def load_json(
+    raw: bytes, where: str, max_depth: int, what: str = "", max_values: int | None = None
+) -> object:
     """Decode UTF-8 JSON whose nesting is at most ``max_depth`` deep.
 
     Args:
@@ -174,15 +181,25 @@ def load_json(raw: bytes, where: str, max_depth: int, what: str = "") -> object:
         where: The file, for messages.
         max_depth: Deepest nesting of arrays/objects accepted.
         what: How the messages call the text (default: ``where`` itself).
+        max_values: When given, most commas plus opening brackets in ``raw`` (strings
+            included: a bound on the values, counted in C before any parsing).
 
     Returns:
         The decoded value.
 
     Raises:
-        InvalidAdapterError: not UTF-8, not JSON, or nested deeper than ``max_depth`` (Python's
-            parser would otherwise hit its recursion limit).
+        InvalidAdapterError: not UTF-8, not JSON, more values than ``max_values``, or nested
+            deeper than ``max_depth`` (Python's parser would otherwise hit its recursion
+            limit).
     """
     what = what or where
+    if max_values is not None:
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if values > max_values:
+            raise InvalidAdapterError(
+                f"{what} holds {values} commas and brackets; at most {max_values} are accepted "
+                "(a LoRA tensor needs 8)"
+            )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -390,15 +407,20 @@ def parse_safetensors_header(
         Tensor name -> dtype string and shape (the ``__metadata__`` entry is skipped).
 
     Raises:
-        InvalidAdapterError: not a safetensors file, truncated, a header above the bound or
-            nested too deep, a tensor name over :data:`MAX_TENSOR_KEY_CHARS`, tensors that
-            do not tile the data, or a non-float tensor.
+        InvalidAdapterError: not a safetensors file, truncated, a header above the bound,
+            with more than :data:`MAX_HEADER_VALUES` values or nested too deep, a tensor name
+            over :data:`MAX_TENSOR_KEY_CHARS`, tensors that do not tile the data, or a
+            non-float tensor.
     """
     n = header_length(raw, file_size, where, limits)
     if len(raw) < 8 + n:
         raise InvalidAdapterError(f"{where} is not a valid safetensors file (bad header length)")
     header = load_json(
-        raw[8 : 8 + n], where, limits.max_json_depth, what=f"{where}: the safetensors header"
+        raw[8 : 8 + n],
+        where,
+        limits.max_json_depth,
+        what=f"{where}: the safetensors header",
+        max_values=MAX_HEADER_VALUES,
     )
     if not isinstance(header, dict):
         raise InvalidAdapterError(f"{where} has a corrupt safetensors header")

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from plora.make_adapters import write_peft_adapter
 from services.common.adapters import (
+    MAX_HEADER_VALUES,
     InspectionLimits,
     inspect_adapter,
     json_depth,
@@ -161,6 +162,24 @@ def test_the_header_bound_is_configurable(good: Path) -> None:
         f"header of {n} bytes; at most {n - 1}",
     )
     assert inspect_adapter(good, TINY, limits=InspectionLimits(max_header_bytes=n)).rank == 4
+
+
+def test_a_header_of_many_small_entries_is_refused_before_it_is_parsed(good: Path) -> None:
+    """10,000 entries (under 2 MiB, far below the size bound) would hold the GIL in the JSON
+    parser; they are counted in C first."""
+    entries = {
+        f"t{i}": {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+        for i in range(10_000)
+    }
+    header = json.dumps(entries).encode()
+    values = header.count(b",") + header.count(b"[") + header.count(b"{")
+    assert values > MAX_HEADER_VALUES
+    (good / WEIGHTS).write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 40_000)
+    _refused(
+        lambda: inspect_adapter(good, TINY),
+        rf"safetensors header holds {values} commas and brackets; at most {MAX_HEADER_VALUES}",
+        within_s=0.1,
+    )
 
 
 def test_bytes_after_the_last_tensor_are_refused(good: Path) -> None:
