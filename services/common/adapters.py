@@ -87,8 +87,10 @@ __all__ = [
     "load_lora_weights",
     "load_json",
     "parse_adapter_config",
+    "parse_config_bytes",
     "parse_tensor_key",
     "read_adapter_config",
+    "read_config_bytes",
     "sha256_file",
 ]
 from services.common.types import (
@@ -321,15 +323,23 @@ def _adapter_dir(source: str | os.PathLike[str]) -> Path:
 
 
 def read_adapter_config(path: Path, limits: InspectionLimits = DEFAULT_LIMITS) -> LoraAdapterConfig:
-    """Read and parse ``<path>/adapter_config.json`` within ``limits``.
+    """Read and parse ``<path>/adapter_config.json`` within ``limits``
+    (:func:`read_config_bytes`, then :func:`parse_config_bytes`).
+
+    Raises:
+        InvalidAdapterError: as those two.
+    """
+    return parse_config_bytes(read_config_bytes(path, limits), limits)
+
+
+def read_config_bytes(path: Path, limits: InspectionLimits = DEFAULT_LIMITS) -> bytes:
+    """The bytes of ``<path>/adapter_config.json``, its size bounded before it is read.
 
     The size is checked with ``stat`` before the file is opened, and no more than
     ``limits.max_config_bytes + 1`` bytes are read (a file growing meanwhile is still refused).
 
     Raises:
-        InvalidAdapterError: missing file, larger than ``limits.max_config_bytes``, invalid
-            JSON, nested deeper than ``limits.max_json_depth``, or a refused config
-            (:func:`parse_adapter_config`, the rank cap included).
+        InvalidAdapterError: missing file, or larger than ``limits.max_config_bytes``.
     """
     cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
@@ -339,6 +349,7 @@ def read_adapter_config(path: Path, limits: InspectionLimits = DEFAULT_LIMITS) -
         )
     bound = limits.max_config_bytes
     size = cfg_path.stat().st_size
+    raw = b""
     if size <= bound:
         with cfg_path.open("rb") as f:
             raw = f.read(bound + 1)
@@ -349,7 +360,17 @@ def read_adapter_config(path: Path, limits: InspectionLimits = DEFAULT_LIMITS) -
             "(--max-adapter-config-bytes / PLORA_MAX_ADAPTER_CONFIG_BYTES; PEFT writes about "
             "1 KiB)"
         )
-    cfg = load_json(raw, str(cfg_path), limits.max_json_depth, what=CONFIG_NAME)
+    return raw
+
+
+def parse_config_bytes(raw: bytes, limits: InspectionLimits = DEFAULT_LIMITS) -> LoraAdapterConfig:
+    """Parse the bytes of an ``adapter_config.json`` (from :func:`read_config_bytes`).
+
+    Raises:
+        InvalidAdapterError: not UTF-8 JSON, nested deeper than ``limits.max_json_depth``, or a
+            refused config (:func:`parse_adapter_config`, the rank cap included).
+    """
+    cfg = load_json(raw, CONFIG_NAME, limits.max_json_depth)
     return parse_adapter_config(cfg, limits)  # type: ignore[arg-type]  # checks it is a dict
 
 
