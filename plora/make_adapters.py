@@ -394,7 +394,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the adapters, ``<out>/adapters.json`` (a manifest), and print a table."""
-    from services.common.adapters import inspect_adapter
+    from services.common.adapters import InspectionLimits, inspect_adapter
     from services.worker.model_loader import default_cache_dir, load_model_spec
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -418,7 +418,8 @@ def run(args: argparse.Namespace) -> int:
     )
     rows: list[dict[str, Any]] = []
     for p in paths:
-        m = inspect_adapter(p, spec, dtype)
+        # no rank cap: that is a serving setting (--max-lora-rank), checked at registration
+        m = inspect_adapter(p, spec, dtype, limits=InspectionLimits(max_lora_rank=None))
         rows.append(
             {
                 "adapter_id": p.name,

@@ -31,9 +31,17 @@ PEFT conventions followed exactly (peft 0.21, ``tuners/lora/model.py`` ``_create
 - Tensor keys may carry the ``base_model.model.`` prefix or not, and the adapter-name segment
   (``.lora_A.default.weight``) or not (``.lora_A.weight``, what ``save_pretrained`` writes).
 
-Errors: :class:`InvalidAdapterError` (INVALID_ARGUMENT) for malformed adapters or features
-that change the math we serve (DoRA, biases, modules_to_save, ...);
-:class:`IncompatibleAdapterError` (FAILED_PRECONDITION) when the tensors do not fit the base.
+Reading is bounded (:class:`InspectionLimits`): the config's size is checked with ``stat``
+and the header's on its 8-byte length before either is read, JSON nesting is bounded before
+it is parsed, the rank is capped right after the config is parsed, every pattern of the
+config is matched in linear time (:mod:`services.common.patterns`), and
+:func:`inspect_adapter` checks the adapter's size against ``max_bytes`` (the largest pool)
+before it hashes or scans a byte of the weights.
+
+Errors: :class:`InvalidAdapterError` (INVALID_ARGUMENT) for malformed adapters, adapters
+beyond a bound, or features that change the math we serve (DoRA, biases, modules_to_save,
+...); :class:`IncompatibleAdapterError` (FAILED_PRECONDITION) when the tensors do not fit the
+base; :class:`PoolExhaustedError` (RESOURCE_EXHAUSTED) when no pool could ever hold it.
 """
 
 from __future__ import annotations
@@ -51,16 +59,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from services.common.errors import (
     MAX_ECHO_PATH,
     IncompatibleAdapterError,
     InvalidAdapterError,
+    PoolExhaustedError,
     quoted,
 )
 from services.common.peft_config import (
     CONFIG_NAME,
+    DEFAULT_LIMITS,
+    InspectionLimits,
     LoraAdapterConfig,
     get_pattern_key,
     parse_adapter_config,
@@ -69,14 +81,18 @@ from services.common.sources import Confinement
 
 __all__ = [
     "CONFIG_NAME",
+    "DEFAULT_LIMITS",
     "AdapterManifest",
     "Confinement",
+    "InspectionLimits",
     "adapter_sha256",
     "LoraAdapterConfig",
     "get_pattern_key",
     "inspect_adapter",
     "load_lora_weights",
+    "load_json",
     "parse_adapter_config",
+    "parse_config_bytes",
     "parse_tensor_key",
     "read_adapter_config",
     "read_config_bytes",
@@ -134,8 +150,79 @@ _ST_FLOAT_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F64": torch.float64,
 }
-#: Largest safetensors header we read (the format's own limit is 100 MB).
-_MAX_HEADER_BYTES = 100_000_000
+_ST_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+#: Longest tensor name accepted in a safetensors header (PEFT's are under 100 characters).
+MAX_TENSOR_KEY_CHARS = 1024
+#: Most JSON values (counted as commas and opening brackets) in a safetensors header: a
+#: tensor takes 8, so this is 8,192 tensors (a LoRA of every projection of 585 layers), and
+#: parsing it holds the GIL for well under 100 ms where 16 MiB of small entries would hold it
+#: for over a second.
+MAX_HEADER_VALUES = 65536
+
+#: JSON escapes (a backslash and the character after it), removed first so that every quote
+#: left delimits a string; then the strings; then everything but brackets. Each regex is
+#: linear-time (no nested quantifier).
+_JSON_ESCAPE_RE = re.compile(r"\\.", re.DOTALL)
+_JSON_STRING_RE = re.compile(r'"[^"]*"')
+_NOT_BRACKET_RE = re.compile(r"[^\[\]{}]+")
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of arrays and objects in JSON ``text`` (0 for a scalar), in linear time
+    and without recursion; unbalanced text gets some depth and is left to the parser."""
+    brackets = _NOT_BRACKET_RE.sub("", _JSON_STRING_RE.sub("", _JSON_ESCAPE_RE.sub("", text)))
+    if not brackets:
+        return 0
+    codes = np.frombuffer(brackets.encode("ascii"), dtype=np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return max(0, int(np.cumsum(steps, dtype=np.int64).max()))
+
+
+def load_json(
+    raw: bytes, where: str, max_depth: int, what: str = "", max_values: int | None = None
+) -> object:
+    """Decode UTF-8 JSON whose nesting is at most ``max_depth`` deep.
+
+    Args:
+        raw: The JSON bytes (already bounded in size by the caller).
+        where: The file, for messages.
+        max_depth: Deepest nesting of arrays/objects accepted.
+        what: How the messages call the text (default: ``where`` itself).
+        max_values: When given, most commas plus opening brackets in ``raw`` (strings
+            included: a bound on the values, counted in C before any parsing).
+
+    Returns:
+        The decoded value.
+
+    Raises:
+        InvalidAdapterError: not UTF-8, not JSON, more values than ``max_values``, or nested
+            deeper than ``max_depth`` (Python's parser would otherwise hit its recursion
+            limit).
+    """
+    what = what or where
+    if max_values is not None:
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if values > max_values:
+            raise InvalidAdapterError(
+                f"{what} holds {values} commas and brackets; at most {max_values} are accepted "
+                "(a LoRA tensor needs 8)"
+            )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidAdapterError(f"{what} is not valid JSON: not UTF-8 ({e.reason})") from None
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise InvalidAdapterError(
+            f"{what} nests arrays/objects {depth} deep; at most {max_depth} levels are "
+            "accepted (a PEFT file needs 3)"
+        )
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidAdapterError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidAdapterError(f"{what} nests arrays/objects too deep") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -251,29 +338,79 @@ def _adapter_dir(source: str | os.PathLike[str], confinement: Confinement | None
 
 
 def read_adapter_config(
-    path: Path, confinement: Confinement | None = None, data: bytes | None = None
+    path: Path,
+    limits: InspectionLimits = DEFAULT_LIMITS,
+    confinement: Confinement | None = None,
+    data: bytes | None = None,
 ) -> LoraAdapterConfig:
-    """Read and parse ``<path>/adapter_config.json`` (with ``confinement``, opened under the
-    adapter roots: :meth:`Confinement.open`; ``data``: the file's bytes, already read by
-    :func:`read_config_bytes`, so the bytes hashed are the bytes parsed).
+    """Read and parse ``<path>/adapter_config.json`` within ``limits``
+    (:func:`read_config_bytes`, then :func:`parse_config_bytes`).
+
+    Args:
+        path: The adapter directory.
+        limits: Bounds on the config's size, nesting and rank.
+        confinement: Adapter roots the file is opened under (:meth:`Confinement.open`);
+            None = read as given.
+        data: The file's bytes when already read by :func:`read_config_bytes` (so the bytes
+            hashed are the bytes parsed).
 
     Raises:
-        InvalidAdapterError: missing file, invalid JSON, or a refused config.
+        InvalidAdapterError: as those two.
         SourceRefusedError: the file is refused by ``confinement``.
     """
-    cfg_path = path / CONFIG_NAME
-    if not cfg_path.is_file():
+    if data is None:
+        data = read_config_bytes(path, limits, confinement)
+    return parse_config_bytes(data, limits)
+
+
+def read_config_bytes(
+    path: Path,
+    limits: InspectionLimits = DEFAULT_LIMITS,
+    confinement: Confinement | None = None,
+) -> bytes:
+    """The bytes of ``<path>/adapter_config.json``, its size bounded before it is read.
+
+    The size of the opened file is checked with ``fstat`` before it is read, and no more than
+    ``limits.max_config_bytes + 1`` bytes are read (a file growing meanwhile is still refused).
+    With ``confinement`` the file is opened under the adapter roots.
+
+    Raises:
+        InvalidAdapterError: missing or unreadable file, or larger than
+            ``limits.max_config_bytes``.
+        SourceRefusedError: refused by ``confinement``.
+    """
+    bound = limits.max_config_bytes
+    try:
+        with _open(path / CONFIG_NAME, confinement) as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(bound + 1) if size <= bound else b""
+    except FileNotFoundError:
         raise InvalidAdapterError(
             f"{str(path)!r} has no {CONFIG_NAME}; a PEFT adapter directory holds {CONFIG_NAME} "
             f"and {WEIGHTS_NAME} (what PeftModel.save_pretrained writes)"
+        ) from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise InvalidAdapterError(f"{path / CONFIG_NAME} cannot be read: {e.strerror}") from None
+    if raw:
+        size = len(raw)
+    if size > bound:
+        raise InvalidAdapterError(
+            f"{CONFIG_NAME} is {size} bytes; at most {bound} are accepted "
+            "(--max-adapter-config-bytes / PLORA_MAX_ADAPTER_CONFIG_BYTES; PEFT writes about "
+            "1 KiB)"
         )
-    try:
-        if data is None:
-            data = read_config_bytes(path, confinement)
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidAdapterError(f"{cfg_path} is not valid JSON: {e}") from None
-    return parse_adapter_config(raw)
+    return raw
+
+
+def parse_config_bytes(raw: bytes, limits: InspectionLimits = DEFAULT_LIMITS) -> LoraAdapterConfig:
+    """Parse the bytes of an ``adapter_config.json`` (from :func:`read_config_bytes`).
+
+    Raises:
+        InvalidAdapterError: not UTF-8 JSON, nested deeper than ``limits.max_json_depth``, or a
+            refused config (:func:`parse_adapter_config`, the rank cap included).
+    """
+    cfg = load_json(raw, CONFIG_NAME, limits.max_json_depth)
+    return parse_adapter_config(cfg, limits)  # type: ignore[arg-type]  # checks it is a dict
 
 
 def _weights_path(path: Path, confinement: Confinement | None = None) -> Path:
@@ -296,50 +433,112 @@ def _weights_path(path: Path, confinement: Confinement | None = None) -> Path:
     raise InvalidAdapterError(f"{str(path)!r} has no {WEIGHTS_NAME}")
 
 
-def parse_safetensors_header(raw: bytes, file_size: int, where: str) -> dict[str, _TensorInfo]:
+def header_length(head: bytes, file_size: int, where: str, limits: InspectionLimits) -> int:
+    """The header length ``N`` a safetensors file's first 8 bytes declare, checked against the
+    file size and ``limits.max_header_bytes`` before any of the header is read.
+
+    Raises:
+        InvalidAdapterError: fewer than 8 bytes, ``N`` beyond the file, or ``N`` above the
+            bound.
+    """
+    if len(head) < 8:
+        raise InvalidAdapterError(f"{where} is not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if 8 + n > file_size:
+        raise InvalidAdapterError(f"{where} is not a valid safetensors file (bad header length)")
+    if n > limits.max_header_bytes:
+        raise InvalidAdapterError(
+            f"{WEIGHTS_NAME} declares a safetensors header of {n} bytes; at most "
+            f"{limits.max_header_bytes} are accepted (--max-safetensors-header-bytes / "
+            "PLORA_MAX_SAFETENSORS_HEADER_BYTES; a LoRA adapter's header is well under 1 MiB)"
+        )
+    return int(n)
+
+
+def parse_safetensors_header(
+    raw: bytes, file_size: int, where: str, limits: InspectionLimits = DEFAULT_LIMITS
+) -> dict[str, _TensorInfo]:
     """Parse a safetensors header: ``u64 little-endian N`` then ``N`` bytes of JSON.
+
+    Besides the format (as the ``safetensors`` library checks it), the tensors must cover the
+    data after the header exactly, each ``numel * itemsize`` bytes, so the file is no larger
+    than the tensors it declares (the pool-fit check bounds those before the file is hashed).
 
     Args:
         raw: At least the first ``8 + N`` bytes of the file.
         file_size: Size of the whole file in bytes (to detect truncation).
         where: File name for messages.
+        limits: ``max_header_bytes`` bounds ``N``; ``max_json_depth`` the nesting.
 
     Returns:
         Tensor name -> dtype string and shape (the ``__metadata__`` entry is skipped).
 
     Raises:
-        InvalidAdapterError: not a safetensors file, truncated, or a non-float tensor.
+        InvalidAdapterError: not a safetensors file, truncated, a header above the bound,
+            with more than :data:`MAX_HEADER_VALUES` values or nested too deep, a tensor name
+            over :data:`MAX_TENSOR_KEY_CHARS`, tensors that do not tile the data, or a
+            non-float tensor.
     """
-    if len(raw) < 8:
-        raise InvalidAdapterError(f"{where} is not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", raw[:8])
-    if n > _MAX_HEADER_BYTES or 8 + n > file_size or len(raw) < 8 + n:
+    n = header_length(raw, file_size, where, limits)
+    if len(raw) < 8 + n:
         raise InvalidAdapterError(f"{where} is not a valid safetensors file (bad header length)")
-    try:
-        header = json.loads(raw[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidAdapterError(f"{where} has a corrupt safetensors header: {e}") from None
+    header = load_json(
+        raw[8 : 8 + n],
+        where,
+        limits.max_json_depth,
+        what=f"{where}: the safetensors header",
+        max_values=MAX_HEADER_VALUES,
+    )
     if not isinstance(header, dict):
         raise InvalidAdapterError(f"{where} has a corrupt safetensors header")
     data_len = file_size - 8 - n
     out: dict[str, _TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
+        if len(key) > MAX_TENSOR_KEY_CHARS:
+            raise InvalidAdapterError(
+                f"{where}: a tensor name is {len(key)} characters long; at most "
+                f"{MAX_TENSOR_KEY_CHARS} are accepted (PEFT's are under 100)"
+            )
         try:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dims = tuple(int(s) for s in shape)
+            start, end = int(start), int(end)
+            if not isinstance(dtype, str):
+                raise TypeError(dtype)
         except (KeyError, TypeError, ValueError):
             raise InvalidAdapterError(f"{where}: header entry {key!r} is malformed") from None
         if dtype not in _ST_FLOAT_DTYPES:
             raise InvalidAdapterError(
-                f"{where}: tensor {key!r} has dtype {dtype}; LoRA weights must be F16, BF16, F32 "
-                "or F64 (quantized adapters are not supported)"
+                f"{where}: tensor {key!r} has dtype {str(dtype)[:16]}; LoRA weights must be "
+                "F16, BF16, F32 or F64 (quantized adapters are not supported)"
             )
         if not (0 <= start <= end <= data_len):
             raise InvalidAdapterError(
                 f"{where}: tensor {key!r} lies outside the file (truncated download?)"
             )
-        out[key] = _TensorInfo(key, dtype, tuple(int(s) for s in shape))
+        if any(d < 0 for d in dims) or end - start != math.prod(dims) * _ST_ITEMSIZE[dtype]:
+            raise InvalidAdapterError(
+                f"{where}: tensor {key!r} has shape {list(dims)} of {dtype} but "
+                f"{end - start} bytes (data_offsets {[start, end]}); the file is corrupt"
+            )
+        spans.append((start, end, key))
+        out[key] = _TensorInfo(key, dtype, dims)
+    covered = 0
+    for start, end, key in sorted(spans):
+        if start != covered:
+            raise InvalidAdapterError(
+                f"{where}: tensor {key!r} starts at byte {start} of the data, where the tensors "
+                f"before it end at {covered} (overlapping or unused bytes); the file is corrupt"
+            )
+        covered = end
+    if covered != data_len:
+        raise InvalidAdapterError(
+            f"{where} holds {data_len - covered} bytes after its last tensor; the file is "
+            "corrupt (re-export it with save_pretrained)"
+        )
     return out
 
 
@@ -352,31 +551,6 @@ def _open(path: Path, confinement: Confinement | None) -> BinaryIO:
         OSError: the file cannot be opened (without ``confinement``).
     """
     return path.open("rb") if confinement is None else confinement.open(path)
-
-
-def _read_bytes(path: Path, confinement: Confinement | None) -> bytes:
-    """The whole of ``path`` (:func:`_open`)."""
-    with _open(path, confinement) as f:
-        return f.read()
-
-
-def read_config_bytes(path: Path, confinement: Confinement | None = None) -> bytes:
-    """The bytes of ``<path>/adapter_config.json`` (under the adapter roots with
-    ``confinement``).
-
-    Raises:
-        InvalidAdapterError: the file is missing or unreadable.
-        SourceRefusedError: refused by ``confinement``.
-    """
-    try:
-        return _read_bytes(path / CONFIG_NAME, confinement)
-    except FileNotFoundError:
-        raise InvalidAdapterError(
-            f"{str(path)!r} has no {CONFIG_NAME}; a PEFT adapter directory holds {CONFIG_NAME} "
-            f"and {WEIGHTS_NAME} (what PeftModel.save_pretrained writes)"
-        ) from None
-    except OSError as e:
-        raise InvalidAdapterError(f"{path / CONFIG_NAME} cannot be read: {e.strerror}") from None
 
 
 @contextmanager
@@ -396,15 +570,18 @@ def _pinned(path: Path, confinement: Confinement | None) -> Iterator[str]:
         yield proc if os.path.exists(proc) else str(path)
 
 
-def _read_header(weights: Path, confinement: Confinement | None = None) -> dict[str, _TensorInfo]:
+def _read_header(
+    weights: Path, limits: InspectionLimits, confinement: Confinement | None = None
+) -> dict[str, _TensorInfo]:
+    """The header of ``weights``: its length checked on the first 8 bytes, then only that
+    many bytes read (:func:`header_length`, :func:`parse_safetensors_header`); opened under
+    the adapter roots with ``confinement``."""
     with _open(weights, confinement) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
-        if len(head) < 8:
-            raise InvalidAdapterError(f"{weights} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        body = f.read(min(n, _MAX_HEADER_BYTES))
-    return parse_safetensors_header(head + body, size, str(weights))
+        n = header_length(head, size, str(weights), limits)
+        body = f.read(n)
+    return parse_safetensors_header(head + body, size, str(weights), limits)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20, confinement: Confinement | None = None) -> str:
@@ -452,7 +629,7 @@ def adapter_dir_sha256(
     path = _adapter_dir(source, confinement)
     try:
         return adapter_sha256(
-            hashlib.sha256(read_config_bytes(path, confinement)).hexdigest(),
+            hashlib.sha256(read_config_bytes(path, confinement=confinement)).hexdigest(),
             sha256_file(_weights_path(path, confinement), confinement=confinement),
         )
     except OSError as e:
@@ -561,7 +738,7 @@ def plan_modules(
                 f"in={exp_in}, out={exp_out} (lora_A [r, {exp_in}], lora_B [{exp_out}, r]): "
                 f"{_does_not_fit(cfg, spec)}"
             )
-        r_cfg, _ = cfg.resolve(name)
+        r_cfg, alpha = cfg.resolve(name)
         if r_cfg != r:
             raise InvalidAdapterError(
                 f"{prefix}{name}: {CONFIG_NAME} gives r={r_cfg} (r / rank_pattern) but the "
@@ -569,7 +746,7 @@ def plan_modules(
                 "these weights — fix r / rank_pattern"
             )
         plans[(layer, proj)] = _ModulePlan(
-            layer, proj, a.key, b.key, r, in_features, out_features, cfg.scaling(name, r)
+            layer, proj, a.key, b.key, r, in_features, out_features, cfg.scaling_of(alpha, r)
         )
     return plans
 
@@ -647,13 +824,18 @@ def _dtype_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _size_bytes(plans: Mapping[tuple[int, str], _ModulePlan], dtype: torch.dtype) -> int:
+    """Bytes of every A and B tensor in the serving ``dtype``."""
+    itemsize = _dtype_size(dtype)
+    return sum(p.r * (p.in_features + p.out_features) for p in plans.values()) * itemsize
+
+
 def _manifest(
     cfg: LoraAdapterConfig,
     plans: Mapping[tuple[int, str], _ModulePlan],
     sha: str,
     dtype: torch.dtype,
 ) -> AdapterManifest:
-    itemsize = _dtype_size(dtype)
     present = {p.projection for p in plans.values()}
     return AdapterManifest(
         rank=max(p.r for p in plans.values()),
@@ -662,7 +844,7 @@ def _manifest(
         target_modules=tuple(m for m in PROJECTION_MODULES if m in present),
         modules={k: (p.r, p.scaling) for k, p in plans.items()},
         num_modules=len(plans),
-        size_bytes=sum(p.r * (p.in_features + p.out_features) for p in plans.values()) * itemsize,
+        size_bytes=_size_bytes(plans, dtype),
         sha256=sha,
         base_model_name_or_path=cfg.base_model_name_or_path,
     )
@@ -674,12 +856,16 @@ def inspect_adapter(
     dtype: torch.dtype = torch.float32,
     *,
     confinement: Confinement | None = None,
+    limits: InspectionLimits = DEFAULT_LIMITS,
+    max_bytes: int | None = None,
 ) -> AdapterManifest:
     """Validate an adapter directory against the base model without keeping its tensors.
 
-    Reads ``adapter_config.json`` and the safetensors header, hashes the weights file
-    (streamed), and runs every check of :func:`load_lora_weights`, the value scan included
-    (each tensor memory-mapped and reduced once, then dropped).
+    In this order, each step only once the ones before passed: reads ``adapter_config.json``
+    (size-checked, rank-capped) and the safetensors header (size-checked), plans the modules
+    from the header (every shape check of :func:`load_lora_weights`), checks the adapter's
+    size against ``max_bytes``, and only then hashes the weights file (streamed) and scans
+    its values (each tensor memory-mapped and reduced once, then dropped).
 
     Args:
         source: Directory in PEFT layout.
@@ -687,22 +873,34 @@ def inspect_adapter(
         dtype: Serving dtype (decides ``size_bytes``).
         confinement: Adapter roots (and tenant) the directory and each file read must lie
             under; None = read as given.
+        limits: Bounds on the config, the header and the rank.
+        max_bytes: Largest ``size_bytes`` any pool could hold (the gateway passes its
+            largest worker pool); ``None`` = no check.
 
     Returns:
         The adapter's manifest.
 
     Raises:
-        InvalidAdapterError: malformed adapter or unsupported feature (INVALID_ARGUMENT).
+        InvalidAdapterError: malformed adapter, beyond ``limits``, or an unsupported feature
+            (INVALID_ARGUMENT).
         SourceRefusedError: refused by ``confinement`` (an :class:`InvalidAdapterError`).
         IncompatibleAdapterError: does not fit ``spec`` (FAILED_PRECONDITION).
+        PoolExhaustedError: ``size_bytes`` above ``max_bytes`` (RESOURCE_EXHAUSTED).
     """
     from safetensors import SafetensorError, safe_open
 
     path = _adapter_dir(source, confinement)
-    config_bytes = read_config_bytes(path, confinement)
-    cfg = read_adapter_config(path, confinement, config_bytes)
+    config_bytes = read_config_bytes(path, limits, confinement)
+    cfg = read_adapter_config(path, limits, confinement, config_bytes)
     weights = _weights_path(path, confinement)
-    plans = plan_modules(cfg, _read_header(weights, confinement), spec, str(path))
+    plans = plan_modules(cfg, _read_header(weights, limits, confinement), spec, str(path))
+    size = _size_bytes(plans, dtype)
+    if max_bytes is not None and size > max_bytes:
+        raise PoolExhaustedError(
+            f"the adapter needs {size} bytes in the serving dtype "
+            f"{str(dtype).removeprefix('torch.')} but the largest worker pool holds "
+            f"{max_bytes}; raise --pool-bytes or use a smaller rank"
+        )
     sha = adapter_sha256(
         hashlib.sha256(config_bytes).hexdigest(), sha256_file(weights, confinement=confinement)
     )
@@ -748,6 +946,7 @@ def load_lora_weights(
     device: str | torch.device = "cpu",
     expected_sha256: str | None = None,
     confinement: Confinement | None = None,
+    limits: InspectionLimits = DEFAULT_LIMITS,
 ) -> LoRAWeights:
     """Validate and load an adapter's tensors, cast to the serving dtype.
 
@@ -764,6 +963,7 @@ def load_lora_weights(
             must equal it (neither file was changed since registration).
         confinement: Adapter roots the directory and each file read must lie under; None =
             read as given.
+        limits: Bounds on the config, the header and the rank (a worker passes its own).
 
     Returns:
         ``LoRAWeights`` with A ``[r, in]`` and B ``[out, r]`` per module (contiguous) and the
@@ -779,24 +979,22 @@ def load_lora_weights(
     from safetensors.torch import load as st_load
 
     path = _adapter_dir(source, confinement)
-    config_bytes = read_config_bytes(path, confinement)
+    config_bytes = read_config_bytes(path, limits, confinement)
     config_sha = hashlib.sha256(config_bytes).hexdigest()
-    cfg = read_adapter_config(path, confinement, config_bytes)
+    cfg = read_adapter_config(path, limits, confinement, config_bytes)
     weights = _weights_path(path, confinement)
-    data = _read_bytes(weights, confinement)
+    with _open(weights, confinement) as f:  # the header's length is bounded before the read
+        header_length(f.read(8), os.fstat(f.fileno()).st_size, str(weights), limits)
+        f.seek(0)
+        data = f.read()
     sha = adapter_sha256(config_sha, hashlib.sha256(data).hexdigest())
     if expected_sha256 and sha != expected_sha256:
         raise InvalidAdapterError(
             f"{path}: {CONFIG_NAME} or {WEIGHTS_NAME} changed since registration (sha256 "
             f"{sha[:12]}..., registered {expected_sha256[:12]}...)"  # the caller says what to do
         )
-    if len(data) >= 8:
-        (n,) = struct.unpack("<Q", data[:8])
-        header = parse_safetensors_header(
-            data[: 8 + min(n, _MAX_HEADER_BYTES)], len(data), str(weights)
-        )
-    else:
-        header = parse_safetensors_header(data, len(data), str(weights))
+    n = header_length(data, len(data), str(weights), limits)
+    header = parse_safetensors_header(data[: 8 + n], len(data), str(weights), limits)
     plans = plan_modules(cfg, header, spec, str(path))
     try:
         tensors = st_load(data)

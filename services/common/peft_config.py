@@ -1,22 +1,88 @@
 """PEFT ``adapter_config.json`` as P-LoRA reads it: :class:`LoraAdapterConfig`, its parser
 (:func:`parse_adapter_config`, with PEFT's defaults and refusals of the LoRA variants it does
-not serve) and PEFT's pattern rules (:func:`get_pattern_key`: ``rank_pattern`` /
-``alpha_pattern`` keys match a module name's suffix; ``target_modules`` strings full-match)."""
+not serve), PEFT's pattern rules (:func:`get_pattern_key`: ``rank_pattern`` /
+``alpha_pattern`` keys match a module name's suffix; ``target_modules`` strings full-match),
+matched in linear time by :mod:`services.common.patterns`, and the bounds an adapter must
+stay within before any of it is read (:class:`InspectionLimits`)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common import patterns
 from services.common.errors import (
     InvalidAdapterError,
 )
+from services.common.patterns import CONFIG_NAME
 from services.common.types import PROJECTION_MODULES
 
-CONFIG_NAME = "adapter_config.json"
+#: Largest ``adapter_config.json`` read by default, in bytes (PEFT writes about 1 KiB).
+MAX_CONFIG_BYTES = 1 << 20
+#: Largest safetensors header read by default, in bytes (a LoRA of every projection of an
+#: 80-layer model needs about 100 KiB).
+MAX_HEADER_BYTES = 16 << 20
+#: Deepest nesting of JSON arrays and objects accepted in the config and the header (PEFT
+#: configs nest 2 deep, safetensors headers 3).
+MAX_JSON_DEPTH = 32
+#: Largest LoRA rank accepted by default.
+MAX_LORA_RANK = 256
+
+
+@dataclass(frozen=True)
+class InspectionLimits:
+    """Bounds on what reading an adapter may cost, each checked before the bytes it guards
+    are read or parsed.
+
+    Attributes:
+        max_config_bytes: Largest ``adapter_config.json`` (checked with ``stat``).
+        max_header_bytes: Largest safetensors header (checked on its 8-byte length prefix).
+        max_json_depth: Deepest nesting of arrays/objects in either JSON document.
+        max_lora_rank: Largest ``r`` (and ``rank_pattern`` value, and tensor rank); ``None``
+            = no cap (a worker loading an adapter the gateway already admitted).
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    max_config_bytes: int = MAX_CONFIG_BYTES
+    max_header_bytes: int = MAX_HEADER_BYTES
+    max_json_depth: int = MAX_JSON_DEPTH
+    max_lora_rank: int | None = MAX_LORA_RANK
+
+    def __post_init__(self) -> None:
+        for name in ("max_config_bytes", "max_header_bytes", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+    def check_rank(self, r: int, what: str) -> None:
+        """Refuse a rank above :attr:`max_lora_rank`.
+
+        Args:
+            r: The rank.
+            what: Where it comes from, e.g. ``"adapter_config.json: r"``.
+
+        Raises:
+            InvalidAdapterError: naming ``what``, the rank and the cap.
+        """
+        if self.max_lora_rank is not None and r > self.max_lora_rank:
+            raise InvalidAdapterError(
+                f"{what} is {r}, above this server's largest LoRA rank {self.max_lora_rank} "
+                "(--max-lora-rank / PLORA_MAX_LORA_RANK); use a smaller rank"
+            )
+
+
+DEFAULT_LIMITS = InspectionLimits()
+
+
+def _echo(value: object) -> str:
+    """``repr(value)`` for a message, cut to 80 characters (a config may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
 def _truthy(value: object) -> bool:
@@ -28,7 +94,7 @@ def _truthy(value: object) -> bool:
 def _number(cfg: Mapping[str, object], name: str, default: float | None) -> float:
     value = cfg.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidAdapterError(f"{CONFIG_NAME}: {name} must be a number, got {value!r}")
+        raise InvalidAdapterError(f"{CONFIG_NAME}: {name} must be a number, got {_echo(value)}")
     return float(value)
 
 
@@ -94,19 +160,37 @@ class LoraAdapterConfig:
     layers_pattern: tuple[str, ...] | None = None
     base_model_name_or_path: str = ""
     peft_version: str = ""
+    _compiled: _CompiledPatterns = field(
+        default=None,  # type: ignore[assignment]  # set in __post_init__
+        init=False,
+        repr=False,
+        compare=False,
+    )
+
+    def __post_init__(self) -> None:
+        """Check and compile every pattern (:func:`services.common.patterns.compile_pattern`).
+
+        Raises:
+            InvalidAdapterError: a pattern or a field with too many entries is refused.
+        """
+        object.__setattr__(self, "_compiled", _CompiledPatterns.of(self))
 
     def resolve(self, module_name: str) -> tuple[int, float]:
         """``(r, alpha)`` of one module, each resolved through its pattern as PEFT does."""
-        r_key = get_pattern_key(self.rank_pattern.keys(), module_name)
-        a_key = get_pattern_key(self.alpha_pattern.keys(), module_name)
-        return int(self.rank_pattern.get(r_key, self.r)), float(
-            self.alpha_pattern.get(a_key, self.lora_alpha)
-        )
+        c = self._compiled
+        r_key = patterns.first_key(c.rank, module_name)
+        a_key = patterns.first_key(c.alpha, module_name)
+        r = self.r if r_key is None else int(self.rank_pattern[r_key])
+        alpha = self.lora_alpha if a_key is None else float(self.alpha_pattern[a_key])
+        return r, alpha
 
     def scaling(self, module_name: str, r: int | None = None) -> float:
         """LoRA scaling of one module: ``alpha / r`` or ``alpha / sqrt(r)`` (rsLoRA)."""
         r_cfg, alpha = self.resolve(module_name)
-        r = r_cfg if r is None else r
+        return self.scaling_of(alpha, r_cfg if r is None else r)
+
+    def scaling_of(self, alpha: float, r: int) -> float:
+        """``alpha / r``, or ``alpha / sqrt(r)`` with ``use_rslora``."""
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
     def targets(self, module_name: str) -> bool:
@@ -114,88 +198,121 @@ class LoraAdapterConfig:
 
         A port of ``check_target_module_exists`` (modules_to_save is refused earlier).
         """
+        c = self._compiled
         ex = self.exclude_modules
         if ex:
-            if isinstance(ex, str):
-                if re.fullmatch(ex, module_name):
+            if c.exclude is not None:
+                if patterns.full_match(c.exclude, module_name):
                     return False
             elif module_name in ex or any(module_name.endswith(f".{k}") for k in ex):
                 return False
         tm = self.target_modules
         if isinstance(tm, str):
-            if tm == ALL_LINEAR:
-                tm = PROJECTION_MODULES
-            else:
-                return re.fullmatch(tm, module_name) is not None
+            if c.target is not None:
+                return patterns.full_match(c.target, module_name)
+            tm = PROJECTION_MODULES  # "all-linear"
         if module_name in tm:
             return True
         found = any(module_name.endswith(f".{k}") for k in tm)
         if found and self.layers_to_transform:
-            if not self.layers_pattern:
-                m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module_name)
-            else:
-                m = None
-                for pattern in self.layers_pattern:
-                    m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module_name)
-                    if m is not None:
-                        break
-            if m is None:
-                return False
-            return int(m.group("idx")) in self.layers_to_transform
+            idx = patterns.layer_index(c.layers, module_name)
+            return idx is not None and idx in self.layers_to_transform
         return found
 
 
+@dataclass(frozen=True)
+class _CompiledPatterns:
+    """A config's patterns compiled once for RE2 (``None`` where the field is no regex)."""
+
+    target: Any
+    exclude: Any
+    rank: tuple[tuple[str, Any], ...]
+    alpha: tuple[tuple[str, Any], ...]
+    layers: tuple[Any, ...]
+
+    @staticmethod
+    def of(cfg: LoraAdapterConfig) -> _CompiledPatterns:
+        tm, ex = cfg.target_modules, cfg.exclude_modules
+        for name, value in (("target_modules", tm), ("exclude_modules", ex)):
+            if value is not None and not isinstance(value, str):
+                patterns.check_count(name, value)
+        for name, keys in (
+            ("rank_pattern", cfg.rank_pattern),
+            ("alpha_pattern", cfg.alpha_pattern),
+            ("layers_pattern", cfg.layers_pattern or ()),
+            ("layers_to_transform", cfg.layers_to_transform or ()),
+        ):
+            patterns.check_count(name, keys)
+        return _CompiledPatterns(
+            target=patterns.compile_pattern("target_modules", tm)
+            if isinstance(tm, str) and tm != ALL_LINEAR
+            else None,
+            exclude=patterns.compile_pattern("exclude_modules", ex)
+            if isinstance(ex, str)
+            else None,
+            rank=tuple(
+                (k, patterns.compile_pattern("rank_pattern key", k, patterns.PEFT_KEY_WRAP))
+                for k in cfg.rank_pattern
+            ),
+            alpha=tuple(
+                (k, patterns.compile_pattern("alpha_pattern key", k, patterns.PEFT_KEY_WRAP))
+                for k in cfg.alpha_pattern
+            ),
+            layers=tuple(
+                patterns.compile_pattern("layers_pattern", p, patterns.LAYERS_WRAP)
+                for p in cfg.layers_pattern or ()
+            ),
+        )
+
+
 def get_pattern_key(pattern_keys: Sequence[str] | Any, key_to_match: str) -> str:
-    """PEFT's ``get_pattern_key``: the first pattern ``k`` with ``(.*\\.)?(k)$`` matching.
+    """PEFT's ``get_pattern_key``: the first pattern ``k`` with ``(.*\\.)?(k)$`` matching,
+    matched with RE2 (:func:`services.common.patterns.first_key`).
 
     Returns ``key_to_match`` itself when no pattern matches (so ``dict.get(.., default)``
     falls back to the config's default), exactly as PEFT does.
+
+    Raises:
+        InvalidAdapterError: a key :func:`services.common.patterns.compile_pattern` refuses.
     """
-    for key in pattern_keys:
-        if re.match(rf"(.*\.)?({key})$", key_to_match):
-            return str(key)
-    return key_to_match
+    compiled = [
+        (str(k), patterns.compile_pattern("pattern key", str(k), patterns.PEFT_KEY_WRAP))
+        for k in pattern_keys
+    ]
+    key = patterns.first_key(compiled, key_to_match)
+    return key_to_match if key is None else key
 
 
 def _str_list(value: object, name: str) -> tuple[str, ...] | str | None:
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as e:
-            raise InvalidAdapterError(
-                f"{CONFIG_NAME}: {name} {value!r} is not a valid regex: {e}"
-            ) from None
-        return value
+        return value  # compiled (and refused when bad) by LoraAdapterConfig
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise InvalidAdapterError(
-        f"{CONFIG_NAME}: {name} must be a list of module names or a regex string, got {value!r}"
+        f"{CONFIG_NAME}: {name} must be a list of module names or a regex string, "
+        f"got {_echo(value)}"
     )
 
 
 def _pattern(cfg: Mapping[str, object], name: str) -> dict[str, float]:
     value = cfg.get(name) or {}
     if not isinstance(value, dict):
-        raise InvalidAdapterError(f"{CONFIG_NAME}: {name} must be an object, got {value!r}")
+        raise InvalidAdapterError(f"{CONFIG_NAME}: {name} must be an object, got {_echo(value)}")
     out: dict[str, float] = {}
     for k, v in value.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
             raise InvalidAdapterError(
-                f"{CONFIG_NAME}: {name}[{k!r}] must be a positive number, got {v!r}"
+                f"{CONFIG_NAME}: {name}[{_echo(k)}] must be a positive number, got {_echo(v)}"
             )
-        try:
-            re.compile(k)
-        except re.error as e:
-            raise InvalidAdapterError(
-                f"{CONFIG_NAME}: {name} key {k!r} is not a valid regex: {e}"
-            ) from None
         out[str(k)] = v
     return out
 
 
-def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
+def parse_adapter_config(
+    cfg: Mapping[str, object], limits: InspectionLimits = DEFAULT_LIMITS
+) -> LoraAdapterConfig:
     """Validate a PEFT ``adapter_config.json`` dict and keep what changes the math.
 
     Unknown fields (written by newer PEFT versions) are ignored. Refused, each with
@@ -203,10 +320,13 @@ def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
     ``modules_to_save``; ``bias`` other than ``"none"``; DoRA and the other LoRA variants with
     a different forward pass (:data:`_UNSUPPORTED_FEATURES`); ``init_lora_weights`` of a method
     that modified the base weights (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) and was not converted;
-    a missing or non-positive ``r`` / ``lora_alpha``.
+    a missing or non-positive ``r`` / ``lora_alpha``; ``r`` or a ``rank_pattern`` value above
+    ``limits.max_lora_rank``; a pattern :func:`services.common.patterns.compile_pattern`
+    refuses, or a field with more than :data:`services.common.patterns.MAX_PATTERNS` entries.
 
     Args:
         cfg: The parsed JSON object.
+        limits: Bounds to enforce (the rank cap here).
 
     Returns:
         The validated config.
@@ -221,20 +341,20 @@ def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
     peft_type = cfg.get("peft_type")
     if peft_type != "LORA":
         raise InvalidAdapterError(
-            f'{CONFIG_NAME}: peft_type is {peft_type!r}; only LoRA adapters (peft_type "LORA") '
-            "can be served"
+            f"{CONFIG_NAME}: peft_type is {_echo(peft_type)}; only LoRA adapters "
+            '(peft_type "LORA") can be served'
         )
     if _truthy(cfg.get("modules_to_save")):
         raise InvalidAdapterError(
-            f"{CONFIG_NAME}: modules_to_save={cfg.get('modules_to_save')!r} replaces whole base "
-            "modules, which a shared base model cannot serve per adapter; retrain without "
+            f"{CONFIG_NAME}: modules_to_save={_echo(cfg.get('modules_to_save'))} replaces whole "
+            "base modules, which a shared base model cannot serve per adapter; retrain without "
             "modules_to_save (or merge the adapter into its own model)"
         )
     bias = cfg.get("bias", "none")
     if bias not in (None, "none"):
         raise InvalidAdapterError(
-            f"{CONFIG_NAME}: bias={bias!r} trains base-model biases, which a shared base model "
-            'cannot serve per adapter; only bias "none" is supported'
+            f"{CONFIG_NAME}: bias={_echo(bias)} trains base-model biases, which a shared base "
+            'model cannot serve per adapter; only bias "none" is supported'
         )
     for name, what in _UNSUPPORTED_FEATURES.items():
         if _truthy(cfg.get(name)):
@@ -245,7 +365,7 @@ def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
     init = cfg.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_MODIFYING_INITS):
         raise InvalidAdapterError(
-            f"{CONFIG_NAME}: init_lora_weights={init!r} modified the base weights during "
+            f"{CONFIG_NAME}: init_lora_weights={_echo(init)} modified the base weights during "
             "training; save the adapter with save_pretrained(..., "
             "path_initial_model_for_weight_conversion=...) to convert it to a plain LoRA"
         )
@@ -253,15 +373,17 @@ def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
     r = _number(cfg, "r", None)
     if r != int(r) or r < 1:
         raise InvalidAdapterError(
-            f"{CONFIG_NAME}: r must be a positive integer, got {cfg.get('r')!r}"
+            f"{CONFIG_NAME}: r must be a positive integer, got {_echo(cfg.get('r'))}"
         )
+    limits.check_rank(int(r), f"{CONFIG_NAME}: r")
     alpha = _number(cfg, "lora_alpha", 8)
     rank_pattern = _pattern(cfg, "rank_pattern")
     for k, v in rank_pattern.items():
         if v != int(v):
             raise InvalidAdapterError(
-                f"{CONFIG_NAME}: rank_pattern[{k!r}] must be an integer, got {v!r}"
+                f"{CONFIG_NAME}: rank_pattern[{_echo(k)}] must be an integer, got {_echo(v)}"
             )
+        limits.check_rank(int(v), f"{CONFIG_NAME}: rank_pattern[{_echo(k)}]")
 
     target = _str_list(cfg.get("target_modules"), "target_modules")
     if target is None:
@@ -278,7 +400,7 @@ def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
         layers = tuple(ltt)
     else:
         raise InvalidAdapterError(
-            f"{CONFIG_NAME}: layers_to_transform must be an int or a list of ints, got {ltt!r}"
+            f"{CONFIG_NAME}: layers_to_transform must be an int or a list of ints, got {_echo(ltt)}"
         )
     lp = cfg.get("layers_pattern")
     layers_pattern: tuple[str, ...] | None
@@ -290,7 +412,7 @@ def parse_adapter_config(cfg: Mapping[str, object]) -> LoraAdapterConfig:
         layers_pattern = None
     else:
         raise InvalidAdapterError(
-            f"{CONFIG_NAME}: layers_pattern must be a string or a list of strings, got {lp!r}"
+            f"{CONFIG_NAME}: layers_pattern must be a string or a list of strings, got {_echo(lp)}"
         )
     if isinstance(target, str) and layers is not None:
         raise InvalidAdapterError(

@@ -14,11 +14,18 @@ from services.common.config import (
     env_float,
     env_or,
     int_flag_or_env,
+    parse_bytes,
     require_at_least_one,
     require_seconds,
     require_server_ports,
 )
 from services.common.errors import ConfigError
+from services.common.peft_config import (
+    MAX_CONFIG_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_LORA_RANK,
+    InspectionLimits,
+)
 from services.common.sources import resolve_roots
 
 ROUTING_POLICIES = ("rank_aware", "round_robin")
@@ -55,6 +62,11 @@ class GatewayConfig:
         adapter_roots: Directories adapter sources must lie under, every symlink followed
             (``--adapter-root``, repeatable; ``PLORA_ADAPTER_ROOTS``, ``os.pathsep``-separated);
             resolved to real paths; empty = sources are read wherever they are.
+        max_adapter_config_bytes: Largest ``adapter_config.json`` RegisterAdapter reads
+            (``PLORA_MAX_ADAPTER_CONFIG_BYTES``).
+        max_safetensors_header_bytes: Largest safetensors header it reads
+            (``PLORA_MAX_SAFETENSORS_HEADER_BYTES``).
+        max_lora_rank: Largest LoRA rank it registers (``PLORA_MAX_LORA_RANK``).
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
@@ -73,6 +85,9 @@ class GatewayConfig:
     registry_stale_s: float = 300.0
     max_stop_strings: int = 16
     adapter_roots: tuple[str, ...] = ()
+    max_adapter_config_bytes: int = MAX_CONFIG_BYTES
+    max_safetensors_header_bytes: int = MAX_HEADER_BYTES
+    max_lora_rank: int = MAX_LORA_RANK
     ready_file: str = ""
 
     def __post_init__(self) -> None:
@@ -99,6 +114,26 @@ class GatewayConfig:
         require_seconds(self.request_timeout_s, "", "PLORA_REQUEST_TIMEOUT_S")
         if self.event_queue_size < 1:
             raise ConfigError("event_queue_size must be >= 1")
+        require_at_least_one(
+            self.max_adapter_config_bytes,
+            "--max-adapter-config-bytes",
+            "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+        )
+        require_at_least_one(
+            self.max_safetensors_header_bytes,
+            "--max-safetensors-header-bytes",
+            "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+        )
+        require_at_least_one(self.max_lora_rank, "--max-lora-rank", "PLORA_MAX_LORA_RANK")
+
+    @property
+    def inspection_limits(self) -> InspectionLimits:
+        """The bounds RegisterAdapter reads an adapter within."""
+        return InspectionLimits(
+            max_config_bytes=self.max_adapter_config_bytes,
+            max_header_bytes=self.max_safetensors_header_bytes,
+            max_lora_rank=self.max_lora_rank,
+        )
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,6 +167,22 @@ class GatewayConfig:
         )
         add_adapter_root_argument(parser)
         parser.add_argument(
+            "--max-adapter-config-bytes",
+            help="largest adapter_config.json RegisterAdapter reads, e.g. 1MiB "
+            "(env PLORA_MAX_ADAPTER_CONFIG_BYTES; default 1MiB)",
+        )
+        parser.add_argument(
+            "--max-safetensors-header-bytes",
+            help="largest safetensors header RegisterAdapter reads, e.g. 16MiB "
+            "(env PLORA_MAX_SAFETENSORS_HEADER_BYTES; default 16MiB)",
+        )
+        parser.add_argument(
+            "--max-lora-rank",
+            type=int,
+            help="largest LoRA rank (r and rank_pattern values) RegisterAdapter accepts "
+            "(env PLORA_MAX_LORA_RANK; default 256)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -141,6 +192,14 @@ class GatewayConfig:
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
         """Flags first, then ``PLORA_*`` environment variables, then defaults."""
         d = cls()
+
+        def size(flag_value: str | None, flag: str, env: str, default: int) -> int:
+            text = flag_value if flag_value else env_or(env, None)
+            try:
+                return parse_bytes(text) if text else default
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} / {env}: {exc}") from exc
+
         return cls(
             host=args.host or env_or("PLORA_GATEWAY_HOST", d.host) or d.host,
             port=int_flag_or_env(args.port, "PLORA_GATEWAY_PORT", d.port),
@@ -163,5 +222,20 @@ class GatewayConfig:
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
+            max_adapter_config_bytes=size(
+                args.max_adapter_config_bytes,
+                "--max-adapter-config-bytes",
+                "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+                d.max_adapter_config_bytes,
+            ),
+            max_safetensors_header_bytes=size(
+                args.max_safetensors_header_bytes,
+                "--max-safetensors-header-bytes",
+                "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+                d.max_safetensors_header_bytes,
+            ),
+            max_lora_rank=int_flag_or_env(
+                args.max_lora_rank, "PLORA_MAX_LORA_RANK", d.max_lora_rank
+            ),
             ready_file=args.ready_file or "",
         )

@@ -455,16 +455,19 @@ class GatewayCore:
         spec, dtype_name = published
         import torch  # noqa: PLC0415 - only needed to size adapters in the serving dtype
 
-        manifest = inspect_adapter(
-            source, spec, dtype=getattr(torch, dtype_name), confinement=confinement
-        )
         pools = [int(w.pool.get("pool_bytes", 0)) for w in self.catalog.workers() if w.healthy]
         largest = max(pools, default=0)
-        if largest and manifest.size_bytes > largest:
-            raise PoolExhaustedError(
-                f"adapter {quoted(adapter_id)} needs {manifest.size_bytes} bytes but the "
-                f"largest worker pool holds {largest}; raise --pool-bytes or use a smaller rank"
+        try:  # pool fit is checked from the header, before the weights are hashed or scanned
+            manifest = inspect_adapter(
+                source,
+                spec,
+                dtype=getattr(torch, dtype_name),
+                limits=self.config.inspection_limits,
+                max_bytes=largest or None,
+                confinement=confinement,
             )
+        except PoolExhaustedError as exc:
+            raise PoolExhaustedError(f"adapter {quoted(adapter_id)}: {exc}") from None
         previous = None
         try:
             previous = self.registry.get_adapter(adapter_id)

@@ -20,6 +20,7 @@ from services.common.config import (
     require_server_ports,
 )
 from services.common.errors import ConfigError
+from services.common.peft_config import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, InspectionLimits
 from services.common.sources import resolve_roots
 
 ALLOCATORS = ("paged", "contiguous")
@@ -69,6 +70,10 @@ class WorkerConfig:
         adapter_roots: Directories adapter sources must lie under, every symlink followed
             (``--adapter-root``, repeatable; ``PLORA_ADAPTER_ROOTS``, ``os.pathsep``-separated);
             resolved to real paths; empty = sources are read wherever they are.
+        max_adapter_config_bytes: Largest ``adapter_config.json`` a load reads
+            (``PLORA_MAX_ADAPTER_CONFIG_BYTES``, as the gateway's).
+        max_safetensors_header_bytes: Largest safetensors header a load reads
+            (``PLORA_MAX_SAFETENSORS_HEADER_BYTES``, as the gateway's).
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
@@ -98,11 +103,23 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     adapter_roots: tuple[str, ...] = ()
+    max_adapter_config_bytes: int = MAX_CONFIG_BYTES
+    max_safetensors_header_bytes: int = MAX_HEADER_BYTES
     ready_file: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
         require_server_ports("worker", self.port, self.metrics_port)
+        require_at_least_one(
+            self.max_adapter_config_bytes,
+            "--max-adapter-config-bytes",
+            "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+        )
+        require_at_least_one(
+            self.max_safetensors_header_bytes,
+            "--max-safetensors-header-bytes",
+            "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+        )
         if self.allocator not in ALLOCATORS:
             raise ConfigError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.eviction not in EVICTIONS:
@@ -273,6 +290,16 @@ class WorkerConfig:
         )
         add_adapter_root_argument(parser)
         parser.add_argument(
+            "--max-adapter-config-bytes",
+            help="largest adapter_config.json a load reads, e.g. 1MiB; keep it at the "
+            "gateway's (env PLORA_MAX_ADAPTER_CONFIG_BYTES; default 1MiB)",
+        )
+        parser.add_argument(
+            "--max-safetensors-header-bytes",
+            help="largest safetensors header a load reads, e.g. 16MiB; keep it at the "
+            "gateway's (env PLORA_MAX_SAFETENSORS_HEADER_BYTES; default 16MiB)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -350,5 +377,27 @@ class WorkerConfig:
                 args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
             ),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
+            max_adapter_config_bytes=size(
+                args.max_adapter_config_bytes,
+                "--max-adapter-config-bytes",
+                "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+                d.max_adapter_config_bytes,
+            ),
+            max_safetensors_header_bytes=size(
+                args.max_safetensors_header_bytes,
+                "--max-safetensors-header-bytes",
+                "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+                d.max_safetensors_header_bytes,
+            ),
             ready_file=args.ready_file or "",
+        )
+
+    @property
+    def inspection_limits(self) -> InspectionLimits:
+        """The bounds a load reads an adapter within; no rank cap (the gateway admitted the
+        adapter, and the pool decides what fits)."""
+        return InspectionLimits(
+            max_config_bytes=self.max_adapter_config_bytes,
+            max_header_bytes=self.max_safetensors_header_bytes,
+            max_lora_rank=None,
         )

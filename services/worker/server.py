@@ -314,6 +314,7 @@ class WorkerService:
                 dtype=self.dtype,
                 expected_sha256=ref.sha256 or None,
                 confinement=self.confinement,
+                limits=self.config.inspection_limits,
             )
         except SourceRefusedError as exc:
             self.metrics.source_refused.inc()

@@ -38,6 +38,7 @@ from services.common.errors import (
 )
 from services.common.types import PROJECTION_MODULES, SMOLLM2_135M, ModelSpec
 from services.worker.adapter_api import AdapterRef
+from services.worker.config import WorkerConfig
 from services.worker.server import WorkerService
 from tests.helpers import TINY, tiny_llama
 
@@ -786,7 +787,9 @@ def test_a_registered_adapter_whose_files_went_away_is_a_failed_precondition(goo
     changed after registration give FAILED_PRECONDITION naming the adapter and the fix (they
     gave INVALID_ARGUMENT, which reads as a bad request field)."""
     manifest = inspect_adapter(good, TINY)
-    worker = SimpleNamespace(spec=TINY, dtype=torch.float32, confinement=None)
+    worker = SimpleNamespace(
+        spec=TINY, dtype=torch.float32, confinement=None, config=WorkerConfig()
+    )
     ref = AdapterRef("mine", 3, str(good), manifest.size_bytes, manifest.sha256)
     assert WorkerService._load_adapter(worker, ref).nbytes > 0  # type: ignore[arg-type]
 

@@ -22,6 +22,7 @@ from services.common.adapters import (
     sha256_file,
 )
 from services.common.errors import AdapterSourceError, ConfigError, InvalidAdapterError
+from services.common.peft_config import InspectionLimits
 from services.common.sources import (
     SOURCE_REFUSED,
     Confinement,
@@ -215,7 +216,7 @@ def _worker(roots: tuple[str, ...]) -> SimpleNamespace:
         dtype=torch.float32,
         confinement=Confinement(roots) if roots else None,
         metrics=WorkerMetrics(),
-        config=SimpleNamespace(adapter_roots=roots),
+        config=SimpleNamespace(adapter_roots=roots, inspection_limits=InspectionLimits()),
     )
 
 
