@@ -609,11 +609,12 @@ class Cluster:
 
         Raises:
             ConfigError: a setting the gateway would refuse (a non-loopback ``--host``
-                without API keys, a certificate without its key, ...), mutual TLS without a
-                client certificate for plora up, or API keys and demo adapters without a key
-                to register them with.
+                without API keys, a certificate without its key, a malformed keys file, ...),
+                mutual TLS without a client certificate for plora up, or API keys and demo
+                adapters without an operator key in ``PLORA_API_KEY`` to register them with.
         """
         from plora.cli import client_security  # noqa: PLC0415
+        from services.gateway.auth import KeyRing  # noqa: PLC0415
         from services.gateway.config import GatewayConfig  # noqa: PLC0415
 
         a = self.args
@@ -631,12 +632,18 @@ class Cluster:
         ca = env_or("PLORA_TLS_CA", None) or gateway.tls_cert
         credentials, self.api_key = client_security(ca or None)
         self.gateway_credentials = credentials if gateway.tls_cert else None
-        if gateway.api_keys_file and a.demo_adapters > 0 and not self.api_key:
-            raise ConfigError(
-                "with API keys (--api-keys-file / PLORA_API_KEYS_FILE) plora up registers the "
-                "demo adapters with an operator key: set PLORA_API_KEY to one, or pass "
-                "--demo-adapters 0"
-            )
+        if not gateway.api_keys_file:
+            return
+        ring = KeyRing.from_file(gateway.api_keys_file)  # a malformed file stops us here
+        if a.demo_adapters > 0:
+            principal = ring.principal_for(self.api_key) if self.api_key else None
+            if principal is None or not principal.operator:
+                raise ConfigError(
+                    "with API keys (--api-keys-file / PLORA_API_KEYS_FILE) plora up registers "
+                    "the demo adapters with an operator key: set PLORA_API_KEY to one "
+                    f"{'(it is not an operator key of the file) ' if self.api_key else ''}"
+                    "or pass --demo-adapters 0"
+                )
 
     def _prepare_files(self) -> None:
         """Refuse to start over a running cluster, create the adapters' and the state file's
