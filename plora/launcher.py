@@ -412,6 +412,7 @@ class Cluster:
         #: key ("" = none), settled by :meth:`_plan`.
         self.gateway_credentials: grpc.ChannelCredentials | None = None
         self.api_key = ""
+        self.keys_on = False  # the gateway has an API keys file
 
     # -- start ------------------------------------------------------------------------------
 
@@ -492,10 +493,11 @@ class Cluster:
             if self._stop_after(0.2):
                 raise KeyboardInterrupt
         for c in children:
+            credentials = self.gateway_credentials if c.name == "gateway" else None
             wait_healthy(
-                f"{self.args.host}:{c.ports['grpc_port']}",
+                self._dial(c.ports["grpc_port"], credentials is not None),
                 timeout=30,
-                credentials=self.gateway_credentials if c.name == "gateway" else None,
+                credentials=credentials,
             )
 
     def _echo_progress(self, child: Child, offset: int, levels: tuple[str, ...]) -> int:
@@ -530,10 +532,8 @@ class Cluster:
         self._prepare_files()
         self._settle_gateway_client(plan.flags["gateway"])
         model_dir, spec = self._prepare_model()  # a bad --model is refused before Redis starts
-        env = dict(os.environ, PLORA_REDIS_URL=self._start_redis())
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        for secret in _CLIENT_SECRETS:  # plora up's own credentials: no service reads them
-            env.pop(secret, None)
+        self._start_redis()
+        env = self._service_env()
         predictor = self._start_predictor(plan, env)
         workers = self._start_workers(plan, model_dir, env)
         self._say(
@@ -632,7 +632,8 @@ class Cluster:
         ca = env_or("PLORA_TLS_CA", None) or gateway.tls_cert
         credentials, self.api_key = client_security(ca or None)
         self.gateway_credentials = credentials if gateway.tls_cert else None
-        if not gateway.api_keys_file:
+        self.keys_on = bool(gateway.api_keys_file)
+        if not self.keys_on:
             return
         ring = KeyRing.from_file(gateway.api_keys_file)  # a malformed file stops us here
         if a.demo_adapters > 0:
@@ -751,6 +752,23 @@ class Cluster:
         self._wait_ready([gateway], 60)
         return f"{a.host}:{gateway.ports['grpc_port']}"
 
+    def _service_env(self) -> dict[str, str]:
+        """The services' environment: this process's with the Redis URL and unbuffered
+        output, without plora up's own client credentials (no service reads them)."""
+        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
+        for secret in _CLIENT_SECRETS:
+            env.pop(secret, None)
+        return env
+
+    def _dial(self, port: int, tls: bool) -> str:
+        """The address plora up dials for a service of its own on ``port``: ``--host``,
+        or over TLS with a wildcard ``--host`` (``0.0.0.0``, ``::``) 127.0.0.1, an address a
+        certificate can name."""
+        host = self.args.host
+        if tls and host.strip("[]") in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+
     def _common_flags(self) -> list[str]:
         """The flags every service gets: the interface to bind and the Redis URL."""
         return ["--host", self.args.host, "--redis-url", self.redis_url]
@@ -807,7 +825,9 @@ class Cluster:
             relative_delta=a.demo_relative_delta,
         )
         ids = []
-        with client_channel(gateway, self.gateway_credentials, self.api_key) as channel:
+        port = int(gateway.rpartition(":")[2])
+        address = self._dial(port, self.gateway_credentials is not None)
+        with client_channel(address, self.gateway_credentials, self.api_key) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             for path in paths:
                 adapter_id = Path(path).name
@@ -918,8 +938,7 @@ class Cluster:
 
     def _restart(self, child: Child, echo: tuple[str, ...] = _STARTUP) -> None:
         child.cmd = _pin_ports(child.cmd, child.ports)
-        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
-        child.start(env)
+        child.start(self._service_env())
         self._wait_ready([child], self.args.startup_timeout, echo)
         if self.state_file.exists():
             state = json.loads(self.state_file.read_text())
@@ -1058,6 +1077,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"plora up: failed: {detail}", file=sys.stderr, flush=True)
         cluster.stop()
         return 2
+    needs = [
+        *(["PLORA_TLS_CA (the gateway's CA)"] if cluster.gateway_credentials else []),
+        *(["PLORA_API_KEY (a key of the keys file)"] if cluster.keys_on else []),
+    ]
+    if needs:
+        print(f"plora up: the CLI needs {' and '.join(needs)} (docs/security.md)", flush=True)
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
         f'  try: {try_command(cluster.state_file)} generate "What is the capital of France?"\n'

@@ -63,11 +63,6 @@ class Principal:
     tenant: str = ""
     operator: bool = False
 
-    @property
-    def is_tenant(self) -> bool:
-        """A tenant's key (not the operator's)."""
-        return not self.operator
-
 
 def key_digest(key: str) -> bytes:
     """The sha256 of an API key's UTF-8 text (32 bytes), as the keys file lists it in hex."""
