@@ -23,9 +23,13 @@ from tests.conftest import REPO, SECURE_KEYS
 # the cluster tests run here too, against the fixtures below
 from tests.integration.test_cluster import (  # noqa: F401
     test_adapter_lifecycle_register_get_list_delete,
+    test_bad_generate_requests_are_invalid_argument,
     test_base_model_answers_paris_streamed,
     test_cli_generate_streams_paris,
+    test_empty_prompt_is_named_in_the_refusal,
+    test_seeded_sampling_is_reproducible,
     test_stop_string_ends_generation,
+    test_unknown_adapter_is_not_found,
 )
 
 pytestmark = pytest.mark.slow
