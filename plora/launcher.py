@@ -409,7 +409,7 @@ class Cluster:
         self._stop_requested = False
         self._wrote_state = False  # stop() removes only a state file this cluster wrote
         #: How plora up itself reaches the gateway: TLS credentials (None: plaintext) and API
-        #: key ("" = none), settled by :meth:`_plan`.
+        #: key ("" = none), settled by :meth:`_settle_gateway_client`.
         self.gateway_credentials: grpc.ChannelCredentials | None = None
         self.api_key = ""
         self.keys_on = False  # the gateway has an API keys file
