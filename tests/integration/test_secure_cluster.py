@@ -196,12 +196,16 @@ def test_cli_status_and_adapters_list_over_mutual_tls_with_the_key(secure_cluste
         assert needle in proc.stdout
 
 
-def test_no_key_reaches_the_state_file_or_a_services_command_line_or_environment(
+def test_no_key_reaches_the_state_file_a_log_or_a_services_command_line_or_environment(
     secure_cluster: dict,
 ) -> None:
     state = (Path(secure_cluster["root"]) / "cluster.json").read_text()
     secrets = [*SECURE_KEYS.values()]
     assert not any(secret in state for secret in secrets)
+    logs = [Path(secure_cluster["log"]), *(Path(secure_cluster["root"]) / "logs").glob("*.log")]
+    assert len(logs) > 2
+    for log in logs:
+        assert not any(secret in log.read_text() for secret in secrets), log
     for name, pid in secure_cluster["pids"].items():
         proc = Path(f"/proc/{pid}")
         seen = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
