@@ -26,9 +26,10 @@ from services.common.config import (
     PORT_MAX,
     address_port_ok,
     checked_type,
+    env_or,
 )
 from services.common.errors import MAX_ECHO_PATH, ConfigError, InvalidRequestError, quoted
-from services.common.grpc_util import CHANNEL_OPTIONS
+from services.common.grpc_util import client_channel, tls_channel_credentials
 from services.gateway import validation
 
 #: Verbs implemented in other modules: (path of subcommands) -> module with add_arguments/run.
@@ -146,8 +147,35 @@ _stop = _gateway_rule(str, validation.check_stop, "text")
 _seed = checked_type(int, lambda v: 0 <= v < 2**64, "a whole number from 0 to 2**64 - 1")
 
 
+_TLS_CA_HELP = (
+    "PEM CA bundle the gateway's TLS certificate must chain to; given, the call uses TLS "
+    "(default: $PLORA_TLS_CA; neither: plaintext, unless $PLORA_TLS_CLIENT_CERT is set)"
+)
+
+
+def client_security(tls_ca: str | None = None) -> tuple[grpc.ChannelCredentials | None, str]:
+    """How a client of the gateway connects: ``(TLS credentials or None, API key or "")``.
+
+    TLS when ``tls_ca`` (``--tls-ca``), else ``$PLORA_TLS_CA``, names a CA bundle, or
+    ``$PLORA_TLS_CLIENT_CERT`` / ``$PLORA_TLS_CLIENT_KEY`` give a client certificate for a
+    gateway with mutual TLS (then without a CA the system's roots are trusted); plaintext
+    otherwise. The API key is ``$PLORA_API_KEY`` ("" = none), sent as
+    ``authorization: Bearer <key>`` (docs/security.md).
+
+    Raises:
+        ConfigError: a file cannot be read or is not PEM, or only one of the client
+            certificate and its key is set.
+    """
+    ca = tls_ca or env_or("PLORA_TLS_CA", "") or ""
+    cert = env_or("PLORA_TLS_CLIENT_CERT", "") or ""
+    key = env_or("PLORA_TLS_CLIENT_KEY", "") or ""
+    credentials = tls_channel_credentials(ca, cert, key) if ca or cert or key else None
+    return credentials, env_or("PLORA_API_KEY", "") or ""
+
+
 def _stub(args: argparse.Namespace) -> tuple[grpc.Channel, gateway_pb2_grpc.GatewayStub]:
-    channel = grpc.insecure_channel(gateway_address(args.gateway), options=CHANNEL_OPTIONS)
+    credentials, api_key = client_security(getattr(args, "tls_ca", None))
+    channel = client_channel(gateway_address(args.gateway), credentials, api_key)
     return channel, gateway_pb2_grpc.GatewayStub(channel)
 
 
@@ -431,6 +459,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help=f"seconds the whole generation may take, at most {MAX_TIMEOUT_S:g} (default 600)",
     )
     gen.add_argument("--gateway", type=_address, metavar="HOST:PORT", help=_GATEWAY_HELP)
+    gen.add_argument("--tls-ca", metavar="PEM", help=_TLS_CA_HELP)
     gen.set_defaults(func=cmd_generate)
 
     tenant_help = (
@@ -441,6 +470,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     ad = sub.add_parser("adapters", help="register, list, get or delete adapters")
     ad.add_argument("--gateway", type=_address, metavar="HOST:PORT", help=_GATEWAY_HELP)
     ad.add_argument("--tenant", metavar="ID", help=tenant_help)
+    ad.add_argument("--tls-ca", metavar="PEM", help=_TLS_CA_HELP)
     # the same flags after the verb too (`plora adapters list --gateway ...`); SUPPRESS keeps
     # a value given before the verb when they are not repeated after it
     shared = argparse.ArgumentParser(add_help=False)
@@ -452,6 +482,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help=_GATEWAY_HELP,
     )
     shared.add_argument("--tenant", default=argparse.SUPPRESS, metavar="ID", help=tenant_help)
+    shared.add_argument("--tls-ca", default=argparse.SUPPRESS, metavar="PEM", help=_TLS_CA_HELP)
     ad_sub = ad.add_subparsers(dest="adapters_cmd", required=True)
     reg = ad_sub.add_parser(
         "register",
@@ -477,6 +508,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     st = sub.add_parser("status", help="workers, residency, pools and queues")
     st.add_argument("--gateway", type=_address, metavar="HOST:PORT", help=_GATEWAY_HELP)
+    st.add_argument("--tls-ca", metavar="PEM", help=_TLS_CA_HELP)
     st.add_argument("--json", action="store_true", help="print the whole status as JSON")
     st.set_defaults(func=cmd_status)
 
@@ -532,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + 13
         except ConfigError as exc:
-            # a bad PLORA_GATEWAY / PLORA_STATE_FILE, found before any call: a usage error
+            # a bad PLORA_GATEWAY / PLORA_STATE_FILE / TLS file, found before any call: a
+            # usage error
             print(f"plora: {exc}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
@@ -548,8 +581,11 @@ def main(argv: list[str] | None = None) -> int:
             if exc.code() is grpc.StatusCode.UNAVAILABLE and unreached:
                 hint = (
                     f" (is the cluster running? `make up` starts it; gateway "
-                    f"{gateway_address(getattr(args, 'gateway', None))})"
+                    f"{gateway_address(getattr(args, 'gateway', None))}; a gateway serving "
+                    "TLS needs --tls-ca or PLORA_TLS_CA)"
                 )
+            elif exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                hint = " (set PLORA_API_KEY to your API key)"
             elif exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and args.command == "generate":
                 hint = (
                     f" (the generation did not end within --timeout {args.timeout:g} s; "

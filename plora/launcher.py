@@ -43,7 +43,7 @@ from services.common.config import (
     require_server_ports,
 )
 from services.common.errors import ConfigError, PLoRAError
-from services.common.grpc_util import CHANNEL_OPTIONS, wait_healthy
+from services.common.grpc_util import client_channel, wait_healthy
 from services.common.lifecycle import (
     EXIT_REGISTRY_UNAVAILABLE,
     service_parser,
@@ -230,6 +230,9 @@ _SERVING = (" WARNING ", " ERROR ")
 #: The gateway port of ``plora up`` when neither --gateway-port nor PLORA_GATEWAY_PORT is set.
 DEFAULT_GATEWAY_PORT = 50051
 
+#: Variables of plora up's own credentials as a client of the gateway, kept from the services.
+_CLIENT_SECRETS = ("PLORA_API_KEY", "PLORA_TLS_CLIENT_KEY")
+
 #: Seconds between tries to start again a service that could not reach an external Redis.
 REGISTRY_RETRY_S = 5.0
 
@@ -332,6 +335,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default none)",
     )
     parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="FILE",
+        help="the gateway's API keys file (JSON or YAML of key hashes, docs/security.md); the "
+        "demo adapters are then registered with $PLORA_API_KEY, an operator key (default: "
+        "$PLORA_API_KEYS_FILE, as the gateway reads it, else none)",
+    )
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="let the gateway serve a non-loopback --host without API keys (default off)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="the gateway's TLS certificate; plora up's own checks trust $PLORA_TLS_CA, else "
+        "this file (default: $PLORA_TLS_CERT, else plaintext)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=None,
+        metavar="PEM",
+        help="private key of --tls-cert (default: $PLORA_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PEM",
+        help="mutual TLS: CA of the clients' certificates; plora up's own checks present "
+        "$PLORA_TLS_CLIENT_CERT / $PLORA_TLS_CLIENT_KEY (default: $PLORA_TLS_CLIENT_CA, else "
+        "none)",
+    )
+    parser.add_argument(
         "--startup-timeout",
         type=checked_type(float, lambda v: 0 < v < math.inf, "a positive number of seconds"),
         default=600.0,
@@ -382,6 +419,11 @@ class Cluster:
         # the main thread already holds it inside Event.wait.
         self._stop_requested = False
         self._wrote_state = False  # stop() removes only a state file this cluster wrote
+        #: How plora up itself reaches the gateway: TLS credentials (None: plaintext) and API
+        #: key ("" = none), settled by :meth:`_settle_gateway_client`.
+        self.gateway_credentials: grpc.ChannelCredentials | None = None
+        self.api_key = ""
+        self.keys_on = False  # the gateway has an API keys file
 
     # -- start ------------------------------------------------------------------------------
 
@@ -462,7 +504,12 @@ class Cluster:
             if self._stop_after(0.2):
                 raise KeyboardInterrupt
         for c in children:
-            wait_healthy(f"{self.args.host}:{c.ports['grpc_port']}", timeout=30)
+            credentials = self.gateway_credentials if c.name == "gateway" else None
+            wait_healthy(
+                self._dial(c.ports["grpc_port"], credentials is not None),
+                timeout=30,
+                credentials=credentials,
+            )
 
     def _echo_progress(self, child: Child, offset: int, levels: tuple[str, ...]) -> int:
         """Echo the lines of ``child``'s log from byte ``offset`` on whose level is one of
@@ -494,9 +541,10 @@ class Cluster:
         """
         plan = self._plan()
         self._prepare_files()
+        self._settle_gateway_client(plan.flags["gateway"])
         model_dir, spec = self._prepare_model()  # a bad --model is refused before Redis starts
-        env = dict(os.environ, PLORA_REDIS_URL=self._start_redis())
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        self._start_redis()
+        env = self._service_env()
         predictor = self._start_predictor(plan, env)
         workers = self._start_workers(plan, model_dir, env)
         self._say(
@@ -542,6 +590,7 @@ class Cluster:
             flags["worker"] += ["--pool-bytes", a.pool_bytes]
         for extra in a.worker_arg:
             flags["worker"] += extra.split()
+        flags["gateway"] += self._gateway_security_flags()
         for service, service_flags in flags.items():
             check_service_flags(service, service_flags)
         for root in self._adapter_roots():
@@ -564,6 +613,68 @@ class Cluster:
         if roots and a.demo_adapters > 0:
             roots.append(os.path.abspath(a.adapters_dir))
         return roots
+
+    def _gateway_security_flags(self) -> list[str]:
+        """The gateway's API-key and TLS flags from ``plora up``'s (files as absolute
+        paths); unset ones are left to the ``PLORA_*`` variables the gateway reads itself."""
+        a = self.args
+        out = []
+        for flag, value in (
+            ("--api-keys-file", a.api_keys_file),
+            ("--tls-cert", a.tls_cert),
+            ("--tls-key", a.tls_key),
+            ("--tls-client-ca", a.tls_client_ca),
+        ):
+            if value:
+                out += [flag, str(Path(value).resolve())]
+        if a.insecure_no_auth:
+            out.append("--insecure-no-auth")
+        return out
+
+    def _settle_gateway_client(self, gateway_flags: list[str]) -> None:
+        """Check the gateway's security settings as it will (flags, then its ``PLORA_*``
+        variables) and settle how ``plora up`` reaches it: over TLS trusting
+        ``$PLORA_TLS_CA``, else the gateway's own certificate (a self-signed one, or a chain
+        file that holds its CA); with ``$PLORA_API_KEY``.
+
+        Raises:
+            ConfigError: a setting the gateway would refuse (a non-loopback ``--host``
+                without API keys, a certificate without its key, a malformed keys file, ...),
+                mutual TLS without a client certificate for plora up, or API keys and demo
+                adapters without an operator key in ``PLORA_API_KEY`` to register them with.
+        """
+        from plora.cli import client_security  # noqa: PLC0415
+        from services.gateway.auth import KeyRing  # noqa: PLC0415
+        from services.gateway.config import GatewayConfig  # noqa: PLC0415
+
+        a = self.args
+        parser = service_parser("gateway", GatewayConfig, exit_on_error=False)
+        gateway = GatewayConfig.from_args(
+            parser.parse_args([*gateway_flags, "--host", a.host, "--port", "0"])
+        )
+        gateway.check_security()
+        if gateway.tls_client_ca and not env_or("PLORA_TLS_CLIENT_CERT", None):
+            raise ConfigError(
+                "with --tls-client-ca (mutual TLS) plora up checks the gateway with a client "
+                "certificate: set PLORA_TLS_CLIENT_CERT and PLORA_TLS_CLIENT_KEY to one the "
+                "client CA accepts"
+            )
+        ca = env_or("PLORA_TLS_CA", None) or gateway.tls_cert
+        credentials, self.api_key = client_security(ca or None)
+        self.gateway_credentials = credentials if gateway.tls_cert else None
+        self.keys_on = bool(gateway.api_keys_file)
+        if not self.keys_on:
+            return
+        ring = KeyRing.from_file(gateway.api_keys_file)  # a malformed file stops us here
+        if a.demo_adapters > 0:
+            principal = ring.principal_for(self.api_key) if self.api_key else None
+            if principal is None or not principal.operator:
+                raise ConfigError(
+                    "with API keys (--api-keys-file / PLORA_API_KEYS_FILE) plora up registers "
+                    "the demo adapters with an operator key: set PLORA_API_KEY to one "
+                    f"{'(it is not an operator key of the file) ' if self.api_key else ''}"
+                    "or pass --demo-adapters 0"
+                )
 
     def _prepare_files(self) -> None:
         """Refuse to start over a running cluster, create the adapters' and the state file's
@@ -671,6 +782,23 @@ class Cluster:
         self._wait_ready([gateway], 60)
         return f"{a.host}:{gateway.ports['grpc_port']}"
 
+    def _service_env(self) -> dict[str, str]:
+        """The services' environment: this process's with the Redis URL and unbuffered
+        output, without plora up's own client credentials (no service reads them)."""
+        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
+        for secret in _CLIENT_SECRETS:
+            env.pop(secret, None)
+        return env
+
+    def _dial(self, port: int, tls: bool) -> str:
+        """The address plora up dials for a service of its own on ``port``: ``--host``,
+        or over TLS with a wildcard ``--host`` (``0.0.0.0``, ``::``) 127.0.0.1, an address a
+        certificate can name."""
+        host = self.args.host
+        if tls and host.strip("[]") in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{port}"
+
     def _common_flags(self) -> list[str]:
         """The flags every service gets: the interface to bind and the Redis URL."""
         return ["--host", self.args.host, "--redis-url", self.redis_url]
@@ -727,7 +855,9 @@ class Cluster:
             relative_delta=a.demo_relative_delta,
         )
         ids = []
-        with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as channel:
+        port = int(gateway.rpartition(":")[2])
+        address = self._dial(port, self.gateway_credentials is not None)
+        with client_channel(address, self.gateway_credentials, self.api_key) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             for path in paths:
                 adapter_id = Path(path).name
@@ -838,8 +968,7 @@ class Cluster:
 
     def _restart(self, child: Child, echo: tuple[str, ...] = _STARTUP) -> None:
         child.cmd = _pin_ports(child.cmd, child.ports)
-        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
-        child.start(env)
+        child.start(self._service_env())
         self._wait_ready([child], self.args.startup_timeout, echo)
         if self.state_file.exists():
             state = json.loads(self.state_file.read_text())
@@ -978,6 +1107,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"plora up: failed: {detail}", file=sys.stderr, flush=True)
         cluster.stop()
         return 2
+    needs = [
+        *(["PLORA_TLS_CA (the gateway's CA)"] if cluster.gateway_credentials else []),
+        *(["PLORA_API_KEY (a key of the keys file)"] if cluster.keys_on else []),
+    ]
+    if needs:
+        print(f"plora up: the CLI needs {' and '.join(needs)} (docs/security.md)", flush=True)
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
         f'  try: {try_command(cluster.state_file)} generate "What is the capital of France?"\n'

@@ -102,20 +102,23 @@ def model_dir() -> Path:
     return resolve_model(None, default_cache_dir())
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
-    """A whole cluster started by ``plora up`` (embedded Redis, predictor, 2 workers, gateway).
+def run_plora_up(
+    root: Path, model_dir: Path, flags: list[str], env: dict[str, str] | None = None
+) -> Iterator[dict]:
+    """Run ``plora up`` with its state, logs and demo adapters under ``root`` until the
+    generator is closed; yields the state JSON with ``log`` and ``root`` added. Closing it
+    sends SIGTERM to the launcher and checks every child process ended.
 
-    Yields the state JSON (``gateway``, ``metrics``, ``redis_url``, ``workers``, ``adapters``,
-    ``pids``). Teardown sends SIGTERM to the launcher and checks every child process ended.
+    Args:
+        root: Directory of this cluster's files (``cluster.json``, ``up.log``, ``adapters``).
+        model_dir: The base model.
+        flags: ``plora up`` flags beyond the state file, port, adapters directory and model.
+        env: Variables set for ``plora up`` on top of this process's.
     """
-    root = tmp_path_factory.mktemp("cluster")
     state_file = root / "cluster.json"
     log = open(root / "up.log", "wb")  # noqa: SIM115
-    # the calibrated prefetch gate off: the predictor-loop tests check that a forecast hot
-    # adapter is prefetched at all, after a burst too short to calibrate on
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PLORA_PREDICTOR_PREFETCH_MIN_PROBABILITY": "0"}
-    env.pop("PLORA_REDIS_URL", None)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("PLORA_REDIS_URL", None)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -130,13 +133,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
             str(root / "adapters"),
             "--model",
             str(model_dir),
-            "--pool-bytes",
-            "256MiB",
+            *flags,
         ],
         cwd=REPO,
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=env,
+        env=full_env,
     )
     deadline = time.monotonic() + 300
     while not state_file.exists():
@@ -155,6 +157,66 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
         log.close()
     for name, pid in state["pids"].items():
         assert not _pid_alive(pid), f"{name} (pid {pid}) still running after plora up stopped"
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
+    """A whole cluster started by ``plora up`` (embedded Redis, predictor, 2 workers, gateway).
+
+    Yields the state JSON (``gateway``, ``metrics``, ``redis_url``, ``workers``, ``adapters``,
+    ``pids``). Teardown sends SIGTERM to the launcher and checks every child process ended.
+    """
+    # the calibrated prefetch gate off: the predictor-loop tests check that a forecast hot
+    # adapter is prefetched at all, after a burst too short to calibrate on
+    yield from run_plora_up(
+        tmp_path_factory.mktemp("cluster"),
+        model_dir,
+        ["--pool-bytes", "256MiB"],
+        {"PLORA_PREDICTOR_PREFETCH_MIN_PROBABILITY": "0"},
+    )
+
+
+#: The API keys of :func:`secure_cluster`, by whom each acts as (the file holds their hashes).
+SECURE_KEYS = {"acme": "acme-key-7f3a", "beta": "beta-key-91c2", "operator": "operator-key-5d0e"}
+
+
+@pytest.fixture(scope="session")
+def secure_cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
+    """A cluster from ``plora up`` with API keys (:data:`SECURE_KEYS`) and mutual TLS on the
+    gateway (a CA made now), one worker and two demo adapters.
+
+    Yields the state JSON plus ``client_env``: the variables a client needs
+    (``PLORA_API_KEY`` of the operator, ``PLORA_TLS_CA``, ``PLORA_TLS_CLIENT_CERT`` /
+    ``_KEY``), and ``tls``: the PEM files by name (:func:`tests.helpers.write_tls_files`).
+    """
+    import hashlib
+
+    from tests.helpers import write_tls_files
+
+    root = tmp_path_factory.mktemp("secure-cluster")
+    tls = write_tls_files(root / "tls")
+    keys = [
+        {"sha256": hashlib.sha256(key.encode()).hexdigest(), "tenant": who}
+        for who, key in SECURE_KEYS.items()
+        if who != "operator"
+    ]
+    operator = hashlib.sha256(SECURE_KEYS["operator"].encode()).hexdigest()
+    keys.append({"sha256": operator, "operator": True})
+    keys_file = root / "keys.json"
+    keys_file.write_text(json.dumps({"keys": keys}))
+    client_env = {
+        "PLORA_API_KEY": SECURE_KEYS["operator"],
+        "PLORA_TLS_CA": tls["ca"],
+        "PLORA_TLS_CLIENT_CERT": tls["client_cert"],
+        "PLORA_TLS_CLIENT_KEY": tls["client_key"],
+    }
+    flags = ["--workers", "1", "--demo-adapters", "2", "--pool-bytes", "128MiB"]
+    flags += ["--api-keys-file", str(keys_file), "--tls-cert", tls["server_cert"]]
+    flags += ["--tls-key", tls["server_key"], "--tls-client-ca", tls["ca"]]
+    (root / "adapters").mkdir()  # the root tenants register under (adapters/<tenant>/)
+    flags += ["--adapter-root", str(root / "adapters")]
+    for state in run_plora_up(root, model_dir, flags, client_env):
+        yield {**state, "client_env": client_env, "tls": tls}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -280,6 +280,37 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
         raise ConfigError(f"{name}={quoted(raw)} is not an integer") from exc
 
 
+#: Texts a yes/no variable accepts, and what they mean.
+_BOOLEANS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
+
+def env_bool(name: str, flag: str, default: bool, env: Mapping[str, str] | None = None) -> bool:
+    """Yes/no environment fallback of the switch ``flag``: ``1``/``true``/``yes``/``on`` or
+    ``0``/``false``/``no``/``off`` (any case).
+
+    Raises:
+        ConfigError: the variable is set to anything else.
+    """
+    raw = env_or(name, None, env)
+    if raw is None:
+        return default
+    value = _BOOLEANS.get(raw.strip().lower())
+    if value is None:
+        raise ConfigError(
+            f"{name}={quoted(raw)} is not a yes/no value: use 1 or 0 (the variable sets {flag})"
+        )
+    return value
+
+
 def env_float(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
     """Float environment fallback.
 

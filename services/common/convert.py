@@ -9,9 +9,13 @@ from plora.v1 import gateway_pb2
 from services.common.registry import AdapterRecord, WorkerRecord
 
 
-def adapter_info(record: AdapterRecord) -> gateway_pb2.AdapterInfo:
-    """``AdapterRecord`` -> ``plora.v1.AdapterInfo``."""
-    return gateway_pb2.AdapterInfo(**asdict(record))
+def adapter_info(record: AdapterRecord, with_source: bool = True) -> gateway_pb2.AdapterInfo:
+    """``AdapterRecord`` -> ``plora.v1.AdapterInfo``; without ``source`` (the server's path)
+    unless ``with_source``: a tenant's caller never sees where the server keeps files."""
+    info = gateway_pb2.AdapterInfo(**asdict(record))
+    if not with_source:
+        info.ClearField("source")
+    return info
 
 
 def adapter_record(info: gateway_pb2.AdapterInfo) -> AdapterRecord:
@@ -38,11 +42,12 @@ def pool_stats(pool: dict[str, Any]) -> gateway_pb2.PoolStats:
     return gateway_pb2.PoolStats(**{k: v for k, v in pool.items() if k in fields})
 
 
-def worker_status(record: WorkerRecord) -> gateway_pb2.WorkerStatus:
-    """``WorkerRecord`` -> ``plora.v1.WorkerStatus``."""
+def worker_status(record: WorkerRecord, with_addresses: bool = True) -> gateway_pb2.WorkerStatus:
+    """``WorkerRecord`` -> ``plora.v1.WorkerStatus``; without the worker's gRPC address and
+    metrics URL (the internal plane) unless ``with_addresses``."""
     return gateway_pb2.WorkerStatus(
         worker_id=record.worker_id,
-        address=record.address,
+        address=record.address if with_addresses else "",
         healthy=record.healthy,
         heartbeat_age_seconds=record.heartbeat_age_seconds,
         queue_length=record.queue_length,
@@ -50,5 +55,5 @@ def worker_status(record: WorkerRecord) -> gateway_pb2.WorkerStatus:
         resident_adapters=sorted(record.resident),
         pool=pool_stats(record.pool),
         device=record.device,
-        metrics_url=record.metrics_url,
+        metrics_url=record.metrics_url if with_addresses else "",
     )

@@ -61,6 +61,18 @@ class AdapterPermissionError(PLoRAError):
     status_code_name = "PERMISSION_DENIED"
 
 
+class UnauthenticatedError(PLoRAError):
+    """The call carries no API key, or one the server does not know (UNAUTHENTICATED)."""
+
+    status_code_name = "UNAUTHENTICATED"
+
+
+class TenantMismatchError(PLoRAError):
+    """A request names a tenant other than its API key's (PERMISSION_DENIED)."""
+
+    status_code_name = "PERMISSION_DENIED"
+
+
 class RegistrationConflictError(PLoRAError):
     """A concurrent registration of the same adapter id reserved a later version and won
     (ABORTED)."""

@@ -8,10 +8,11 @@ nowhere else.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any, Protocol, TypeVar
 
@@ -19,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import PLoRAError
+from services.common.errors import ConfigError, PLoRAError
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,8 @@ def create_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 32,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build a started-ready (not yet started) gRPC server with health and reflection.
 
@@ -225,6 +228,9 @@ def create_server(
         host: Interface to bind (``0.0.0.0`` in containers, loopback otherwise).
         port: TCP port; 0 picks a free port.
         max_workers: Threads serving RPCs (each streaming RPC holds one while it runs).
+        credentials: TLS of the port (:func:`tls_server_credentials`); None = plaintext.
+        interceptors: Run on every call, health and reflection included, before its
+            servicer (the gateway's API-key check).
 
     Returns:
         ``(server, bound_port, health_servicer)``; statuses start NOT_SERVING: call
@@ -234,7 +240,9 @@ def create_server(
         OSError: the port could not be bound.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options()
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=server_options(),
+        interceptors=list(interceptors),
     )
     names = list(register(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -250,7 +258,10 @@ def create_server(
         server,
     )
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError:  # grpcio >= 1.50 raises where older versions returned 0
         bound = 0
     if bound == 0:
@@ -274,12 +285,18 @@ def set_serving(
         health_servicer.set(name, status)
 
 
-def wait_healthy(address: str, timeout: float, service: str = "") -> None:
+def wait_healthy(
+    address: str,
+    timeout: float,
+    service: str = "",
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Block until the server at ``address`` reports SERVING, or raise TimeoutError.
 
-    Watches the standard health service under one deadline (no sleep-polling of ports).
+    Watches the standard health service under one deadline (no sleep-polling of ports);
+    over TLS when ``credentials`` are given (:func:`tls_channel_credentials`).
     """
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    with client_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         last = "no answer"
         try:
@@ -292,3 +309,128 @@ def wait_healthy(address: str, timeout: float, service: str = "") -> None:
         except grpc.RpcError as exc:
             last = f"{exc.code().name} after {last}"
     raise TimeoutError(f"{address} not healthy after {timeout:.0f}s (last: {last})")
+
+
+def _read_pem(path: str, flag: str) -> bytes:
+    """The bytes of a PEM file named by ``flag``.
+
+    Raises:
+        ConfigError: it cannot be read, or holds no PEM block.
+    """
+    try:
+        data = open(path, "rb").read()  # noqa: SIM115 - small file, closed by refcount
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r}: cannot read it ({exc.strerror})") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{flag} {path!r}: not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def tls_server_credentials(cert: str, key: str, client_ca: str = "") -> grpc.ServerCredentials:
+    """TLS of a server port from PEM files.
+
+    Args:
+        cert: The certificate (chain, leaf first) the server presents.
+        key: Its private key.
+        client_ca: CA bundle client certificates must chain to; given, the server requires
+            one (mutual TLS) and refuses a client without it at the handshake.
+
+    Raises:
+        ConfigError: a file cannot be read or is not PEM (naming its flag).
+    """
+    pair = (_read_pem(key, "--tls-key"), _read_pem(cert, "--tls-cert"))
+    if not client_ca:
+        return grpc.ssl_server_credentials([pair])
+    return grpc.ssl_server_credentials(
+        [pair],
+        root_certificates=_read_pem(client_ca, "--tls-client-ca"),
+        require_client_auth=True,
+    )
+
+
+def tls_channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """TLS of a client channel from PEM files.
+
+    Args:
+        ca: CA bundle the server's certificate must chain to; "" = the system's roots.
+        cert: The client's certificate, for a server that requires one (mutual TLS).
+        key: Its private key (given with ``cert``).
+
+    Raises:
+        ConfigError: a file cannot be read or is not PEM, or only one of cert and key.
+    """
+    if bool(cert) != bool(key):
+        raise ConfigError(
+            "PLORA_TLS_CLIENT_CERT and PLORA_TLS_CLIENT_KEY go together: give the client "
+            "certificate and its key, or neither"
+        )
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(ca, "--tls-ca / PLORA_TLS_CA") if ca else None,
+        private_key=_read_pem(key, "PLORA_TLS_CLIENT_KEY") if key else None,
+        certificate_chain=_read_pem(cert, "PLORA_TLS_CLIENT_CERT") if cert else None,
+    )
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """A call's details with other metadata (gRPC's ``examples/python/interceptors``)."""
+
+
+class BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <key>`` to every call of a channel (an API key; over
+    plaintext on loopback too, where gRPC's call credentials refuse to send it).
+
+    Args:
+        key: The API key.
+    """
+
+    def __init__(self, key: str) -> None:
+        self._entry = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, details: Any) -> _CallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self._entry],
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_key(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_key(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_key(details), requests)
+
+
+def client_channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    api_key: str = "",
+) -> grpc.Channel:
+    """A channel to ``address`` with :data:`CHANNEL_OPTIONS`: TLS with ``credentials``
+    (plaintext without), and ``api_key`` sent on every call (:class:`BearerToken`)."""
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+    if api_key:
+        return grpc.intercept_channel(channel, BearerToken(api_key))
+    return channel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from dataclasses import dataclass
 
 from services.common.config import (
@@ -11,6 +12,7 @@ from services.common.config import (
     add_adapter_root_argument,
     add_server_arguments,
     choice_or_env,
+    env_bool,
     env_float,
     env_or,
     int_flag_or_env,
@@ -68,6 +70,16 @@ class GatewayConfig:
             (``PLORA_MAX_SAFETENSORS_HEADER_BYTES``).
         max_lora_rank: Largest LoRA rank it registers (``PLORA_MAX_LORA_RANK``).
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
+        api_keys_file: JSON or YAML file of the API keys' sha256 hashes and whom each key
+            acts as (:class:`services.gateway.auth.KeyRing`); empty = no keys, every caller
+            trusted (``PLORA_API_KEYS_FILE``).
+        insecure_no_auth: Serve on a non-loopback address without API keys
+            (``PLORA_INSECURE_NO_AUTH``).
+        tls_cert: PEM certificate (chain) the gRPC server presents; empty = plaintext
+            (``PLORA_TLS_CERT``).
+        tls_key: PEM private key of ``tls_cert`` (``PLORA_TLS_KEY``).
+        tls_client_ca: PEM CA bundle client certificates must chain to; set = mutual TLS,
+            a client without a certificate is refused (``PLORA_TLS_CLIENT_CA``).
     """
 
     host: str = "127.0.0.1"
@@ -89,6 +101,11 @@ class GatewayConfig:
     max_safetensors_header_bytes: int = MAX_HEADER_BYTES
     max_lora_rank: int = MAX_LORA_RANK
     ready_file: str = ""
+    api_keys_file: str = ""
+    insecure_no_auth: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
@@ -134,6 +151,36 @@ class GatewayConfig:
             max_header_bytes=self.max_safetensors_header_bytes,
             max_lora_rank=self.max_lora_rank,
         )
+
+    def check_security(self) -> None:
+        """Refuse an unsafe or incomplete security setting; the gateway calls it before it
+        binds, ``plora up`` before anything starts.
+
+        The rules: a certificate needs its key and a key its certificate; a client CA
+        (mutual TLS) needs a certificate; a gateway reachable from other hosts (``host`` not
+        loopback) needs API keys unless ``insecure_no_auth`` says it knowingly serves
+        without them, as anyone who reaches it then acts as any tenant.
+
+        Raises:
+            ConfigError: a rule is broken; the message names the flags that fix it.
+        """
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(
+                "--tls-cert / PLORA_TLS_CERT and --tls-key / PLORA_TLS_KEY go together: give "
+                "both the server certificate and its private key (PEM files), or neither"
+            )
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError(
+                "--tls-client-ca / PLORA_TLS_CLIENT_CA (mutual TLS) needs TLS: give "
+                "--tls-cert and --tls-key too"
+            )
+        if not self.api_keys_file and not self.insecure_no_auth and not is_loopback(self.host):
+            raise ConfigError(
+                f"the gateway binds {self.host!r}, reachable from other hosts, without API "
+                "keys: anyone who reaches it could act as any tenant. Give --api-keys-file / "
+                "PLORA_API_KEYS_FILE (see docs/security.md), or pass --insecure-no-auth / "
+                "PLORA_INSECURE_NO_AUTH=1 to serve without authentication knowingly"
+            )
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,6 +228,37 @@ class GatewayConfig:
             type=int,
             help="largest LoRA rank (r and rank_pattern values) RegisterAdapter accepts "
             "(env PLORA_MAX_LORA_RANK; default 256)",
+        )
+        parser.add_argument(
+            "--api-keys-file",
+            metavar="FILE",
+            help="JSON or YAML file of API key hashes, {keys: [{sha256, tenant | operator: "
+            "true}]}: every call but health needs 'authorization: Bearer <key>' and acts as "
+            "its key's tenant (env PLORA_API_KEYS_FILE; default none)",
+        )
+        parser.add_argument(
+            "--insecure-no-auth",
+            action="store_true",
+            default=None,
+            help="serve on a non-loopback --host without API keys; anyone who reaches the "
+            "gateway acts as any tenant (env PLORA_INSECURE_NO_AUTH; default off)",
+        )
+        parser.add_argument(
+            "--tls-cert",
+            metavar="PEM",
+            help="certificate (chain) the gRPC server presents; with --tls-key, clients must "
+            "use TLS (env PLORA_TLS_CERT; default none)",
+        )
+        parser.add_argument(
+            "--tls-key",
+            metavar="PEM",
+            help="private key of --tls-cert (env PLORA_TLS_KEY; default none)",
+        )
+        parser.add_argument(
+            "--tls-client-ca",
+            metavar="PEM",
+            help="CA bundle client certificates must chain to: mutual TLS, a client without "
+            "one is refused (env PLORA_TLS_CLIENT_CA; default none)",
         )
         parser.add_argument(
             "--ready-file",
@@ -238,4 +316,23 @@ class GatewayConfig:
                 args.max_lora_rank, "PLORA_MAX_LORA_RANK", d.max_lora_rank
             ),
             ready_file=args.ready_file or "",
+            api_keys_file=args.api_keys_file or env_or("PLORA_API_KEYS_FILE", "") or "",
+            insecure_no_auth=args.insecure_no_auth
+            or env_bool("PLORA_INSECURE_NO_AUTH", "--insecure-no-auth", False),
+            tls_cert=args.tls_cert or env_or("PLORA_TLS_CERT", "") or "",
+            tls_key=args.tls_key or env_or("PLORA_TLS_KEY", "") or "",
+            tls_client_ca=args.tls_client_ca or env_or("PLORA_TLS_CLIENT_CA", "") or "",
         )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine only: ``localhost`` or a loopback
+    address (``127.0.0.0/8``, ``::1``). Any other name counts as reachable from elsewhere,
+    as does ``0.0.0.0`` / ``::`` (every interface)."""
+    name = host.strip().strip("[]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

@@ -14,6 +14,7 @@ metrics. Its answers are domain values
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -589,8 +590,13 @@ class GatewayCore:
         else:
             threading.Thread(target=run, name="unload-broadcast", daemon=True).start()
 
-    def cluster_status(self) -> ClusterStatus:
+    def cluster_status(self, tenant_id: str = "") -> ClusterStatus:
         """Every worker as its last heartbeat has it, read now, and the registry's counts.
+
+        Args:
+            tenant_id: "" = the whole cluster; a tenant sees only the residency and the
+                count of the adapters it may use (its own and shared ones,
+                :func:`~services.gateway.tenancy.visible_to`).
 
         Raises:
             RegistryUnavailableError: Redis is unreachable.
@@ -599,9 +605,16 @@ class GatewayCore:
             self.catalog.expire_workers()
             workers = self.catalog.workers()
             published = self.registry.get_model_spec()
+            adapters = [r for r in self.registry.list_adapters() if visible_to(r, tenant_id)]
+            if tenant_id:
+                seen = {r.adapter_id for r in adapters}
+                workers = [
+                    dataclasses.replace(w, resident=[a for a in w.resident if a in seen])
+                    for w in workers
+                ]
             return ClusterStatus(
                 workers=workers,
-                adapters_registered=len(self.registry.list_adapters()),
+                adapters_registered=len(adapters),
                 base_model=published[0].name if published else "",
                 predictor_connected=self.events.connected,
             )

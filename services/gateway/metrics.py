@@ -44,6 +44,12 @@ class GatewayMetrics:
             "failed, or the adapter's newer version after a worker refused the old one)",
             registry=r,
         )
+        self.unauthenticated = Counter(
+            "plora_gateway_unauthenticated",
+            "Calls refused UNAUTHENTICATED: no API key, or one not in the keys file "
+            "(only with --api-keys-file)",
+            registry=r,
+        )
         self.stale_reads = Counter(
             "plora_gateway_registry_stale_reads",
             "Registry records served from the gateway's cache because Redis was unreachable",

@@ -2,7 +2,9 @@
 
 Each RPC converts its request, makes one call into :class:`~services.gateway.core.GatewayCore`
 (which holds every serving rule) and converts the answer; a domain error becomes its status in
-one place (:func:`services.common.grpc_util.abort`).
+one place (:func:`services.common.grpc_util.abort`). With API keys
+(:mod:`services.gateway.auth`), a call without a known key is refused before it gets here, and
+each RPC acts as the tenant of its caller's key.
 """
 
 from __future__ import annotations
@@ -11,14 +13,30 @@ import logging
 from collections.abc import Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common import convert
 from services.common.config import settings_line
-from services.common.grpc_util import abort, create_server, map_errors, set_serving
+from services.common.errors import PLoRAError
+from services.common.grpc_util import (
+    abort,
+    create_server,
+    map_errors,
+    set_serving,
+    tls_server_credentials,
+)
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, connect
+from services.gateway.auth import (
+    ApiKeyInterceptor,
+    KeyRing,
+    Principal,
+    effective_tenant,
+    sees_everything,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.metrics import GatewayMetrics
@@ -27,6 +45,13 @@ from services.gateway.results import GenerateChunk
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+#: Services answered without an API key: health (load balancers, ``plora up``) and reflection.
+OPEN_SERVICES = (
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+    "grpc.reflection.v1.ServerReflection",
+)
 
 _FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,
@@ -60,14 +85,35 @@ def generate_response(chunk: GenerateChunk) -> gateway_pb2.GenerateResponse:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Implements ``plora.v1.Gateway`` over a :class:`~services.gateway.core.GatewayCore`."""
+    """Implements ``plora.v1.Gateway`` over a :class:`~services.gateway.core.GatewayCore`.
 
-    def __init__(self, core: GatewayCore) -> None:
+    Args:
+        core: The serving rules.
+        keyring: The API keys; None = no keys, every caller trusted (each request's
+            ``tenant_id`` is taken as given).
+    """
+
+    def __init__(self, core: GatewayCore, keyring: KeyRing | None = None) -> None:
         self.core = core
+        self.keyring = keyring
+
+    def _caller(self, context: grpc.ServicerContext) -> Principal | None:
+        """Whom the call's API key acts as (None without keys).
+
+        Raises:
+            UnauthenticatedError: no known key (the interceptor refuses such calls first).
+        """
+        if self.keyring is None:
+            return None
+        return self.keyring.authenticate(context.invocation_metadata())
 
     def Generate(  # noqa: N802 - gRPC method name
         self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[gateway_pb2.GenerateResponse]:
+        try:
+            request.tenant_id = effective_tenant(self._caller(context), request.tenant_id)
+        except PLoRAError as exc:
+            abort(context, exc)
         generation = self.core.generate(request, context)
         try:
             for chunk in generation:
@@ -81,16 +127,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def RegisterAdapter(  # noqa: N802
         self, request: gateway_pb2.RegisterAdapterRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.RegisterAdapterResponse:
-        record = self.core.register_adapter(request.adapter_id, request.source, request.tenant_id)
-        return gateway_pb2.RegisterAdapterResponse(adapter=convert.adapter_info(record))
+        caller = self._caller(context)
+        record = self.core.register_adapter(
+            request.adapter_id,
+            request.source,
+            effective_tenant(caller, request.tenant_id),
+            confine_to_tenant=not sees_everything(caller),
+        )
+        return gateway_pb2.RegisterAdapterResponse(
+            adapter=convert.adapter_info(record, with_source=sees_everything(caller))
+        )
 
     @map_errors
     def GetAdapter(  # noqa: N802
         self, request: gateway_pb2.GetAdapterRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.GetAdapterResponse:
-        status = self.core.get_adapter(request.adapter_id, request.tenant_id)
+        caller = self._caller(context)
+        status = self.core.get_adapter(
+            request.adapter_id, effective_tenant(caller, request.tenant_id)
+        )
         return gateway_pb2.GetAdapterResponse(
-            adapter=convert.adapter_info(status.record),
+            adapter=convert.adapter_info(status.record, with_source=sees_everything(caller)),
             resident_on_workers=status.resident_on,
             placed_on_workers=status.placed_on,
         )
@@ -99,23 +156,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def ListAdapters(  # noqa: N802
         self, request: gateway_pb2.ListAdaptersRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.ListAdaptersResponse:
-        records = self.core.list_adapters(request.tenant_id)
-        return gateway_pb2.ListAdaptersResponse(adapters=[convert.adapter_info(r) for r in records])
+        caller = self._caller(context)
+        records = self.core.list_adapters(effective_tenant(caller, request.tenant_id))
+        with_source = sees_everything(caller)
+        return gateway_pb2.ListAdaptersResponse(
+            adapters=[convert.adapter_info(r, with_source=with_source) for r in records]
+        )
 
     @map_errors
     def DeleteAdapter(  # noqa: N802
         self, request: gateway_pb2.DeleteAdapterRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.DeleteAdapterResponse:
-        version = self.core.delete_adapter(request.adapter_id, request.tenant_id)
+        tenant_id = effective_tenant(self._caller(context), request.tenant_id)
+        version = self.core.delete_adapter(request.adapter_id, tenant_id)
         return gateway_pb2.DeleteAdapterResponse(version=version)
 
     @map_errors
     def GetClusterStatus(  # noqa: N802
         self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.GetClusterStatusResponse:
-        status = self.core.cluster_status()
+        caller = self._caller(context)
+        everything = sees_everything(caller)
+        status = self.core.cluster_status("" if caller is None else effective_tenant(caller, ""))
         return gateway_pb2.GetClusterStatusResponse(
-            workers=[convert.worker_status(w) for w in status.workers],
+            workers=[convert.worker_status(w, with_addresses=everything) for w in status.workers],
             adapters_registered=status.adapters_registered,
             base_model=status.base_model,
             predictor_connected=status.predictor_connected,
@@ -136,15 +200,32 @@ class GatewayService:
         self.config = config
         self.metrics = GatewayMetrics()
         self.registry = Registry(connect(config.redis_url))
+        config.check_security()
+        keyring = KeyRing.from_file(config.api_keys_file) if config.api_keys_file else None
+        credentials = (
+            tls_server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert
+            else None
+        )
         self.core = GatewayCore(config, self.registry, self.metrics)
-        self.servicer = GatewayServicer(self.core)
+        self.servicer = GatewayServicer(self.core, keyring)
 
         def register(server: grpc.Server) -> list[str]:
             gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
             return [SERVICE_NAME]
 
+        interceptors = []
+        if keyring is not None:
+            interceptors.append(
+                ApiKeyInterceptor(keyring, OPEN_SERVICES, self.metrics.unauthenticated.inc)
+            )
         self.server, self.port, self.health = create_server(
-            register, host=config.host, port=config.port, max_workers=64
+            register,
+            host=config.host,
+            port=config.port,
+            max_workers=64,
+            credentials=credentials,
+            interceptors=interceptors,
         )
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port
@@ -157,7 +238,13 @@ class GatewayService:
         set_serving(self.health, [SERVICE_NAME], True)
         if self.config.ready_file:
             write_ready_file(self.config.ready_file, self.port, self.metrics_port)
-        logger.info("gateway serving on %s:%d", self.config.host, self.port)
+        logger.info(
+            "gateway serving on %s:%d (%s, %s)",
+            self.config.host,
+            self.port,
+            "TLS" if self.config.tls_cert else "plaintext",
+            "API keys" if self.config.api_keys_file else "no API keys",
+        )
         logger.info("settings: %s", settings_line(self.config))
         return self
 

@@ -15,8 +15,8 @@ def check_tenant(record: AdapterRecord, tenant_id: str) -> None:
     """
     if record.tenant_id and record.tenant_id != tenant_id:
         raise AdapterPermissionError(
-            f"adapter {quoted(record.adapter_id)} belongs to another tenant; "
-            "set tenant_id to the adapter's owner"
+            f"adapter {quoted(record.adapter_id)} belongs to another tenant; a request may "
+            "use its own tenant's adapters and shared ones (ListAdapters shows them)"
         )
 
 

@@ -149,6 +149,8 @@ def test_commands_parse_with_the_real_flags_and_build_a_config(service: str) -> 
     kind, args = _parse(service)
     config = CONFIGS[kind].from_args(args)
     assert config.host == "0.0.0.0"  # reachable from the other containers
+    if kind == "gateway":
+        config.check_security()  # a gateway on 0.0.0.0 starts only with keys or the opt-out
 
 
 @pytest.mark.parametrize("service", sorted(PLORA_SERVICES))

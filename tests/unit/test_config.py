@@ -258,6 +258,8 @@ def _stated_value(stated: str, field: dataclasses.Field) -> object:
         return () if isinstance(field.default, tuple) else ""
     if field.name.endswith("_bytes"):
         return parse_bytes(word)
+    if isinstance(field.default, bool):
+        return {"on": True, "off": False}[word]
     return type(field.default)(word)
 
 

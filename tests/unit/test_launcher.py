@@ -4,6 +4,7 @@ the flags that make each service run a policy."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -660,3 +661,48 @@ def test_a_crash_looping_worker_is_paused_while_another_worker_serves(
                 c.proc.kill()
                 c.proc.wait()
     assert watched == [0]
+
+
+def test_plora_up_refuses_unsafe_or_incomplete_gateway_security_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway on a non-loopback address without keys (naming both flags), a certificate
+    without its key, mutual TLS without a client certificate for plora up's own checks, and
+    keys without an operator key for the demo adapters stop ``plora up`` before Redis starts
+    or the model loads; the flags reach the gateway's command line as absolute paths."""
+    for name in list(os.environ):
+        if name.startswith("PLORA_"):
+            monkeypatch.delenv(name)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state = tmp_path / "cluster.json"
+    keys = tmp_path / "keys.json"
+    tenant_key = hashlib.sha256(b"tenant-key").hexdigest()
+    keys.write_text(json.dumps({"keys": [{"sha256": tenant_key, "tenant": "acme"}]}))
+    bad_keys = tmp_path / "bad.json"
+    bad_keys.write_text('{"keys": []}')
+    base = ["--state-file", str(state), "--gateway-port", "0", "--adapters-dir", str(tmp_path)]
+    for argv, message in [
+        (["--host", "0.0.0.0"], "--api-keys-file / PLORA_API_KEYS_FILE .* --insecure-no-auth"),
+        (["--tls-cert", "c.pem"], "--tls-cert / PLORA_TLS_CERT and --tls-key"),
+        (
+            ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem"],
+            "set PLORA_TLS_CLIENT_CERT and PLORA_TLS_CLIENT_KEY",
+        ),
+        (["--api-keys-file", str(bad_keys)], f"PLORA_API_KEYS_FILE '{bad_keys}': no keys"),
+        (["--api-keys-file", str(keys)], "set PLORA_API_KEY to one or pass --demo-adapters 0"),
+        (["--api-keys-file", str(keys)], "PLORA_API_KEY to one \\(it is not an operator key"),
+    ]:
+        if "operator" in message:
+            monkeypatch.setenv("PLORA_API_KEY", "tenant-key")
+        cluster = Cluster(parser.parse_args([*base, *argv]))
+        with pytest.raises(ConfigError, match=message):
+            cluster.start()
+        cluster.stop()
+        assert cluster.redis is None and not cluster.children
+    cluster = Cluster(parser.parse_args([*base, "--host", "0.0.0.0", "--insecure-no-auth"]))
+    flags = cluster._plan().flags["gateway"]
+    assert "--insecure-no-auth" in flags
+    cluster = Cluster(parser.parse_args([*base, "--api-keys-file", "keys.yaml"]))
+    flags = cluster._plan().flags["gateway"]
+    assert flags[flags.index("--api-keys-file") + 1] == str(Path("keys.yaml").resolve())
