@@ -49,6 +49,17 @@ class GatewayConfig:
             records, worker list and placement read at most this many seconds before; 0 =
             fail every request at once (``PLORA_REGISTRY_STALE_S``).
         max_stop_strings: Most stop strings per request.
+        max_concurrent_requests: Generate streams served at once; more are refused with
+            RESOURCE_EXHAUSTED (``PLORA_MAX_CONCURRENT_REQUESTS``; default 256: the default
+            worker's batch of 32 and queue of 256 over a few workers, while the gateway's thread
+            pool, one thread per stream plus a reserve, stays a few hundred threads).
+        max_concurrent_per_tenant: Generate streams of one ``tenant_id`` at once ("" counts as
+            one tenant); 0 = no per-tenant bound (``PLORA_MAX_CONCURRENT_PER_TENANT``; default
+            0: without API keys the tenant id is the caller's own claim, so the bound is only
+            meaningful where keys decide the tenant, and the operator sizes it to the tenants).
+        max_adapters_per_tenant: Adapters one ``tenant_id`` may have registered; registering a
+            new id beyond it is refused, replacing one of its own is not; 0 = no bound
+            (``PLORA_MAX_ADAPTERS_PER_TENANT``; default 0, for the same reason).
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
@@ -66,6 +77,9 @@ class GatewayConfig:
     adapter_cache_s: float = 1.0
     registry_stale_s: float = 300.0
     max_stop_strings: int = 16
+    max_concurrent_requests: int = 256
+    max_concurrent_per_tenant: int = 0
+    max_adapters_per_tenant: int = 0
     ready_file: str = ""
 
     def __post_init__(self) -> None:
@@ -91,6 +105,25 @@ class GatewayConfig:
         require_seconds(self.request_timeout_s, "", "PLORA_REQUEST_TIMEOUT_S")
         if self.event_queue_size < 1:
             raise ConfigError("event_queue_size must be >= 1")
+        require_at_least_one(
+            self.max_concurrent_requests,
+            "--max-concurrent-requests",
+            "PLORA_MAX_CONCURRENT_REQUESTS",
+        )
+        for value, flag, env in (
+            (
+                self.max_concurrent_per_tenant,
+                "--max-concurrent-per-tenant",
+                "PLORA_MAX_CONCURRENT_PER_TENANT",
+            ),
+            (
+                self.max_adapters_per_tenant,
+                "--max-adapters-per-tenant",
+                "PLORA_MAX_ADAPTERS_PER_TENANT",
+            ),
+        ):
+            if value < 0:
+                raise ConfigError(f"{flag} / {env} must be >= 0 (0 = no bound), got {value}")
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +156,24 @@ class GatewayConfig:
             "(env PLORA_DEFAULT_MAX_NEW_TOKENS; default 64, or the limit if lower)",
         )
         parser.add_argument(
+            "--max-concurrent-requests",
+            type=int,
+            help="Generate streams served at once; more get RESOURCE_EXHAUSTED at once "
+            "(env PLORA_MAX_CONCURRENT_REQUESTS; default 256)",
+        )
+        parser.add_argument(
+            "--max-concurrent-per-tenant",
+            type=int,
+            help="Generate streams of one tenant_id at once; 0 = no per-tenant bound "
+            "(env PLORA_MAX_CONCURRENT_PER_TENANT; default 0)",
+        )
+        parser.add_argument(
+            "--max-adapters-per-tenant",
+            type=int,
+            help="adapters one tenant_id may register; 0 = no bound "
+            "(env PLORA_MAX_ADAPTERS_PER_TENANT; default 0)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -153,5 +204,20 @@ class GatewayConfig:
             ),
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
+            max_concurrent_requests=int_flag_or_env(
+                args.max_concurrent_requests,
+                "PLORA_MAX_CONCURRENT_REQUESTS",
+                d.max_concurrent_requests,
+            ),
+            max_concurrent_per_tenant=int_flag_or_env(
+                args.max_concurrent_per_tenant,
+                "PLORA_MAX_CONCURRENT_PER_TENANT",
+                d.max_concurrent_per_tenant,
+            ),
+            max_adapters_per_tenant=int_flag_or_env(
+                args.max_adapters_per_tenant,
+                "PLORA_MAX_ADAPTERS_PER_TENANT",
+                d.max_adapters_per_tenant,
+            ),
             ready_file=args.ready_file or "",
         )

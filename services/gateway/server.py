@@ -19,6 +19,7 @@ from services.common.grpc_util import abort, create_server, map_errors, set_serv
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, connect
+from services.gateway.admission import server_threads
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.metrics import GatewayMetrics
@@ -144,7 +145,10 @@ class GatewayService:
             return [SERVICE_NAME]
 
         self.server, self.port, self.health = create_server(
-            register, host=config.host, port=config.port, max_workers=64
+            register,
+            host=config.host,
+            port=config.port,
+            max_workers=server_threads(config.max_concurrent_requests),
         )
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port
