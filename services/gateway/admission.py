@@ -23,8 +23,19 @@ from services.common.errors import PLoRAError
 #: hundreds of refused calls drains through them within a few tens of milliseconds.
 RESERVED_THREADS = 32
 
+#: ``RegisterAdapter`` calls served at once; more are refused. A registration reads and hashes
+#: the adapter's files (seconds for a large one), so without a bound a burst of them could hold
+#: every reserved thread and leave health and status checks waiting; with it, three quarters of
+#: :data:`RESERVED_THREADS` stay for those and for refusals.
+MAX_CONCURRENT_REGISTRATIONS = RESERVED_THREADS // 4
+
 #: ``reason`` label values of ``plora_gateway_requests_rejected_total``.
-REJECT_REASONS = ("max_concurrent_requests", "max_concurrent_per_tenant", "max_adapters_per_tenant")
+REJECT_REASONS = (
+    "max_concurrent_requests",
+    "max_concurrent_per_tenant",
+    "max_adapters_per_tenant",
+    "max_concurrent_registrations",
+)
 
 
 class AdmissionRefusedError(PLoRAError):
@@ -126,6 +137,35 @@ class Admission:
                 self._by_tenant[tenant_id] = left
             else:
                 del self._by_tenant[tenant_id]  # no entry per tenant ever seen
+
+
+class Registrations:
+    """Places for ``RegisterAdapter`` calls in progress. Thread-safe.
+
+    Args:
+        limit: Registrations at most at once (:data:`MAX_CONCURRENT_REGISTRATIONS`).
+    """
+
+    def __init__(self, limit: int = MAX_CONCURRENT_REGISTRATIONS) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def admit(self) -> Ticket:
+        """Take a place for one registration, or refuse it at once.
+
+        Returns:
+            The registration's :class:`Ticket`; release it however the call ends.
+
+        Raises:
+            AdmissionRefusedError: ``limit`` registrations are in progress.
+        """
+        if not self._slots.acquire(blocking=False):
+            raise AdmissionRefusedError(
+                f"the gateway is inspecting its limit of {self.limit} adapter registrations "
+                "at once; retry after a backoff",
+                "max_concurrent_registrations",
+            )
+        return Ticket(self._slots.release)
 
 
 def check_adapter_quota(owned: int, limit: int, replacing: bool) -> None:

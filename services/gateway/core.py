@@ -14,6 +14,7 @@ metrics. Its answers are domain values
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -37,7 +38,12 @@ from services.common.errors import (
 from services.common.grpc_util import ended_by_client, log_request_failure, remaining_or, status_for
 from services.common.registry import AdapterRecord, Registry, RegistryUnavailableError, WorkerRecord
 from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
-from services.gateway.admission import Admission, AdmissionRefusedError, check_adapter_quota
+from services.gateway.admission import (
+    Admission,
+    AdmissionRefusedError,
+    Registrations,
+    check_adapter_quota,
+)
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
@@ -118,6 +124,7 @@ class GatewayCore:
         )
         self.workers = WorkerClients()
         self.admission = Admission(config.max_concurrent_requests, config.max_concurrent_per_tenant)
+        self.registrations = Registrations()
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
         self._drain_grace_s = 0.0
@@ -426,14 +433,32 @@ class GatewayCore:
             PoolExhaustedError: The adapter is larger than every worker's pool.
             AdapterPermissionError: The id belongs to another tenant.
             RegistrationConflictError: A concurrent registration of the id won.
-            AdmissionRefusedError: A new id beyond ``max_adapters_per_tenant``.
+            AdmissionRefusedError: A new id beyond ``max_adapters_per_tenant``, or
+                :data:`~services.gateway.admission.MAX_CONCURRENT_REGISTRATIONS` in progress.
         """
         check_adapter_id(adapter_id)
         check_tenant_id(tenant_id)
         path = adapter_source(source)
-        with self.catalog.direct():
+        with self.catalog.direct(), self._registration():
             self._check_adapter_quota(adapter_id, tenant_id)
             return self._register(adapter_id, path, tenant_id)
+
+    @contextlib.contextmanager
+    def _registration(self) -> Iterator[None]:
+        """A place among the registrations in progress for the body of the ``with``.
+
+        Raises:
+            AdmissionRefusedError: Every place is taken.
+        """
+        try:
+            ticket = self.registrations.admit()
+        except AdmissionRefusedError as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            raise
+        try:
+            yield
+        finally:
+            ticket.release()
 
     def _check_adapter_quota(self, adapter_id: str, tenant_id: str) -> None:
         """``max_adapters_per_tenant`` against the registry's records of ``tenant_id``, before

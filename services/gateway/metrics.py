@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS, service_registry
-from services.gateway.admission import REJECT_REASONS
+from services.gateway.admission import MAX_CONCURRENT_REGISTRATIONS, REJECT_REASONS
 
 
 class GatewayMetrics:
@@ -40,7 +40,8 @@ class GatewayMetrics:
             "plora_gateway_requests_rejected",
             "Calls refused at once by admission control, by the bound they met: Generate "
             "streams beyond --max-concurrent-requests or --max-concurrent-per-tenant, "
-            "registrations beyond --max-adapters-per-tenant",
+            "registrations beyond --max-adapters-per-tenant or while "
+            f"{MAX_CONCURRENT_REGISTRATIONS} are in progress",
             ["reason"],
             registry=r,
         )

@@ -12,9 +12,11 @@ import pytest
 from services.common.errors import ConfigError
 from services.common.grpc_util import status_for
 from services.gateway.admission import (
+    MAX_CONCURRENT_REGISTRATIONS,
     RESERVED_THREADS,
     Admission,
     AdmissionRefusedError,
+    Registrations,
     check_adapter_quota,
     server_threads,
 )
@@ -200,3 +202,23 @@ def test_the_worker_pool_has_a_thread_per_running_and_waiting_stream_and_a_reser
     assert WorkerConfig().server_threads == 32 + 256 + WORKER_RESERVE
     with pytest.raises(ConfigError, match="--max-queue / PLORA_MAX_QUEUE"):
         WorkerConfig(max_queue=0)
+
+
+def test_registrations_beyond_their_places_are_refused_at_once() -> None:
+    """So a burst of slow registrations cannot hold every reserved thread of the gateway."""
+    assert MAX_CONCURRENT_REGISTRATIONS < RESERVED_THREADS
+    registrations = Registrations(limit=2)
+    first, second = registrations.admit(), registrations.admit()
+    with pytest.raises(AdmissionRefusedError, match="limit of 2 adapter registrations") as err:
+        registrations.admit()
+    assert err.value.reason == "max_concurrent_registrations"
+    first.release()
+    first.release()  # once only: a second release gives nothing back
+    third = registrations.admit()
+    with pytest.raises(AdmissionRefusedError):
+        registrations.admit()
+    for ticket in (second, third):
+        ticket.release()
+    held = [registrations.admit(), registrations.admit()]
+    for ticket in held:
+        ticket.release()
