@@ -31,7 +31,7 @@ MAX_NEW_TOKENS = 8
 #: p99 of the refusals' latency, seconds: 100 ms where the client, the gateway and the worker
 #: each have a core of their own. With fewer than 4 cores they share them, and so does the
 #: grpc library's per-call work: on 2 shared cores 500 calls refused by a servicer that does
-#: nothing but abort already take 85-150 ms (p99), and the gateway's refusals 180-450 ms while
+#: nothing but abort already take 85-150 ms (p99), and the gateway's refusals 100-450 ms while
 #: its 64 admitted streams start beside them; the bound there is 1 s, still well under the
 #: admitted streams' length (what a refusal that waited for a place would take).
 REFUSAL_P99_S = 0.1 if len(os.sched_getaffinity(0)) >= 4 else 1.0
