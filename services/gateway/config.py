@@ -69,6 +69,17 @@ class GatewayConfig:
         max_safetensors_header_bytes: Largest safetensors header it reads
             (``PLORA_MAX_SAFETENSORS_HEADER_BYTES``).
         max_lora_rank: Largest LoRA rank it registers (``PLORA_MAX_LORA_RANK``).
+        max_concurrent_requests: Generate streams served at once; more are refused with
+            RESOURCE_EXHAUSTED (``PLORA_MAX_CONCURRENT_REQUESTS``; default 256: the default
+            worker's batch of 32 and queue of 256 over a few workers, while the gateway's thread
+            pool, one thread per stream plus a reserve, stays a few hundred threads).
+        max_concurrent_per_tenant: Generate streams of one ``tenant_id`` at once ("" counts as
+            one tenant); 0 = no per-tenant bound (``PLORA_MAX_CONCURRENT_PER_TENANT``; default
+            0: without API keys the tenant id is the caller's own claim, so the bound is only
+            meaningful where keys decide the tenant, and the operator sizes it to the tenants).
+        max_adapters_per_tenant: Adapters one ``tenant_id`` may have registered; registering a
+            new id beyond it is refused, replacing one of its own is not; 0 = no bound
+            (``PLORA_MAX_ADAPTERS_PER_TENANT``; default 0, for the same reason).
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
         api_keys_file: JSON or YAML file of the API keys' sha256 hashes and whom each key
             acts as (:class:`services.gateway.auth.KeyRing`); empty = no keys, every caller
@@ -100,6 +111,9 @@ class GatewayConfig:
     max_adapter_config_bytes: int = MAX_CONFIG_BYTES
     max_safetensors_header_bytes: int = MAX_HEADER_BYTES
     max_lora_rank: int = MAX_LORA_RANK
+    max_concurrent_requests: int = 256
+    max_concurrent_per_tenant: int = 0
+    max_adapters_per_tenant: int = 0
     ready_file: str = ""
     api_keys_file: str = ""
     insecure_no_auth: bool = False
@@ -131,6 +145,25 @@ class GatewayConfig:
         require_seconds(self.request_timeout_s, "", "PLORA_REQUEST_TIMEOUT_S")
         if self.event_queue_size < 1:
             raise ConfigError("event_queue_size must be >= 1")
+        require_at_least_one(
+            self.max_concurrent_requests,
+            "--max-concurrent-requests",
+            "PLORA_MAX_CONCURRENT_REQUESTS",
+        )
+        for value, flag, env in (
+            (
+                self.max_concurrent_per_tenant,
+                "--max-concurrent-per-tenant",
+                "PLORA_MAX_CONCURRENT_PER_TENANT",
+            ),
+            (
+                self.max_adapters_per_tenant,
+                "--max-adapters-per-tenant",
+                "PLORA_MAX_ADAPTERS_PER_TENANT",
+            ),
+        ):
+            if value < 0:
+                raise ConfigError(f"{flag} / {env} must be >= 0 (0 = no bound), got {value}")
         require_at_least_one(
             self.max_adapter_config_bytes,
             "--max-adapter-config-bytes",
@@ -261,6 +294,24 @@ class GatewayConfig:
             "one is refused (env PLORA_TLS_CLIENT_CA; default none)",
         )
         parser.add_argument(
+            "--max-concurrent-requests",
+            type=int,
+            help="Generate streams served at once; more get RESOURCE_EXHAUSTED at once "
+            "(env PLORA_MAX_CONCURRENT_REQUESTS; default 256)",
+        )
+        parser.add_argument(
+            "--max-concurrent-per-tenant",
+            type=int,
+            help="Generate streams of one tenant_id at once; 0 = no per-tenant bound "
+            "(env PLORA_MAX_CONCURRENT_PER_TENANT; default 0)",
+        )
+        parser.add_argument(
+            "--max-adapters-per-tenant",
+            type=int,
+            help="adapters one tenant_id may register; 0 = no bound "
+            "(env PLORA_MAX_ADAPTERS_PER_TENANT; default 0)",
+        )
+        parser.add_argument(
             "--ready-file",
             help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
             "(no env variable; default none)",
@@ -314,6 +365,21 @@ class GatewayConfig:
             ),
             max_lora_rank=int_flag_or_env(
                 args.max_lora_rank, "PLORA_MAX_LORA_RANK", d.max_lora_rank
+            ),
+            max_concurrent_requests=int_flag_or_env(
+                args.max_concurrent_requests,
+                "PLORA_MAX_CONCURRENT_REQUESTS",
+                d.max_concurrent_requests,
+            ),
+            max_concurrent_per_tenant=int_flag_or_env(
+                args.max_concurrent_per_tenant,
+                "PLORA_MAX_CONCURRENT_PER_TENANT",
+                d.max_concurrent_per_tenant,
+            ),
+            max_adapters_per_tenant=int_flag_or_env(
+                args.max_adapters_per_tenant,
+                "PLORA_MAX_ADAPTERS_PER_TENANT",
+                d.max_adapters_per_tenant,
             ),
             ready_file=args.ready_file or "",
             api_keys_file=args.api_keys_file or env_or("PLORA_API_KEYS_FILE", "") or "",

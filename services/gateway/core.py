@@ -14,6 +14,7 @@ metrics. Its answers are domain values
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -39,6 +40,12 @@ from services.common.grpc_util import ended_by_client, log_request_failure, rema
 from services.common.registry import AdapterRecord, Registry, RegistryUnavailableError, WorkerRecord
 from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
 from services.common.sources import Confinement
+from services.gateway.admission import (
+    Admission,
+    AdmissionRefusedError,
+    Registrations,
+    check_adapter_quota,
+)
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
 from services.gateway.events import EventStreamer
@@ -118,6 +125,8 @@ class GatewayCore:
             config.routing, on_pending=lambda w, n: metrics.worker_pending.labels(w).set(n)
         )
         self.workers = WorkerClients()
+        self.admission = Admission(config.max_concurrent_requests, config.max_concurrent_per_tenant)
+        self.registrations = Registrations()
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
         self._drain_grace_s = 0.0
@@ -161,13 +170,19 @@ class GatewayCore:
         """Serve one generation request (``plora.v1.GenerateRequest``, the cluster's request
         schema: a front door builds one).
 
+        The stream is admitted first (:class:`~services.gateway.admission.Admission`): beyond
+        ``max_concurrent_requests`` streams in all, or ``max_concurrent_per_tenant`` of the
+        request's tenant, it is refused at once, and its place is given back however it ends
+        (finished, failed, cancelled by the client, past its deadline, or closed).
+
         Each chunk the chosen worker streams is passed on as it comes. The request is counted
         (``plora_gateway_requests_total`` by status, in flight) and, when it does not end OK,
         logged once with the id the workers see.
 
         Raises:
             PLoRAError: While iterating: the request was refused or failed (the worker's own
-                status as :class:`~services.gateway.workers.WorkerCallError`).
+                status as :class:`~services.gateway.workers.WorkerCallError`;
+                :class:`~services.gateway.admission.AdmissionRefusedError` beyond a bound).
         """
         request_id = request.request_id or uuid.uuid4().hex
         return Generation(request_id, self._counted(request, request_id, client))
@@ -179,6 +194,13 @@ class GatewayCore:
         # A caller's id is for tracing, not unique: the workers see it with a suffix of this
         # call's own, so one client's (or tenant's) id in flight never refuses another's.
         call_id = f"{request_id}~{uuid.uuid4().hex[:8]}" if request.request_id else request_id
+        try:
+            ticket = self.admission.admit(request.tenant_id)
+        except AdmissionRefusedError as exc:
+            # counted, not logged: a flood of refusals would flood the log
+            self.metrics.rejected.labels(exc.reason).inc()
+            self.metrics.requests.labels(exc.status_code_name).inc()
+            raise
         self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
         detail = ""
@@ -191,6 +213,7 @@ class GatewayCore:
         finally:
             if not client.is_active() and code is grpc.StatusCode.OK:
                 code = ended_by_client(client)
+            ticket.release()
             self.metrics.requests.labels(code.name).inc()
             self.metrics.in_flight.dec()
             if code is not grpc.StatusCode.OK:
@@ -428,13 +451,52 @@ class GatewayCore:
             PoolExhaustedError: The adapter is larger than every worker's pool.
             AdapterPermissionError: The id belongs to another tenant.
             RegistrationConflictError: A concurrent registration of the id won.
+            AdmissionRefusedError: A new id beyond ``max_adapters_per_tenant``, or
+                :data:`~services.gateway.admission.MAX_CONCURRENT_REGISTRATIONS` in progress.
         """
         check_adapter_id(adapter_id)
         check_tenant_id(tenant_id)
         confinement = self._confinement(tenant_id if confine_to_tenant else None)
         path = adapter_source(source, confinement)
-        with self.catalog.direct():
+        with self.catalog.direct(), self._registration():
+            self._check_adapter_quota(adapter_id, tenant_id)
             return self._register(adapter_id, path, tenant_id, confinement)
+
+    @contextlib.contextmanager
+    def _registration(self) -> Iterator[None]:
+        """A place among the registrations in progress for the body of the ``with``.
+
+        Raises:
+            AdmissionRefusedError: Every place is taken.
+        """
+        try:
+            ticket = self.registrations.admit()
+        except AdmissionRefusedError as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            raise
+        try:
+            yield
+        finally:
+            ticket.release()
+
+    def _check_adapter_quota(self, adapter_id: str, tenant_id: str) -> None:
+        """``max_adapters_per_tenant`` against the registry's records of ``tenant_id``, before
+        the adapter's files are read. Two registrations of new ids racing may both pass it:
+        the bound holds within the number of concurrent registrations.
+
+        Raises:
+            AdmissionRefusedError: ``adapter_id`` is new and the tenant holds the limit.
+        """
+        limit = self.config.max_adapters_per_tenant
+        if not limit:
+            return
+        records = self.registry.list_adapters()
+        owned = [r.adapter_id for r in records if r.tenant_id == tenant_id]
+        try:
+            check_adapter_quota(len(owned), limit, replacing=adapter_id in owned)
+        except AdmissionRefusedError as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            raise
 
     def _confinement(self, tenant: str | None) -> Confinement | None:
         """Where a registration may read: the adapter roots (``ROOT/<tenant>/`` of each for a

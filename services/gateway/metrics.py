@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS, service_registry
+from services.gateway.admission import MAX_CONCURRENT_REGISTRATIONS, REJECT_REASONS
 
 
 class GatewayMetrics:
@@ -35,6 +36,17 @@ class GatewayMetrics:
         self.tokens = Counter(
             "plora_gateway_generated_tokens", "Completion tokens relayed to clients", registry=r
         )
+        self.rejected = Counter(
+            "plora_gateway_requests_rejected",
+            "Calls refused at once by admission control, by the bound they met: Generate "
+            "streams beyond --max-concurrent-requests or --max-concurrent-per-tenant, "
+            "registrations beyond --max-adapters-per-tenant or while "
+            f"{MAX_CONCURRENT_REGISTRATIONS} are in progress",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:  # 0 until the first refusal, not absent
+            self.rejected.labels(reason)
         self.in_flight = Gauge(
             "plora_gateway_requests_in_flight", "Generate requests being served", registry=r
         )

@@ -30,6 +30,7 @@ from services.common.grpc_util import (
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, connect
+from services.gateway.admission import server_threads
 from services.gateway.auth import (
     ApiKeyInterceptor,
     KeyRing,
@@ -223,7 +224,7 @@ class GatewayService:
             register,
             host=config.host,
             port=config.port,
-            max_workers=64,
+            max_workers=server_threads(config.max_concurrent_requests),
             credentials=credentials,
             interceptors=interceptors,
         )

@@ -27,6 +27,10 @@ ALLOCATORS = ("paged", "contiguous")
 EVICTIONS = ("lru", "predictive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+#: Threads of the worker's gRPC pool beyond its running and waiting streams: adapter, status
+#: and health calls, and the streams refused as beyond ``max_queue``.
+RESERVED_THREADS = 16
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -46,6 +50,10 @@ class WorkerConfig:
         device: ``cpu``, ``cuda``, ``cuda:1``... ; ``auto`` = CUDA when present (``PLORA_DEVICE``).
         dtype: Serving dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA (``PLORA_DTYPE``).
         max_batch_size: Most sequences in the running batch.
+        max_queue: Requests waiting for a batch slot (or their adapter) at most; one more is
+            refused with RESOURCE_EXHAUSTED (``PLORA_MAX_QUEUE``). The gRPC server has a thread
+            for each running and each waiting request plus a reserve
+            (:attr:`server_threads`), so a flood meets this bound, not a hidden queue.
         max_num_batched_tokens: Prefill token budget per engine step.
         max_model_len: Context window served (prompt + completion), capped by the model's.
         max_new_tokens_limit: Largest ``max_new_tokens`` accepted.
@@ -88,6 +96,7 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_batch_size: int = 32
+    max_queue: int = 256
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     max_new_tokens_limit: int = 512
@@ -154,6 +163,7 @@ class WorkerConfig:
             self.max_new_tokens_limit, "--max-new-tokens-limit", "PLORA_MAX_NEW_TOKENS_LIMIT"
         )
         require_at_least_one(self.max_batch_size, "--max-batch-size", "PLORA_MAX_BATCH_SIZE")
+        require_at_least_one(self.max_queue, "--max-queue", "PLORA_MAX_QUEUE")
         if self.max_num_batched_tokens < self.max_batch_size:
             raise ConfigError(
                 f"--max-num-batched-tokens / PLORA_MAX_NUM_BATCHED_TOKENS "
@@ -170,6 +180,13 @@ class WorkerConfig:
             raise ConfigError(f"host_staging must be 'on' or 'off', got {self.host_staging!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ConfigError("heartbeat_ttl_s must exceed heartbeat_interval_s")
+
+    @property
+    def server_threads(self) -> int:
+        """Threads of the worker's gRPC pool: one per running and per waiting Generate stream
+        (each holds its thread while it lives) plus :data:`RESERVED_THREADS` for the adapter,
+        status and health calls and for the stream the engine refuses as one too many."""
+        return self.max_batch_size + self.max_queue + RESERVED_THREADS
 
     @property
     def address(self) -> str:
@@ -218,6 +235,12 @@ class WorkerConfig:
             "--max-batch-size",
             type=int,
             help="most sequences in the running batch (env PLORA_MAX_BATCH_SIZE; default 32)",
+        )
+        parser.add_argument(
+            "--max-queue",
+            type=int,
+            help="most requests waiting for a batch slot; more get RESOURCE_EXHAUSTED "
+            "(env PLORA_MAX_QUEUE; default 256)",
         )
         parser.add_argument(
             "--max-num-batched-tokens",
@@ -342,6 +365,7 @@ class WorkerConfig:
             max_batch_size=int_flag_or_env(
                 args.max_batch_size, "PLORA_MAX_BATCH_SIZE", d.max_batch_size
             ),
+            max_queue=int_flag_or_env(args.max_queue, "PLORA_MAX_QUEUE", d.max_queue),
             max_num_batched_tokens=int_flag_or_env(
                 args.max_num_batched_tokens,
                 "PLORA_MAX_NUM_BATCHED_TOKENS",

@@ -370,7 +370,8 @@ class Engine:
                 raise InvalidRequestError(f"request_id {req.request_id!r} is already in flight")
             if len(self._waiting) + len(self._submitting) >= self.config.max_queue:
                 raise OverloadedError(
-                    f"the worker queue is full ({self.config.max_queue} waiting); retry later"
+                    f"the worker queue is full ({self.config.max_queue} waiting, --max-queue); "
+                    "retry later"
                 )
             self._inflight.add(req.request_id)
             self._submitting[req.request_id] = False

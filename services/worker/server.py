@@ -239,6 +239,7 @@ class WorkerService:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=min(config.max_model_len, self.spec.max_position_embeddings),
                 max_new_tokens_limit=config.max_new_tokens_limit,
+                max_queue=config.max_queue,
                 adapter_wait_timeout_s=config.load_wait_timeout_s,
             ),
         )
@@ -250,7 +251,7 @@ class WorkerService:
             return [SERVICE_NAME]
 
         self.server, self.port, self.health = create_server(
-            register, host=config.host, port=config.port, max_workers=config.max_batch_size + 16
+            register, host=config.host, port=config.port, max_workers=config.server_threads
         )
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port
