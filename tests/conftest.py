@@ -106,8 +106,12 @@ def model_dir() -> Path:
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
     """A whole cluster started by ``plora up`` (embedded Redis, predictor, 2 workers, gateway).
 
-    Yields the state JSON (``gateway``, ``metrics``, ``redis_url``, ``workers``, ``adapters``,
-    ``pids``). Teardown sends SIGTERM to the launcher and checks every child process ended.
+    Yields the state JSON (``gateway``, ``metrics``, ``workers``, ``adapters``, ``pids``, ...)
+    with the cluster's secrets from the credentials file ``plora up`` writes beside it:
+    ``redis_url`` is the registry's URL with its password (the state file's, without it, is
+    ``public_redis_url``) and ``internal_token`` the token a direct call to a worker or the
+    predictor must send (:func:`tests.helpers.worker_stub`). Teardown sends SIGTERM to the
+    launcher and checks every child process ended.
     """
     root = tmp_path_factory.mktemp("cluster")
     state_file = root / "cluster.json"
@@ -144,7 +148,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterat
             proc.kill()
             pytest.fail(f"plora up did not come up:\n{(root / 'up.log').read_text()[-4000:]}")
         time.sleep(0.2)
+    from plora.launcher import read_credentials
+
     state = json.loads(state_file.read_text())
+    credentials = read_credentials(state_file)
+    state["public_redis_url"] = state["redis_url"]
+    state["redis_url"] = credentials["redis_url"]
+    state["internal_token"] = credentials["internal_token"]
     state["log"] = str(root / "up.log")
     state["root"] = str(root)
     yield state

@@ -1,5 +1,6 @@
 """Small shared test fixtures: a tiny Llama shape and a random transformers model of it, the
-parsed flags of ``plora bench replay``, and a service config built from its own flags."""
+parsed flags of ``plora bench replay``, a service config built from its own flags, and a stub
+of a cluster's worker that carries the cluster's internal token."""
 
 from __future__ import annotations
 
@@ -63,3 +64,12 @@ def config_from_flags(config: Any, *argv: str) -> Any:
     parser = argparse.ArgumentParser()
     config.add_arguments(parser)
     return config.from_args(parser.parse_args(list(argv)))
+
+
+def worker_stub(cluster: dict, address: str) -> Any:
+    """A ``WorkerStub`` to ``address`` of the ``cluster`` fixture's cluster, sending its internal
+    token (the worker refuses a call without it)."""
+    from plora.v1 import worker_pb2_grpc  # noqa: PLC0415
+    from services.common.internal_auth import internal_channel  # noqa: PLC0415
+
+    return worker_pb2_grpc.WorkerStub(internal_channel(address, cluster["internal_token"]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any, Protocol, TypeVar
 
@@ -216,6 +216,7 @@ def create_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 32,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build a started-ready (not yet started) gRPC server with health and reflection.
 
@@ -225,6 +226,8 @@ def create_server(
         host: Interface to bind (``0.0.0.0`` in containers, loopback otherwise).
         port: TCP port; 0 picks a free port.
         max_workers: Threads serving RPCs (each streaming RPC holds one while it runs).
+        interceptors: Server interceptors, run in order before every call (the internal
+            token check, :func:`services.common.internal_auth.server_interceptors`).
 
     Returns:
         ``(server, bound_port, health_servicer)``; statuses start NOT_SERVING: call
@@ -234,7 +237,9 @@ def create_server(
         OSError: the port could not be bound.
     """
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options()
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=server_options(),
+        interceptors=list(interceptors),
     )
     names = list(register(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

@@ -471,12 +471,15 @@ def test_prometheus_targets_label_each_service_and_worker() -> None:
 
 def test_plora_up_stops_when_its_redis_dies(tmp_path: Path, capsys) -> None:
     """``kill -9`` of the embedded redis-server: the supervisor says so and stops with a
-    nonzero code (an empty registry under running workers is not restarted)."""
+    nonzero code (an empty registry under running workers is not restarted), naming the
+    server by its URL without the password."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
-    cluster.redis = EmbeddedRedis().start()
+    password = "redis-password-of-this-test"
+    cluster.redis = EmbeddedRedis(password=password).start()
     cluster.redis_url = cluster.redis.url
+    cluster.public_redis_url = cluster.redis.public_url
     try:
         assert cluster.redis.proc is not None
         cluster.redis.proc.kill()
@@ -486,8 +489,8 @@ def test_plora_up_stops_when_its_redis_dies(tmp_path: Path, capsys) -> None:
     finally:
         cluster.stop()
     out = capsys.readouterr().out
-    assert f"plora up: redis-server ({cluster.redis_url}) exited (code -9)" in out
-    assert "stopping" in out
+    assert f"plora up: redis-server ({cluster.redis.public_url}) exited (code -9)" in out
+    assert "stopping" in out and password not in out
 
 
 @pytest.mark.slow
@@ -503,7 +506,7 @@ def test_a_service_that_cannot_reach_an_external_redis_is_retried_not_the_cluste
     cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
     cluster.redis_url = own_redis.url
     env = dict(os.environ, PLORA_REDIS_URL=own_redis.url, PYTHONUNBUFFERED="1")
-    flags = ["--host", "127.0.0.1", "--redis-url", own_redis.url, "--port", "0"]
+    flags = ["--host", "127.0.0.1", "--port", "0"]
     predictor = cluster._child("predictor", "predictor", [*flags, "--metrics-port", "0"])
     predictor.start(env)
     watched: list[int] = []
