@@ -630,3 +630,49 @@ def test_a_crash_looping_worker_is_paused_while_another_worker_serves(
                 c.proc.kill()
                 c.proc.wait()
     assert watched == [0]
+
+
+def test_secrets_reach_the_children_by_environment_and_files_only_for_the_owner(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An external Redis with a password (given in PLORA_REDIS_URL): ``plora up`` names it
+    without the password, hands the URL and its internal token to the children in their
+    environment only (a PLORA_INTERNAL_TOKEN_FILE of the user's would win over the run's
+    token, so it is dropped), and writes the state file without either, both files 0600."""
+    import stat
+    from urllib.parse import urlsplit
+
+    from services.common.internal_auth import resolve_token
+
+    password = "external-redis-password-0123456789"
+    monkeypatch.setenv("PLORA_INTERNAL_TOKEN_FILE", str(tmp_path / "users-token"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state_file = tmp_path / "cluster.json"
+    with EmbeddedRedis(password=password) as server:
+        monkeypatch.setenv("PLORA_REDIS_URL", server.url)
+        cluster = Cluster(parser.parse_args(["--state-file", str(state_file)]))
+        assert cluster._start_redis() == server.url
+        out = capsys.readouterr().out
+        assert f"using Redis at redis://:***@{server.host}:{server.port}/0" in out
+        assert password not in out
+        env = cluster._child_env()
+        assert env["PLORA_REDIS_URL"] == server.url
+        token = env["PLORA_INTERNAL_TOKEN"]
+        assert "PLORA_INTERNAL_TOKEN_FILE" not in env
+        assert resolve_token("", token) == token == cluster.internal_token
+        child = cluster._child("gateway", "gateway", [*cluster._common_flags(), "--port", "0"])
+        assert not any(password in arg or token in arg for arg in child.cmd)
+        child.ports = {"grpc_port": 1, "metrics_port": 2}  # never started
+        state = cluster._write_state(launcher._Plan("plora", {}, {}), "127.0.0.1:1", [])
+    text = state_file.read_text()
+    assert password not in text and token not in text
+    assert urlsplit(json.loads(text)["redis_url"]).password is None
+    assert state["redis_url"] == server.public_url
+    credentials = launcher.read_credentials(state_file)
+    assert credentials == {"redis_url": server.url, "internal_token": token}
+    assert Path(state["credentials_file"]) == launcher.credentials_path(state_file)
+    for path in (state_file, launcher.credentials_path(state_file)):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    cluster.stop()
+    assert not state_file.exists() and not launcher.credentials_path(state_file).exists()
