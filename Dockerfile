@@ -29,6 +29,14 @@ RUN python3 -m venv .venv \
     && rm -rf /root/.cache/pip
 
 ENV PATH=/app/.venv/bin:$PATH
+# The services run as an unprivileged user with a fixed uid/gid (10001, for file ownership on
+# volumes and a Kubernetes runAsUser), owning only what they write: the converted-model cache
+# and the adapters mount point (a new named volume takes their owner). The code stays root's.
+RUN groupadd --gid 10001 plora \
+    && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin plora \
+    && mkdir -p /cache /adapters \
+    && chown 10001:10001 /cache /adapters
+USER 10001:10001
 # gateway 50051, worker 50061, predictor 50071; metrics 9100-9102
 EXPOSE 50051 50061 50071 9100 9101 9102
 ENTRYPOINT ["plora"]

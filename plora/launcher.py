@@ -6,6 +6,13 @@ on loopback (port 0; each writes its bound ports to a ready file), waits for eve
 check, generates and registers the demo adapters, and writes the endpoints to the state file
 (``.plora/cluster.json``). Every child's log goes to ``.plora/logs/<name>.log``; progress lines
 are echoed while the model loads.
+
+The internal plane is locked: the embedded Redis gets a random password and the services a
+random internal token (:mod:`services.common.internal_auth`), both new each run. The children
+get them in their environment (``PLORA_REDIS_URL``, ``PLORA_INTERNAL_TOKEN``), never on their
+command lines; the state file holds no secret, and both go to the credentials file beside it
+(``.plora/cluster-credentials.json``, mode 0600) for tools and tests that reach the internal
+services directly.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -51,7 +59,7 @@ from services.common.lifecycle import (
     write_json_atomic,
 )
 from services.common.redis_server import EmbeddedRedis
-from services.common.registry import connect, redact_url
+from services.common.registry import connect, redact_url, url_without_password
 from services.common.sources import resolve_roots
 
 if TYPE_CHECKING:
@@ -385,11 +393,16 @@ class _Plan(NamedTuple):
 
 
 class ClusterState(TypedDict):
-    """What :meth:`Cluster.start` writes to the state file (and returns)."""
+    """What :meth:`Cluster.start` writes to the state file (and returns): no secret.
+
+    ``redis_url`` is the registry's URL without its password; ``credentials_file`` is the
+    path of :class:`ClusterCredentials`.
+    """
 
     gateway: str
     metrics: dict[str, str]
     redis_url: str
+    credentials_file: str
     policy: str
     policy_env: dict[str, str]
     workers: dict[str, str]
@@ -398,6 +411,36 @@ class ClusterState(TypedDict):
     pids: dict[str, int]
     launcher_pid: int
     prometheus_targets: NotRequired[str]
+
+
+class ClusterCredentials(TypedDict):
+    """The secrets of one ``plora up`` run, in :func:`credentials_path` (mode 0600).
+
+    ``redis_url`` is the registry's URL with its password; ``internal_token`` the token the
+    worker and predictor servers require (:mod:`services.common.internal_auth`).
+    """
+
+    redis_url: str
+    internal_token: str
+
+
+def credentials_path(state_file: Path) -> Path:
+    """Where ``plora up`` writes its :class:`ClusterCredentials`: beside the state file,
+    ``<stem>-credentials.json`` (``.plora/cluster-credentials.json`` by default)."""
+    return state_file.with_name(f"{state_file.stem}-credentials.json")
+
+
+def read_credentials(state_file: Path) -> ClusterCredentials:
+    """The :class:`ClusterCredentials` of the cluster whose state file is ``state_file``.
+
+    Raises:
+        OSError: the file cannot be read (no cluster, or another user's).
+        ValueError: it is not the JSON object ``plora up`` writes.
+    """
+    data = json.loads(credentials_path(state_file).read_text())
+    if not isinstance(data, dict) or not {"redis_url", "internal_token"} <= set(data):
+        raise ValueError(f"{credentials_path(state_file)} is not a plora up credentials file")
+    return ClusterCredentials(redis_url=data["redis_url"], internal_token=data["internal_token"])
 
 
 class Cluster:
@@ -412,8 +455,13 @@ class Cluster:
         #: Prometheus file_sd targets of this cluster (:func:`prometheus_targets`).
         self.targets_file = self.run_dir / "prometheus.json"
         self.children: list[Child] = []
+        self.credentials_file = credentials_path(self.state_file)
         self.redis: EmbeddedRedis | None = None
+        #: The registry's URL with its password (a secret), and without it (to show).
         self.redis_url = ""
+        self.public_redis_url = ""
+        #: Required by the worker and predictor servers, sent by the gateway and predictor.
+        self.internal_token = secrets.token_urlsafe(32)
         # Set from the SIGINT/SIGTERM handler: a plain flag, because a handler runs in the main
         # thread between bytecodes, and taking a lock there (threading.Event.set) deadlocks if
         # the main thread already holds it inside Event.wait.
@@ -544,7 +592,7 @@ class Cluster:
         self._settle_gateway_client(plan.flags["gateway"])
         model_dir, spec = self._prepare_model()  # a bad --model is refused before Redis starts
         self._start_redis()
-        env = self._service_env()
+        env = self._child_env()
         predictor = self._start_predictor(plan, env)
         workers = self._start_workers(plan, model_dir, env)
         self._say(
@@ -694,6 +742,7 @@ class Cluster:
         hint = "give a state file in a writable directory"
         _make_dir(self.run_dir, named, f"its directory {self.run_dir}", hint)
         self.state_file.unlink(missing_ok=True)
+        self.credentials_file.unlink(missing_ok=True)
 
     def _prepare_model(self) -> tuple[Path, ModelSpec]:
         """The base model's directory (the first run converts the GGUF) and its shape; checks
@@ -729,12 +778,31 @@ class Cluster:
         if external:
             connect(external)  # a clear RegistryUnavailableError when unreachable
             self.redis_url = external
-            self._say(f"using Redis at {external}")
+            self.public_redis_url = url_without_password(external)
+            self._say(f"using Redis at {redact_url(external)}")
         else:
-            self.redis = EmbeddedRedis(host=self.args.host, stop_with_parent=True).start()
+            self.redis = EmbeddedRedis(
+                host=self.args.host, stop_with_parent=True, password=secrets.token_urlsafe(32)
+            ).start()
             self.redis_url = self.redis.url
-            self._say(f"started embedded Redis at {self.redis_url}")
+            self.public_redis_url = self.redis.public_url
+            self._say(
+                f"started embedded Redis at {self.public_redis_url} (protected mode, with a "
+                f"password new each run: see {self.credentials_file})"
+            )
         return self.redis_url
+
+    def _child_env(self) -> dict[str, str]:
+        """The environment of every child: this one's, with the registry's URL (password
+        included) and the internal token, which thus never appear on a command line, and
+        without plora up's own client credentials (``PLORA_API_KEY``, ...)."""
+        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url)
+        env["PLORA_INTERNAL_TOKEN"] = self.internal_token
+        env.pop("PLORA_INTERNAL_TOKEN_FILE", None)  # it would win over this run's token
+        for secret in _CLIENT_SECRETS:  # plora up's own client credentials: no service reads them
+            env.pop(secret, None)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
 
     def _start_predictor(self, plan: _Plan, env: dict[str, str]) -> Child | None:
         """Start the predictor without waiting for it (none when the policy has none).
@@ -782,14 +850,6 @@ class Cluster:
         self._wait_ready([gateway], 60)
         return f"{a.host}:{gateway.ports['grpc_port']}"
 
-    def _service_env(self) -> dict[str, str]:
-        """The services' environment: this process's with the Redis URL and unbuffered
-        output, without plora up's own client credentials (no service reads them)."""
-        env = dict(os.environ, PLORA_REDIS_URL=self.redis_url, PYTHONUNBUFFERED="1")
-        for secret in _CLIENT_SECRETS:
-            env.pop(secret, None)
-        return env
-
     def _dial(self, port: int, tls: bool) -> str:
         """The address plora up dials for a service of its own on ``port``: ``--host``,
         or over TLS with a wildcard ``--host`` (``0.0.0.0``, ``::``) 127.0.0.1, an address a
@@ -800,11 +860,13 @@ class Cluster:
         return f"{host}:{port}"
 
     def _common_flags(self) -> list[str]:
-        """The flags every service gets: the interface to bind and the Redis URL."""
-        return ["--host", self.args.host, "--redis-url", self.redis_url]
+        """The flags every service gets: the interface to bind (the Redis URL and the internal
+        token come in the environment, :meth:`_child_env`)."""
+        return ["--host", self.args.host]
 
     def _write_state(self, plan: _Plan, gateway: str, adapters: list[str]) -> ClusterState:
-        """Write the Prometheus targets and the state file (each atomically); returns the state.
+        """Write the Prometheus targets, the credentials file and then the state file (each
+        atomically; the last two mode 0600); returns the state.
 
         Raises:
             OSError: a file cannot be written.
@@ -817,7 +879,8 @@ class Cluster:
             "metrics": {
                 c.name: f"http://{host}:{c.ports['metrics_port']}/metrics" for c in self.children
             },
-            "redis_url": self.redis_url,
+            "redis_url": self.public_redis_url,
+            "credentials_file": str(self.credentials_file),
             "policy": plan.policy,
             "policy_env": plan.policy_env,
             "workers": {w.name: f"{host}:{w.ports['grpc_port']}" for w in workers},
@@ -828,8 +891,12 @@ class Cluster:
         }
         state["prometheus_targets"] = str(self.targets_file)
         write_json_atomic(self.targets_file, prometheus_targets(state["metrics"]), indent=2)
-        write_json_atomic(self.state_file, state, indent=2)
+        credentials = ClusterCredentials(
+            redis_url=self.redis_url, internal_token=self.internal_token
+        )
         self._wrote_state = True
+        write_json_atomic(self.credentials_file, credentials, indent=2, mode=0o600)
+        write_json_atomic(self.state_file, state, indent=2, mode=0o600)
         return state
 
     def _register_demo_adapters(self, gateway: str, spec: ModelSpec) -> list[str]:
@@ -912,9 +979,9 @@ class Cluster:
             redis_code = self.redis.exit_code() if self.redis is not None else None
             if redis_code is not None and not self._stop_requested:
                 self._say(
-                    f"redis-server ({self.redis_url}) exited (code {redis_code}); the adapter "
-                    "registry and its contents are gone, so the cluster cannot go on: stopping "
-                    "(start it again with plora up)"
+                    f"redis-server ({self.public_redis_url}) exited (code {redis_code}); the "
+                    "adapter registry and its contents are gone, so the cluster cannot go on: "
+                    "stopping (start it again with plora up)"
                 )
                 return 1
             for c in self.children:
@@ -968,12 +1035,12 @@ class Cluster:
 
     def _restart(self, child: Child, echo: tuple[str, ...] = _STARTUP) -> None:
         child.cmd = _pin_ports(child.cmd, child.ports)
-        child.start(self._service_env())
+        child.start(self._child_env())
         self._wait_ready([child], self.args.startup_timeout, echo)
         if self.state_file.exists():
             state = json.loads(self.state_file.read_text())
             state["pids"][child.name] = child.proc.pid if child.proc else None
-            write_json_atomic(self.state_file, state, indent=2)
+            write_json_atomic(self.state_file, state, indent=2, mode=0o600)
 
     def request_stop(self) -> None:
         """Ask :meth:`start` / :meth:`watch` to stop (safe in a signal handler: takes no lock)."""
@@ -1001,6 +1068,7 @@ class Cluster:
         if self._wrote_state:
             self.state_file.unlink(missing_ok=True)
             self.targets_file.unlink(missing_ok=True)
+            self.credentials_file.unlink(missing_ok=True)
 
 
 def prometheus_targets(metrics: Mapping[str, str]) -> list[dict[str, object]]:

@@ -114,6 +114,11 @@ def run_plora_up(
         model_dir: The base model.
         flags: ``plora up`` flags beyond the state file, port, adapters directory and model.
         env: Variables set for ``plora up`` on top of this process's.
+
+    The state JSON has the cluster's secrets from the credentials file ``plora up`` writes
+    beside it: ``redis_url`` is the registry's URL with its password (the state file's,
+    without it, is ``public_redis_url``) and ``internal_token`` the token a direct call to a
+    worker or the predictor must send (:func:`tests.helpers.worker_stub`).
     """
     state_file = root / "cluster.json"
     log = open(root / "up.log", "wb")  # noqa: SIM115
@@ -146,7 +151,13 @@ def run_plora_up(
             proc.kill()
             pytest.fail(f"plora up did not come up:\n{(root / 'up.log').read_text()[-4000:]}")
         time.sleep(0.2)
+    from plora.launcher import read_credentials
+
     state = json.loads(state_file.read_text())
+    credentials = read_credentials(state_file)
+    state["public_redis_url"] = state["redis_url"]
+    state["redis_url"] = credentials["redis_url"]
+    state["internal_token"] = credentials["internal_token"]
     state["log"] = str(root / "up.log")
     state["root"] = str(root)
     yield state
@@ -163,8 +174,9 @@ def run_plora_up(
 def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[dict]:
     """A whole cluster started by ``plora up`` (embedded Redis, predictor, 2 workers, gateway).
 
-    Yields the state JSON (``gateway``, ``metrics``, ``redis_url``, ``workers``, ``adapters``,
-    ``pids``). Teardown sends SIGTERM to the launcher and checks every child process ended.
+    Yields the state JSON (``gateway``, ``metrics``, ``workers``, ``adapters``, ``pids``, ...)
+    with its secrets (:func:`run_plora_up`). Teardown sends SIGTERM to the launcher and checks
+    every child process ended.
     """
     # the calibrated prefetch gate off: the predictor-loop tests check that a forecast hot
     # adapter is prefetched at all, after a burst too short to calibrate on

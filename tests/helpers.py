@@ -1,5 +1,6 @@
 """Small shared test fixtures: a tiny Llama shape and a random transformers model of it, the
-parsed flags of ``plora bench replay``, and a service config built from its own flags."""
+parsed flags of ``plora bench replay``, a service config built from its own flags, and a stub
+of a cluster's worker that carries the cluster's internal token."""
 
 from __future__ import annotations
 
@@ -162,3 +163,12 @@ def write_tls_files(directory: Any) -> dict[str, str]:
         "client_cert": str(out / "client.pem"),
         "client_key": str(out / "client.key"),
     }
+
+
+def worker_stub(cluster: dict, address: str) -> Any:
+    """A ``WorkerStub`` to ``address`` of the ``cluster`` fixture's cluster, sending its internal
+    token (the worker refuses a call without it)."""
+    from plora.v1 import worker_pb2_grpc  # noqa: PLC0415
+    from services.common.internal_auth import internal_channel  # noqa: PLC0415
+
+    return worker_pb2_grpc.WorkerStub(internal_channel(address, cluster["internal_token"]))

@@ -112,9 +112,10 @@ def require_server_ports(service: str, port: int, metrics_port: int) -> None:
 def add_server_arguments(
     parser: argparse.ArgumentParser, service: str, port: int, metrics_port: int
 ) -> None:
-    """``--host``, ``--port``, ``--metrics-port`` and ``--redis-url`` of one service, whose
-    config reads ``PLORA_<SERVICE>_HOST`` / ``_PORT`` / ``_METRICS_PORT`` and
-    ``PLORA_REDIS_URL`` (parser defaults None: flags, then environment, then defaults)."""
+    """``--host``, ``--port``, ``--metrics-port``, ``--redis-url`` and
+    ``--internal-token-file`` of one service, whose config reads ``PLORA_<SERVICE>_HOST`` /
+    ``_PORT`` / ``_METRICS_PORT``, ``PLORA_REDIS_URL`` and ``PLORA_INTERNAL_TOKEN_FILE``
+    (parser defaults None: flags, then environment, then defaults)."""
     env = f"PLORA_{service.upper()}"
     parser.add_argument(
         "--host", help=f"interface the gRPC server binds (env {env}_HOST; default 127.0.0.1)"
@@ -132,6 +133,13 @@ def add_server_arguments(
     )
     parser.add_argument(
         "--redis-url", help=f"metadata store (env PLORA_REDIS_URL; default {DEFAULT_REDIS_URL})"
+    )
+    parser.add_argument(
+        "--internal-token-file",
+        help="file holding the cluster's internal token, which the gateway, predictor and "
+        "workers send each other and the worker and predictor servers require; "
+        "PLORA_INTERNAL_TOKEN gives the token itself; with neither, internal authentication "
+        "is off (env PLORA_INTERNAL_TOKEN_FILE; default none)",
     )
 
 
@@ -191,7 +199,8 @@ def settings_line(config: Any) -> str:
     operator checks first when a cluster misbehaves: which batch size, threads, tick, ...).
 
     URL fields (``*_url``) are written without their password
-    (:func:`services.common.registry.redact_url`).
+    (:func:`services.common.registry.redact_url`); a secret field (declared with
+    ``repr=False``, such as ``internal_token``) is written ``***`` when set, never its value.
 
     Args:
         config: A service configuration dataclass (``WorkerConfig``, ``GatewayConfig``,
@@ -209,7 +218,9 @@ def settings_line(config: Any) -> str:
     parts = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if f.name.endswith("_url") and isinstance(value, str):
+        if not f.repr:
+            value = "***" if value else ""
+        elif f.name.endswith("_url") and isinstance(value, str):
             value = redact_url(value)
         parts.append(f"{f.name}={value!r}" if isinstance(value, str) else f"{f.name}={value}")
     return ", ".join(parts)

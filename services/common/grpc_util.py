@@ -230,7 +230,8 @@ def create_server(
         max_workers: Threads serving RPCs (each streaming RPC holds one while it runs).
         credentials: TLS of the port (:func:`tls_server_credentials`); None = plaintext.
         interceptors: Run on every call, health and reflection included, before its
-            servicer (the gateway's API-key check).
+            servicer (the gateway's API-key check; the internal token check of the worker
+            and the predictor, :func:`services.common.internal_auth.server_interceptors`).
 
     Returns:
         ``(server, bound_port, health_servicer)``; statuses start NOT_SERVING: call

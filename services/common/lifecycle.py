@@ -28,12 +28,32 @@ class _Config(Protocol):
     def from_args(cls, args: argparse.Namespace) -> Any: ...
 
 
-def write_json_atomic(path: Path, obj: object, indent: int | None = None) -> None:
+def write_json_atomic(
+    path: Path, obj: object, indent: int | None = None, mode: int | None = None
+) -> None:
     """Write ``obj`` as JSON to ``path`` through a temporary file beside it, so a reader (the
     launcher polling a ready file, a client or Prometheus reading the cluster's files) never
-    sees half a file."""
+    sees half a file.
+
+    Args:
+        path: The file.
+        obj: JSON-serialisable value.
+        indent: ``json.dumps`` indentation.
+        mode: Permission bits of the new file (``0o600``: its owner only), set before anything
+            is written to it; None: the umask's default.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent))
+    if mode is None:
+        tmp.write_text(json.dumps(obj, indent=indent))
+    else:
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), mode)  # the umask may have cleared bits of ``mode``
+            f.write(json.dumps(obj, indent=indent))
     tmp.replace(path)
 
 

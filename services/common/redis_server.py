@@ -2,7 +2,9 @@
 
 The launcher and the test fixtures start it as a child process on a loopback TCP port; it is a
 real ``redis-server``, not a fake. ``PLORA_REDIS_URL`` / ``--redis-url`` select an external Redis
-instead.
+instead. It runs in protected mode, and with a password when given one (``plora up`` gives a
+random one per run): the password reaches the server on its standard input, never on its
+command line, where ``ps`` would show it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -60,6 +63,9 @@ class EmbeddedRedis:
         stop_with_parent: Have the server stop when this process dies, even by SIGKILL
             (:func:`services.common.lifecycle.stop_with_parent`; start it from a thread that
             outlives it). ``plora up`` sets it; tests stop theirs themselves.
+        password: Clients must ``AUTH`` with it (``requirepass``); None: no password (on
+            loopback, protected mode still refuses other hosts). It must not contain white
+            space (``secrets.token_urlsafe`` gives none).
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`.
     """
@@ -70,7 +76,11 @@ class EmbeddedRedis:
         port: int = 0,
         workdir: str | None = None,
         stop_with_parent: bool = False,
+        password: str | None = None,
     ) -> None:
+        if password is not None and (not password or any(c.isspace() for c in password)):
+            raise ValueError("the Redis password must be non-empty and without white space")
+        self.password = password
         self.host = host
         self.port = port
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -80,7 +90,15 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        """``redis://host:port/0`` of the running server."""
+        """``redis://[:password@]host:port/0`` of the running server: what clients connect
+        with (a secret when there is a password: pass it through the environment, never on a
+        command line or in a log line)."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def public_url(self) -> str:
+        """``redis://host:port/0``: :attr:`url` without the password, to show or store."""
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
@@ -95,8 +113,10 @@ class EmbeddedRedis:
         for _attempt in range(3):
             port = self.port or _free_port(self.host)
             log = Path(self.workdir) / "redis.log"
+            # "-" first: the rest of the configuration (the password) comes on stdin
             cmd = [
                 redis_server_binary(),
+                "-",
                 "--bind",
                 self.host,
                 "--port",
@@ -110,18 +130,28 @@ class EmbeddedRedis:
                 "--logfile",
                 str(log),
                 "--protected-mode",
-                "no",
+                "yes",
             ]
             if self.stop_with_parent:
                 cmd = lifecycle.stop_with_parent(cmd)
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-            client = redis.Redis(host=self.host, port=port, socket_connect_timeout=0.5)
+            # its start-up lines go to stdout until the log file is open: keep them off the terminal
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            assert self.proc.stdin is not None
+            config = f"requirepass {self.password}\n" if self.password else ""
+            try:
+                self.proc.stdin.write(config.encode())
+                self.proc.stdin.close()
+            except BrokenPipeError:  # it exited at once: reported below with its log
+                pass
+            client = redis.Redis(
+                host=self.host, port=port, password=self.password, socket_connect_timeout=0.5
+            )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
                     client.ping()
                     self.port = port
-                    logger.info("embedded Redis serving at %s", self.url)
+                    logger.info("embedded Redis serving at %s", self.public_url)
                     return self
                 except redis.ConnectionError:
                     time.sleep(0.05)

@@ -66,6 +66,19 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def url_without_password(url: str) -> str:
+    """``url`` with its user and password removed (``redis://host:6379/0``), to store where
+    others may read it (``plora up``'s state file); unchanged when it has none or does not
+    parse."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and parts.username is None:
+            return url
+    except ValueError:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def _text(raw: bytes | str) -> str:
     """A key or member Redis returned, as text: the clients are made without
     ``decode_responses``, so replies are bytes (redis-py types them ``bytes | str``)."""

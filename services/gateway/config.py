@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.config import (
     DEFAULT_REDIS_URL,
@@ -45,6 +45,10 @@ class GatewayConfig:
         port: gRPC port; 0 = any free port (``PLORA_GATEWAY_PORT``).
         metrics_port: Prometheus port; 0 = any free port (``PLORA_GATEWAY_METRICS_PORT``).
         redis_url: Metadata store (``PLORA_REDIS_URL``).
+        internal_token_file: File holding the internal token
+            (``PLORA_INTERNAL_TOKEN_FILE``; :mod:`services.common.internal_auth`).
+        internal_token: The internal token itself (``PLORA_INTERNAL_TOKEN``; the file wins);
+            with neither, internal authentication is off. Never logged.
         predictor_address: ``host:port`` of the predictor; empty = none
             (``PLORA_PREDICTOR_ADDRESS``).
         routing: ``rank_aware`` (residency-, placement- and queue-aware) or ``round_robin``
@@ -97,6 +101,8 @@ class GatewayConfig:
     port: int = 50051
     metrics_port: int = 9100
     redis_url: str = DEFAULT_REDIS_URL
+    internal_token_file: str = ""
+    internal_token: str = field(default="", repr=False)
     predictor_address: str = ""
     routing: str = "rank_aware"
     max_new_tokens_limit: int = 512
@@ -336,6 +342,10 @@ class GatewayConfig:
                 args.metrics_port, "PLORA_GATEWAY_METRICS_PORT", d.metrics_port
             ),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
+            internal_token_file=args.internal_token_file
+            or env_or("PLORA_INTERNAL_TOKEN_FILE", "")
+            or "",
+            internal_token=env_or("PLORA_INTERNAL_TOKEN", "") or "",
             predictor_address=args.predictor_address
             if args.predictor_address is not None
             else env_or("PLORA_PREDICTOR_ADDRESS", "") or "",

@@ -37,6 +37,7 @@ from services.common.errors import (
     quoted,
 )
 from services.common.grpc_util import ended_by_client, log_request_failure, remaining_or, status_for
+from services.common.internal_auth import resolve_token
 from services.common.registry import AdapterRecord, Registry, RegistryUnavailableError, WorkerRecord
 from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
 from services.common.sources import Confinement
@@ -124,7 +125,9 @@ class GatewayCore:
         self.routing = RoutingState(
             config.routing, on_pending=lambda w, n: metrics.worker_pending.labels(w).set(n)
         )
-        self.workers = WorkerClients()
+        # the cluster's internal token, sent on every call to a worker and to the predictor
+        internal_token = resolve_token(config.internal_token_file, config.internal_token)
+        self.workers = WorkerClients(internal_token)
         self.admission = Admission(config.max_concurrent_requests, config.max_concurrent_per_tenant)
         self.registrations = Registrations()
         # monotonic time after which streams still running are ended (the gateway stops)
@@ -136,6 +139,7 @@ class GatewayCore:
             on_sent=lambda n: metrics.events_sent.inc(n),
             on_dropped=lambda n: metrics.events_dropped.inc(n),
             on_connected=lambda c: metrics.predictor_connected.set(1 if c else 0),
+            internal_token=internal_token,
         )
 
     # -- lifecycle ------------------------------------------------------------------------

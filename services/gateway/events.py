@@ -17,6 +17,7 @@ import grpc
 
 from plora.v1 import predictor_pb2, predictor_pb2_grpc
 from services.common.grpc_util import CHANNEL_OPTIONS
+from services.common.internal_auth import internal_channel
 
 #: Longest pause (seconds) between two connection attempts while the predictor is down. Each
 #: attempt also waits up to 2 s for the channel (whose own reconnect backoff is capped at 2 s,
@@ -35,6 +36,8 @@ class EventStreamer:
             silently, as the baseline policy has no predictor).
         queue_size: Bound of the event queue.
         on_sent / on_dropped / on_connected: Metric hooks (``on_connected(bool)``).
+        internal_token: Sent with the stream (:mod:`services.common.internal_auth`); ``""``
+            when internal authentication is off.
     """
 
     def __init__(
@@ -44,8 +47,10 @@ class EventStreamer:
         on_sent: Callable[[int], None] = lambda n: None,
         on_dropped: Callable[[int], None] = lambda n: None,
         on_connected: Callable[[bool], None] = lambda c: None,
+        internal_token: str = "",
     ) -> None:
         self.address = address
+        self._internal_token = internal_token
         self._queue: queue.Queue[predictor_pb2.RequestEvent] = queue.Queue(maxsize=queue_size)
         self._stop = threading.Event()
         self._on_sent, self._on_dropped, self._on_connected = on_sent, on_dropped, on_connected
@@ -97,7 +102,8 @@ class EventStreamer:
     def _run(self) -> None:
         backoff = 0.5
         while not self._stop.is_set():
-            with grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            channel = internal_channel(self.address, self._internal_token, options=CHANNEL_OPTIONS)
+            with channel:
                 try:
                     grpc.channel_ready_future(channel).result(timeout=2.0)
                     self._set_connected(True)

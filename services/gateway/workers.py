@@ -16,6 +16,7 @@ import grpc
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS
+from services.common.internal_auth import internal_channel
 from services.common.registry import WorkerRecord
 from services.gateway.results import GenerateChunk, Usage
 
@@ -84,9 +85,15 @@ def _chunk(response: gateway_pb2.GenerateResponse) -> GenerateChunk:
 
 
 class WorkerClients:
-    """Calls to the workers, over one channel per address."""
+    """Calls to the workers, over one channel per address.
 
-    def __init__(self) -> None:
+    Args:
+        internal_token: Sent on every call (:mod:`services.common.internal_auth`); ``""``
+            when internal authentication is off.
+    """
+
+    def __init__(self, internal_token: str = "") -> None:
+        self._internal_token = internal_token
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -101,7 +108,7 @@ class WorkerClients:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                ch = internal_channel(address, self._internal_token, options=CHANNEL_OPTIONS)
                 self._channels[address] = ch
         return worker_pb2_grpc.WorkerStub(ch)
 

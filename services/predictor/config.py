@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.config import (
     DEFAULT_REDIS_URL,
@@ -26,6 +26,10 @@ class PredictorConfig:
     Attributes:
         host / port / metrics_port: Interfaces (``PLORA_PREDICTOR_PORT``, ...); 0 = any port.
         redis_url: Metadata store (``PLORA_REDIS_URL``).
+        internal_token_file: File holding the internal token
+            (``PLORA_INTERNAL_TOKEN_FILE``; :mod:`services.common.internal_auth`).
+        internal_token: The internal token itself (``PLORA_INTERNAL_TOKEN``; the file wins);
+            with neither, internal authentication is off. Never logged.
         forecaster: ``frequency``, ``ewma``, ``lstm`` or ``ensemble`` (``PLORA_FORECASTER``).
         tick_s: Seconds between forecasts / prefetch rounds (default 1 s, as in the paper).
         horizon_s: Forecast horizon in seconds (default 5 s).
@@ -49,6 +53,8 @@ class PredictorConfig:
     port: int = 50071
     metrics_port: int = 9102
     redis_url: str = DEFAULT_REDIS_URL
+    internal_token_file: str = ""
+    internal_token: str = field(default="", repr=False)
     forecaster: str = DEFAULT_FORECASTER
     tick_s: float = 1.0
     horizon_s: float = 5.0
@@ -130,6 +136,10 @@ class PredictorConfig:
                 args.metrics_port, "PLORA_PREDICTOR_METRICS_PORT", d.metrics_port
             ),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
+            internal_token_file=args.internal_token_file
+            or env_or("PLORA_INTERNAL_TOKEN_FILE", "")
+            or "",
+            internal_token=env_or("PLORA_INTERNAL_TOKEN", "") or "",
             forecaster=choice_or_env(
                 args.forecaster, "--forecaster", "PLORA_FORECASTER", d.forecaster, FORECASTER_NAMES
             ),

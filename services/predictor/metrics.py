@@ -45,3 +45,9 @@ class PredictorMetrics:
         self.placement_moves = Counter(
             "plora_predictor_placement_moves", "Adapter-to-worker assignments changed", registry=r
         )
+        self.internal_auth_refused = Counter(
+            "plora_predictor_internal_auth_refused",
+            "Calls refused for a missing or wrong internal token, by method",
+            ["method"],
+            registry=r,
+        )

@@ -25,6 +25,7 @@ from services.common import convert
 from services.common.config import settings_line
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
+from services.common.internal_auth import internal_channel, resolve_token, server_interceptors
 from services.common.lifecycle import lower_thread_priority, run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, RegistryUnavailableError, connect
@@ -159,6 +160,8 @@ class PredictorCore:
         )
         self.placement: dict[str, list[str]] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        #: Sent on every call to a worker, required of every call to this predictor.
+        self.internal_token = resolve_token(config.internal_token_file, config.internal_token)
         self._last_persist = time.monotonic()
         blob = registry.load_predictor_state()
         if blob:
@@ -275,7 +278,7 @@ class PredictorCore:
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = internal_channel(address, self.internal_token, options=CHANNEL_OPTIONS)
             self._channels[address] = ch
         return worker_pb2_grpc.WorkerStub(ch)
 
@@ -306,8 +309,15 @@ class PredictorService:
             predictor_pb2_grpc.add_PredictorServicer_to_server(servicer, server)
             return [SERVICE_NAME]
 
+        refused = self.metrics.internal_auth_refused
         self.server, self.port, self.health = create_server(
-            register, host=config.host, port=config.port, max_workers=32
+            register,
+            host=config.host,
+            port=config.port,
+            max_workers=32,
+            interceptors=server_interceptors(
+                self.core.internal_token, lambda method: refused.labels(method=method).inc()
+            ),
         )
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.config import (
     DEFAULT_REDIS_URL,
@@ -44,6 +44,10 @@ class WorkerConfig:
             container name under docker compose); defaults to ``host``.
         metrics_port: Prometheus port; 0 = any (``PLORA_WORKER_METRICS_PORT``).
         redis_url: Metadata store (``PLORA_REDIS_URL``).
+        internal_token_file: File holding the internal token
+            (``PLORA_INTERNAL_TOKEN_FILE``; :mod:`services.common.internal_auth`).
+        internal_token: The internal token itself (``PLORA_INTERNAL_TOKEN``; the file wins);
+            with neither, internal authentication is off. Never logged.
         model: Base model: ``smollm2`` (the default GGUF), a ``.gguf`` path, or a Hugging Face
             Llama-family directory (``PLORA_MODEL``).
         cache_dir: Where converted models are cached (``PLORA_CACHE_DIR``; empty = default).
@@ -91,6 +95,8 @@ class WorkerConfig:
     advertise_host: str = ""
     metrics_port: int = 9101
     redis_url: str = DEFAULT_REDIS_URL
+    internal_token_file: str = ""
+    internal_token: str = field(default="", repr=False)
     model: str = "smollm2"
     cache_dir: str = ""
     device: str = "auto"
@@ -358,6 +364,10 @@ class WorkerConfig:
                 args.metrics_port, "PLORA_WORKER_METRICS_PORT", d.metrics_port
             ),
             redis_url=pick(args.redis_url, "PLORA_REDIS_URL", d.redis_url),
+            internal_token_file=args.internal_token_file
+            or env_or("PLORA_INTERNAL_TOKEN_FILE", "")
+            or "",
+            internal_token=env_or("PLORA_INTERNAL_TOKEN", "") or "",
             model=pick(args.model, "PLORA_MODEL", d.model),
             cache_dir=pick(args.cache_dir, "PLORA_CACHE_DIR", ""),
             device=pick(args.device, "PLORA_DEVICE", d.device),

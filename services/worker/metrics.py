@@ -217,3 +217,9 @@ class WorkerMetrics:
             ["fate"],
             registry=r,
         )
+        self.internal_auth_refused = Counter(
+            "plora_worker_internal_auth_refused",
+            "Calls refused for a missing or wrong internal token, by method",
+            ["method"],
+            registry=r,
+        )

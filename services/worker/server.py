@@ -36,6 +36,7 @@ from services.common.grpc_util import (
     map_errors,
     set_serving,
 )
+from services.common.internal_auth import resolve_token, server_interceptors
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, RegistryUnavailableError, WorkerRecord, connect
@@ -191,11 +192,13 @@ class WorkerService:
 
     Raises:
         RegistryUnavailableError: Redis cannot be reached (checked before the model loads).
-        ConfigError: the model cannot be found or is not Llama-family.
+        ConfigError: the model cannot be found or is not Llama-family, or the internal token
+            cannot be read (checked before the model loads).
     """
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        internal_token = resolve_token(config.internal_token_file, config.internal_token)
         self.metrics = WorkerMetrics()
         #: Adapter roots every source read must lie under; None = none configured.
         self.confinement = Confinement(config.adapter_roots) if config.adapter_roots else None
@@ -250,8 +253,16 @@ class WorkerService:
             worker_pb2_grpc.add_WorkerServicer_to_server(self.servicer, server)
             return [SERVICE_NAME]
 
+        refused = self.metrics.internal_auth_refused
         self.server, self.port, self.health = create_server(
-            register, host=config.host, port=config.port, max_workers=config.server_threads
+            register,
+            host=config.host,
+            port=config.port,
+            max_workers=config.server_threads,
+            interceptors=server_interceptors(
+                internal_token,
+                lambda method: refused.labels(method=method).inc(),
+            ),
         )
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port

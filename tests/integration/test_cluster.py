@@ -17,8 +17,10 @@ import pytest
 
 from plora import cli
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.internal_auth import internal_channel
 from services.common.lifecycle import BACKGROUND_NICE
 from tests.conftest import REPO, shared_data
+from tests.helpers import worker_stub
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +117,7 @@ def _cli(cluster: dict, *args: str) -> subprocess.Popen[bytes]:
 def _workers_running(cluster: dict) -> int:
     total = 0
     for address in cluster["workers"].values():
-        with grpc.insecure_channel(address) as channel:
+        with internal_channel(address, cluster["internal_token"]) as channel:
             total += (
                 worker_pb2_grpc.WorkerStub(channel)
                 .GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5)
@@ -188,7 +190,11 @@ def test_cli_generate_leaves_max_new_tokens_to_the_gateway(cluster: dict) -> Non
     # a second gateway on the same cluster with a limit of 16: its default is 16
     low = GatewayService(
         GatewayConfig(
-            port=0, metrics_port=0, redis_url=cluster["redis_url"], max_new_tokens_limit=16
+            port=0,
+            metrics_port=0,
+            redis_url=cluster["redis_url"],
+            internal_token=cluster["internal_token"],
+            max_new_tokens_limit=16,
         )
     ).start()
     try:
@@ -485,9 +491,7 @@ def test_client_cancel_stops_generation_on_the_worker(stub, cluster: dict) -> No
     assert _gateway_ttft_count(cluster) == before + 1
     # The worker must drop the sequence (free its KV slot and adapter lease) promptly.
     deadline = time.monotonic() + 10
-    workers = [
-        worker_pb2_grpc.WorkerStub(grpc.insecure_channel(a)) for a in cluster["workers"].values()
-    ]
+    workers = [worker_stub(cluster, a) for a in cluster["workers"].values()]
     while True:
         running = sum(
             w.GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5).running

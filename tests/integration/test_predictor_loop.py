@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from plora.v1 import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.helpers import worker_stub
 
 pytestmark = pytest.mark.slow
 
@@ -66,9 +67,7 @@ def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, clu
         first = list(pool.map(lambda a: ask(stub, a), adapters * 2))
     assert any(r.adapter_cold for r in first)
     # Take the adapters out of every worker (as eviction under pressure would) ...
-    workers = [
-        worker_pb2_grpc.WorkerStub(grpc.insecure_channel(a)) for a in cluster["workers"].values()
-    ]
+    workers = [worker_stub(cluster, a) for a in cluster["workers"].values()]
     for w in workers:
         for a in adapters:
             w.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=a), timeout=10)

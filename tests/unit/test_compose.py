@@ -5,7 +5,10 @@ the service's real argument parser, every ``PLORA_*`` variable is one the servic
 published container ports match the ports the commands bind and the port table of
 docs/deployment.md, the workers get a thread count, Redis stays off the host's 6379, the
 demo-adapter service runs the real CLI into the volume the workers read, the image holds no
-test or dev tools, and Prometheus scrapes every service's metrics port.
+test or dev tools and runs as an unprivileged user, Prometheus scrapes every service's metrics
+port, and the internal plane is locked: Redis (a pinned image) takes a password from `.env` on
+its standard input (its script runs here against the real redis-server) and the services get
+it and the internal token from `.env` in their environment.
 """
 
 from __future__ import annotations
@@ -15,15 +18,22 @@ import json
 import os
 import re
 import shlex
+import socket
+import stat
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import redis
 import yaml
 
 from plora import cli, launcher, make_adapters
+from services.common.internal_auth import resolve_token
+from services.common.redis_server import redis_server_binary
 from services.gateway.config import GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
@@ -160,7 +170,6 @@ def test_environment_variables_are_ones_the_services_read(service: str) -> None:
     assert env, f"{service} sets no environment"
     for name in env:
         assert name in known, f"{service}: {name} is not read by any service"
-    assert env["PLORA_REDIS_URL"].startswith("redis://redis:")
 
 
 @pytest.mark.parametrize("service", sorted(PLORA_SERVICES))
@@ -276,10 +285,10 @@ def test_long_running_services_restart_and_redis_keeps_the_registry() -> None:
     for name, service in COMPOSE["services"].items():
         if name != INIT:
             assert service.get("restart") in {"unless-stopped", "always"}, name
-    redis = COMPOSE["services"]["redis"]
-    command = redis["command"]
+    redis_service = COMPOSE["services"]["redis"]
+    command = shlex.split(_redis_script().splitlines()[0])
     assert command[command.index("--appendonly") + 1] == "yes"
-    mounts = dict(entry.split(":")[:2][::-1] for entry in redis["volumes"])
+    mounts = dict(entry.split(":")[:2][::-1] for entry in redis_service["volumes"])
     assert mounts["/data"] in COMPOSE["volumes"]  # redis:7's working directory, a named volume
     assert "keeps the adapter registry" in " ".join(_docs_compose_section().split())
 
@@ -471,3 +480,150 @@ def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
 
 def test_old_adapters_folder_is_git_ignored() -> None:
     assert "/adapters/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+# ------------------------------------------------------------------ the internal plane
+#: What `.env` holds for these tests (docs/deployment.md says how to make one).
+DOT_ENV = {
+    "PLORA_REDIS_PASSWORD": "compose-redis-password-0123456789abc",
+    "PLORA_INTERNAL_TOKEN": "compose-internal-token-0123456789abcd",
+}
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """``value`` as compose interpolates it: ``${X:?message}`` (an error when ``X`` is unset
+    or empty), ``${X:-default}``, ``${X}`` and ``$$`` (a literal ``$``)."""
+
+    def one(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2) or "", match.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == ":?":
+            raise LookupError(f"{name}: {arg}")
+        return arg if op == ":-" else ""
+
+    parts = value.split("$$")
+    pattern = r"\$\{([A-Z0-9_]+)(?:(:\?|:-)([^}]*))?\}"
+    return "$".join(re.sub(pattern, one, part) for part in parts)
+
+
+def _redis_script() -> str:
+    """The ``sh -c`` script of the redis service, as the shell gets it (``$$`` -> ``$``)."""
+    redis_service = COMPOSE["services"]["redis"]
+    assert redis_service["entrypoint"] == ["sh", "-c"] and len(redis_service["command"]) == 1
+    return redis_service["command"][0].replace("$$", "$")
+
+
+def test_redis_image_is_pinned_to_a_release() -> None:
+    image = COMPOSE["services"]["redis"]["image"]
+    assert re.fullmatch(r"redis:7\.4\.\d+(-alpine)?", image), image
+    assert COMPOSE["services"]["redis"]["user"] == "redis"  # not root
+
+
+def test_every_secret_comes_from_dot_env_and_up_refuses_without_it() -> None:
+    """No secret is written in the compose files: each one is a ``${X:?...}`` from `.env`,
+    which stops `docker compose up` with the message when `.env` lacks it."""
+    referring = 0
+    for service in sorted(PLORA_SERVICES | {"redis"}):
+        for value in COMPOSE["services"][service]["environment"].values():
+            if re.search(r"\$\{(PLORA_REDIS_PASSWORD|PLORA_INTERNAL_TOKEN)\b", str(value)):
+                referring += 1
+                with pytest.raises(LookupError, match=r"set \w+ in \.env"):
+                    _interpolate(str(value), {})
+    assert referring == 2 * len(PLORA_SERVICES) + 2  # URL and token each; redis's two
+    for secret in DOT_ENV.values():
+        for path in ("docker-compose.yml", "docker-compose.gpu.yml", "Dockerfile"):
+            assert secret not in (REPO / path).read_text()
+    assert ".env" in (REPO / ".gitignore").read_text().splitlines()
+
+
+@pytest.mark.parametrize("service", sorted(PLORA_SERVICES))
+def test_services_reach_redis_with_its_password_and_each_other_with_the_token(
+    service: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    declared = COMPOSE["services"][service]["environment"]
+    env = {k: _interpolate(str(v), DOT_ENV) for k, v in declared.items()}
+    url = urlsplit(env["PLORA_REDIS_URL"])
+    assert (url.hostname, url.port, url.password) == (
+        "redis",
+        6379,
+        DOT_ENV["PLORA_REDIS_PASSWORD"],
+    )
+    # the services' own parsing: the token is one they accept, and it lands in the config
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kind, args = _parse(service)
+    config = CONFIGS[kind].from_args(args)
+    assert (
+        resolve_token(config.internal_token_file, config.internal_token)
+        == (DOT_ENV["PLORA_INTERNAL_TOKEN"])
+    )
+    assert (
+        redis.Redis.from_url(config.redis_url).connection_pool.connection_kwargs["password"]
+        == (DOT_ENV["PLORA_REDIS_PASSWORD"])
+    )
+
+
+def test_redis_script_requires_the_password_and_keeps_it_off_the_command_line(
+    tmp_path: Path,
+) -> None:
+    """The redis service's script, run here with the real redis-server on a free port: a
+    client without the password gets NOAUTH, one with it PONG, and the password is not in
+    the server's command line (``ps``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = _redis_script().replace(
+        "redis-server -",
+        f"{shlex.quote(redis_server_binary())} - --port {port} --bind 127.0.0.1 "
+        f"--dir {shlex.quote(str(tmp_path))}",
+    )
+    assert script != _redis_script()
+    password = DOT_ENV["PLORA_REDIS_PASSWORD"]
+    env = {**os.environ, "PLORA_REDIS_PASSWORD": password}
+    proc = subprocess.Popen(
+        ["sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        authed = redis.Redis(host="127.0.0.1", port=port, password=password)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert authed.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(100).startswith(b"-NOAUTH")
+        assert authed.config_get("appendonly") == {"appendonly": "yes"}
+        # `exec`: the server is the process compose started, with nothing secret in its argv
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"redis-server" in cmdline and password.encode() not in cmdline
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_image_runs_as_an_unprivileged_user_owning_what_it_writes() -> None:
+    runtime = _dockerfile_stages()[-1]
+    users = [line.split()[1] for line in runtime if line.upper().startswith("USER ")]
+    assert users, "the runtime image runs as root"
+    uid, _, gid = users[-1].partition(":")
+    assert uid.isdigit() and int(uid) >= 1000, "a fixed, numeric, non-system uid"
+    assert gid.isdigit() and int(gid) >= 1000
+    user_at = max(i for i, line in enumerate(runtime) if line.upper().startswith("USER "))
+    after = runtime[user_at + 1 :]
+    assert not any(line.upper().startswith("RUN ") for line in after), "RUN after USER"
+    # the directories it writes belong to it: the model cache and the adapters mount point
+    text = "\n".join(runtime[:user_at])
+    cache = re.search(r"PLORA_CACHE_DIR=(\S+)", text)
+    assert cache
+    chowned = re.search(rf"chown {uid}:{gid} ([^&\n]+)", text)
+    assert chowned, "no chown of the writable directories to the image's user"
+    assert {cache.group(1), ADAPTERS_MOUNT} <= set(chowned.group(1).split())
+    assert re.search(rf"useradd [^&]*--uid {uid}\b", text)
+    for name, service in COMPOSE["services"].items():
+        assert str(service.get("user", "")) not in {"root", "0", "0:0"}, name
+    assert stat.S_IMODE((REPO / "Dockerfile").stat().st_mode) & 0o002 == 0

@@ -222,7 +222,11 @@ FLAG_HELP = re.compile(
 RESOLVED_DEFAULTS = {"default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 
 #: Variables a ``from_args`` reads that no flag falls back to.
-ENV_ONLY = {GatewayConfig: {"PLORA_REQUEST_TIMEOUT_S", "PLORA_REGISTRY_STALE_S"}}
+ENV_ONLY = {
+    GatewayConfig: {"PLORA_REQUEST_TIMEOUT_S", "PLORA_REGISTRY_STALE_S", "PLORA_INTERNAL_TOKEN"},
+    WorkerConfig: {"PLORA_INTERNAL_TOKEN"},
+    PredictorConfig: {"PLORA_INTERNAL_TOKEN"},
+}
 
 
 def _without_plora_env(monkeypatch: pytest.MonkeyPatch) -> None:

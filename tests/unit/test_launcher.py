@@ -505,12 +505,15 @@ def test_prometheus_targets_label_each_service_and_worker() -> None:
 
 def test_plora_up_stops_when_its_redis_dies(tmp_path: Path, capsys) -> None:
     """``kill -9`` of the embedded redis-server: the supervisor says so and stops with a
-    nonzero code (an empty registry under running workers is not restarted)."""
+    nonzero code (an empty registry under running workers is not restarted), naming the
+    server by its URL without the password."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
-    cluster.redis = EmbeddedRedis().start()
+    password = "redis-password-of-this-test"
+    cluster.redis = EmbeddedRedis(password=password).start()
     cluster.redis_url = cluster.redis.url
+    cluster.public_redis_url = cluster.redis.public_url
     try:
         assert cluster.redis.proc is not None
         cluster.redis.proc.kill()
@@ -520,8 +523,8 @@ def test_plora_up_stops_when_its_redis_dies(tmp_path: Path, capsys) -> None:
     finally:
         cluster.stop()
     out = capsys.readouterr().out
-    assert f"plora up: redis-server ({cluster.redis_url}) exited (code -9)" in out
-    assert "stopping" in out
+    assert f"plora up: redis-server ({cluster.redis.public_url}) exited (code -9)" in out
+    assert "stopping" in out and password not in out
 
 
 @pytest.mark.slow
@@ -537,7 +540,7 @@ def test_a_service_that_cannot_reach_an_external_redis_is_retried_not_the_cluste
     cluster = Cluster(parser.parse_args(["--state-file", str(tmp_path / "cluster.json")]))
     cluster.redis_url = own_redis.url
     env = dict(os.environ, PLORA_REDIS_URL=own_redis.url, PYTHONUNBUFFERED="1")
-    flags = ["--host", "127.0.0.1", "--redis-url", own_redis.url, "--port", "0"]
+    flags = ["--host", "127.0.0.1", "--port", "0"]
     predictor = cluster._child("predictor", "predictor", [*flags, "--metrics-port", "0"])
     predictor.start(env)
     watched: list[int] = []
@@ -706,3 +709,49 @@ def test_plora_up_refuses_unsafe_or_incomplete_gateway_security_before_anything_
     cluster = Cluster(parser.parse_args([*base, "--api-keys-file", "keys.yaml"]))
     flags = cluster._plan().flags["gateway"]
     assert flags[flags.index("--api-keys-file") + 1] == str(Path("keys.yaml").resolve())
+
+
+def test_secrets_reach_the_children_by_environment_and_files_only_for_the_owner(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An external Redis with a password (given in PLORA_REDIS_URL): ``plora up`` names it
+    without the password, hands the URL and its internal token to the children in their
+    environment only (a PLORA_INTERNAL_TOKEN_FILE of the user's would win over the run's
+    token, so it is dropped), and writes the state file without either, both files 0600."""
+    import stat
+    from urllib.parse import urlsplit
+
+    from services.common.internal_auth import resolve_token
+
+    password = "external-redis-password-0123456789"
+    monkeypatch.setenv("PLORA_INTERNAL_TOKEN_FILE", str(tmp_path / "users-token"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state_file = tmp_path / "cluster.json"
+    with EmbeddedRedis(password=password) as server:
+        monkeypatch.setenv("PLORA_REDIS_URL", server.url)
+        cluster = Cluster(parser.parse_args(["--state-file", str(state_file)]))
+        assert cluster._start_redis() == server.url
+        out = capsys.readouterr().out
+        assert f"using Redis at redis://:***@{server.host}:{server.port}/0" in out
+        assert password not in out
+        env = cluster._child_env()
+        assert env["PLORA_REDIS_URL"] == server.url
+        token = env["PLORA_INTERNAL_TOKEN"]
+        assert "PLORA_INTERNAL_TOKEN_FILE" not in env
+        assert resolve_token("", token) == token == cluster.internal_token
+        child = cluster._child("gateway", "gateway", [*cluster._common_flags(), "--port", "0"])
+        assert not any(password in arg or token in arg for arg in child.cmd)
+        child.ports = {"grpc_port": 1, "metrics_port": 2}  # never started
+        state = cluster._write_state(launcher._Plan("plora", {}, {}), "127.0.0.1:1", [])
+    text = state_file.read_text()
+    assert password not in text and token not in text
+    assert urlsplit(json.loads(text)["redis_url"]).password is None
+    assert state["redis_url"] == server.public_url
+    credentials = launcher.read_credentials(state_file)
+    assert credentials == {"redis_url": server.url, "internal_token": token}
+    assert Path(state["credentials_file"]) == launcher.credentials_path(state_file)
+    for path in (state_file, launcher.credentials_path(state_file)):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    cluster.stop()
+    assert not state_file.exists() and not launcher.credentials_path(state_file).exists()

@@ -1,0 +1,265 @@
+"""The internal plane's credential: a shared token the cluster's own services send each other.
+
+The gateway, the predictor and the workers call each other over gRPC. When an internal token
+is configured (``plora up`` always makes one; compose and Kubernetes give one through
+``PLORA_INTERNAL_TOKEN`` or ``--internal-token-file``), every internal call carries it in the
+metadata key :data:`TOKEN_METADATA_KEY`, and the Worker and Predictor servers refuse a call
+without it, or with another, as UNAUTHENTICATED (:class:`InternalTokenInterceptor`). The
+standard health and reflection services stay open: load balancers, ``docker compose`` health
+checks and ``grpcurl`` need them, and they reveal no data. With no token configured (a service
+started by hand on loopback) internal authentication is off. docs/security.md, "Internal
+plane", says what this protects and what it does not.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import string
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: gRPC metadata key the internal token travels in (metadata keys are lower case).
+TOKEN_METADATA_KEY = "x-plora-internal-token"
+
+#: Shortest token accepted: ``secrets.token_urlsafe(32)`` gives 43 characters.
+MIN_TOKEN_CHARS = 16
+
+#: Services any caller may reach: health checks and reflection (no data, no side effects).
+OPEN_SERVICES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
+
+#: What a refused caller is told: the rule and how to meet it, nothing about the server.
+REFUSAL = (
+    "this service answers only the cluster's own services: send the cluster's internal "
+    f"token in the {TOKEN_METADATA_KEY!r} metadata (docs/security.md, 'Internal plane')"
+)
+
+#: Seconds between two log lines about refused calls (a flood of them writes one a period).
+_REFUSAL_LOG_PERIOD_S = 10.0
+
+_TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + "-_.~+/=")
+
+
+def check_token(token: str, source: str) -> str:
+    """``token`` if it can be an internal token, for :func:`resolve_token`.
+
+    A token travels as gRPC metadata, so it must be printable ASCII: letters, digits and
+    ``-_.~+/=`` (what ``secrets.token_urlsafe`` and base64 produce), at least
+    :data:`MIN_TOKEN_CHARS` long.
+
+    Args:
+        token: The token, surrounding whitespace already removed.
+        source: Where it came from, for the message (``PLORA_INTERNAL_TOKEN``,
+            ``--internal-token-file /run/secrets/x``).
+
+    Raises:
+        ConfigError: too short or with other characters; the message names ``source`` and
+            how to make a token, never the token.
+    """
+    if len(token) < MIN_TOKEN_CHARS or not set(token) <= _TOKEN_CHARS:
+        raise ConfigError(
+            f"{source}: an internal token must be at least {MIN_TOKEN_CHARS} characters of "
+            "letters, digits and -_.~+/= (make one with: python3 -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))')"
+        )
+    return token
+
+
+def resolve_token(token_file: str, token: str) -> str:
+    """The internal token a service uses: the contents of ``token_file`` when set (a Docker
+    or Kubernetes secret mounted as a file), else ``token`` (``PLORA_INTERNAL_TOKEN``); ``""``
+    (internal authentication off) when both are empty.
+
+    Args:
+        token_file: ``--internal-token-file`` / ``PLORA_INTERNAL_TOKEN_FILE``; its contents,
+            surrounding whitespace removed, are the token.
+        token: ``PLORA_INTERNAL_TOKEN``.
+
+    Raises:
+        ConfigError: the file cannot be read or is empty, or the token is malformed
+            (:func:`check_token`); the message names the setting, never the token.
+    """
+    if token_file:
+        source = f"--internal-token-file / PLORA_INTERNAL_TOKEN_FILE {token_file}"
+        try:
+            text = Path(token_file).read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not ASCII text"
+            raise ConfigError(f"{source}: cannot read the internal token ({why})") from None
+        return check_token(text, source)
+    if token:
+        return check_token(token.strip(), "PLORA_INTERNAL_TOKEN")
+    return ""
+
+
+def tokens_match(sent: str | bytes | None, expected: str) -> bool:
+    """Whether ``sent`` is ``expected``, compared in constant time (``hmac.compare_digest``:
+    the time taken does not tell how much of a guess was right)."""
+    if sent is None:
+        return False
+    given = sent if isinstance(sent, bytes) else sent.encode("utf-8", "replace")
+    return hmac.compare_digest(given, expected.encode())
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends every call UNAUTHENTICATED."""
+
+    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+
+    def deny_stream(_request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+        yield  # pragma: no cover - abort raises
+
+    codec = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **codec)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **codec)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **codec)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, **codec)
+
+
+class InternalTokenInterceptor(grpc.ServerInterceptor):
+    """Server interceptor of the Worker and Predictor servers: a call to any method outside
+    :data:`OPEN_SERVICES` must carry ``token`` in :data:`TOKEN_METADATA_KEY`, else it ends
+    UNAUTHENTICATED with :data:`REFUSAL` before any servicer code runs.
+
+    Args:
+        token: The cluster's internal token (non-empty).
+        on_refused: Called once per refused call with the method's full name (a metrics
+            counter); optional.
+
+    Raises:
+        ValueError: ``token`` is empty (an interceptor that lets everyone in is a mistake).
+    """
+
+    def __init__(self, token: str, on_refused: Callable[[str], None] | None = None) -> None:
+        if not token:
+            raise ValueError("InternalTokenInterceptor needs a non-empty token")
+        self._token = token
+        self._on_refused = on_refused
+        self._lock = threading.Lock()
+        self._last_log = -_REFUSAL_LOG_PERIOD_S
+        self._unlogged: collections.Counter[str] = collections.Counter()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        if method.startswith(OPEN_SERVICES):
+            return continuation(handler_call_details)
+        sent = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                sent = value
+                break
+        handler = continuation(handler_call_details)
+        if handler is None or tokens_match(sent, self._token):
+            return handler
+        self._refused(method, "missing" if sent is None else "wrong")
+        return _refusing(handler)
+
+    def _refused(self, method: str, why: str) -> None:
+        """Count a refusal and log it (the method and whether the token was missing or
+        wrong, never what was sent), at most one line per :data:`_REFUSAL_LOG_PERIOD_S`."""
+        if self._on_refused is not None:
+            self._on_refused(method)
+        now = time.monotonic()
+        with self._lock:
+            self._unlogged[f"{method} ({why} token)"] += 1
+            if now - self._last_log < _REFUSAL_LOG_PERIOD_S:
+                return
+            self._last_log = now
+            summary = ", ".join(f"{n} x {m}" for m, n in self._unlogged.items())
+            self._unlogged.clear()
+        logger.warning("refused calls without the internal token: %s", summary)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    """A ``grpc.ClientCallDetails`` with its fields settable (the interface has no constructor)."""
+
+    def __init__(
+        self, details: grpc.ClientCallDetails, metadata: tuple[tuple[str, str | bytes], ...]
+    ) -> None:
+        self.method = details.method
+        self.timeout = details.timeout
+        self.metadata = metadata
+        self.credentials = details.credentials
+        self.wait_for_ready = getattr(details, "wait_for_ready", None)
+        self.compression = getattr(details, "compression", None)
+
+
+class _TokenSender(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Client interceptor that adds the internal token to every call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = (*(details.metadata or ()), (TOKEN_METADATA_KEY, self._token))
+        return _CallDetails(details, metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+def internal_channel(
+    address: str, token: str, options: Sequence[tuple[str, Any]] | None = None
+) -> grpc.Channel:
+    """A channel to another service of the cluster that sends ``token`` on every call.
+
+    Args:
+        address: ``host:port`` of a worker or the predictor.
+        token: The internal token; ``""`` gives a plain channel (internal authentication off).
+        options: gRPC channel options (:data:`services.common.grpc_util.CHANNEL_OPTIONS`).
+
+    Returns:
+        A channel; ``close()`` closes the underlying one.
+    """
+    channel = grpc.insecure_channel(address, options=options)
+    if not token:
+        return channel
+    return grpc.intercept_channel(channel, _TokenSender(token))
+
+
+def server_interceptors(
+    token: str, on_refused: Callable[[str], None] | None = None
+) -> list[grpc.ServerInterceptor]:
+    """The interceptors a Worker or Predictor server runs: :class:`InternalTokenInterceptor`
+    when ``token`` is set, none when it is empty (internal authentication off)."""
+    return [InternalTokenInterceptor(token, on_refused)] if token else []
