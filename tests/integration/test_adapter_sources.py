@@ -192,7 +192,10 @@ def confined_cluster(
             log.close()
             pytest.fail(f"plora up did not come up:\n{(tmp / 'up.log').read_text()[-4000:]}")
         time.sleep(0.2)
+    from plora.launcher import read_credentials  # noqa: PLC0415
+
     state = json.loads(state_file.read_text())
+    state["redis_url"] = read_credentials(state_file)["redis_url"]  # with the password
     channel = grpc.insecure_channel(state["gateway"])
     try:
         yield SimpleNamespace(

@@ -539,7 +539,7 @@ def test_every_secret_comes_from_dot_env_and_up_refuses_without_it() -> None:
 
 @pytest.mark.parametrize("service", sorted(PLORA_SERVICES))
 def test_services_reach_redis_with_its_password_and_each_other_with_the_token(
-    service: str, monkeypatch: pytest.MonkeyPatch
+    service: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     declared = COMPOSE["services"][service]["environment"]
     env = {k: _interpolate(str(v), DOT_ENV) for k, v in declared.items()}
@@ -552,6 +552,9 @@ def test_services_reach_redis_with_its_password_and_each_other_with_the_token(
     # the services' own parsing: the token is one they accept, and it lands in the config
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    if "PLORA_ADAPTER_ROOTS" in env:  # the gateway's and the workers'
+        assert env["PLORA_ADAPTER_ROOTS"] == "/adapters"  # the image's; not on this machine
+        monkeypatch.setenv("PLORA_ADAPTER_ROOTS", str(tmp_path))
     kind, args = _parse(service)
     config = CONFIGS[kind].from_args(args)
     assert (
