@@ -90,4 +90,9 @@ def test_bad_adapters_are_refused_fast_while_a_stream_keeps_flowing(cluster: dic
         "the stream ended before the registrations did: nothing overlapped"
     )
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    print(  # the figures beside the bounds (10 s per refusal, 1 s between tokens)
+        "refused in "
+        + ", ".join(f"{name} {seconds:.2f} s" for name, (_, seconds, _) in refusals.items())
+        + f"; longest gap between tokens {max(gaps):.2f} s over {len(arrivals)} tokens"
+    )
     assert max(gaps) < 1.0, f"the stream waited {max(gaps):.2f} s between two tokens"
