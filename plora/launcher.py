@@ -430,16 +430,17 @@ def credentials_path(state_file: Path) -> Path:
     return state_file.with_name(f"{state_file.stem}-credentials.json")
 
 
-def read_credentials(state_file: Path) -> ClusterCredentials:
+def read_credentials(state_file: Path | str) -> ClusterCredentials:
     """The :class:`ClusterCredentials` of the cluster whose state file is ``state_file``.
 
     Raises:
         OSError: the file cannot be read (no cluster, or another user's).
         ValueError: it is not the JSON object ``plora up`` writes.
     """
-    data = json.loads(credentials_path(state_file).read_text())
+    path = credentials_path(Path(state_file))
+    data = json.loads(path.read_text())
     if not isinstance(data, dict) or not {"redis_url", "internal_token"} <= set(data):
-        raise ValueError(f"{credentials_path(state_file)} is not a plora up credentials file")
+        raise ValueError(f"{path} is not a plora up credentials file")
     return ClusterCredentials(redis_url=data["redis_url"], internal_token=data["internal_token"])
 
 
@@ -554,7 +555,7 @@ class Cluster:
         for c in children:
             credentials = self.gateway_credentials if c.name == "gateway" else None
             wait_healthy(
-                self._dial(c.ports["grpc_port"], credentials is not None),
+                self._dial(c.ports["grpc_port"]),
                 timeout=30,
                 credentials=credentials,
             )
@@ -848,14 +849,15 @@ class Cluster:
         gateway = self._child("gateway", "gateway", flags)
         gateway.start(env)
         self._wait_ready([gateway], 60)
-        return f"{a.host}:{gateway.ports['grpc_port']}"
+        return self._dial(gateway.ports["grpc_port"])
 
-    def _dial(self, port: int, tls: bool) -> str:
-        """The address plora up dials for a service of its own on ``port``: ``--host``,
-        or over TLS with a wildcard ``--host`` (``0.0.0.0``, ``::``) 127.0.0.1, an address a
+    def _dial(self, port: int) -> str:
+        """The address a client on this host dials for a service of its own on ``port`` (what
+        ``plora up`` dials, and the gateway address it writes to the state file): ``--host``,
+        or 127.0.0.1 for a wildcard ``--host`` (``0.0.0.0``, ``::``), an address a TLS
         certificate can name."""
         host = self.args.host
-        if tls and host.strip("[]") in ("0.0.0.0", "::", ""):
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
         return f"{host}:{port}"
 
@@ -923,7 +925,7 @@ class Cluster:
         )
         ids = []
         port = int(gateway.rpartition(":")[2])
-        address = self._dial(port, self.gateway_credentials is not None)
+        address = self._dial(port)
         with client_channel(address, self.gateway_credentials, self.api_key) as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             for path in paths:

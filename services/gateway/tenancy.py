@@ -40,7 +40,8 @@ def check_owner(record: AdapterRecord, tenant_id: str, action: str) -> None:
     if not record.tenant_id:
         raise AdapterPermissionError(
             f"adapter {quoted(record.adapter_id)} is shared (registered without a "
-            f"tenant_id): only a call without tenant_id {action} it{hint}"
+            f"tenant_id): only the operator (a call without tenant_id; with API keys, the "
+            f"operator key) {action} it{hint}"
         )
     raise AdapterPermissionError(
         f"adapter {quoted(record.adapter_id)} is owned by another tenant: only a call with "

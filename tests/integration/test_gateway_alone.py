@@ -939,7 +939,7 @@ def test_only_an_adapters_owner_replaces_or_deletes_it_and_shared_ones_are_the_o
     try:
         assert register("shared", v1) == 1
         refused(lambda: register("shared", v2, "tenant-b"), "is shared (registered without")
-        refused(lambda: delete("shared", "tenant-a"), "only a call without tenant_id deletes")
+        refused(lambda: delete("shared", "tenant-a"), "only the operator")
         # still shared, still v1, served to every tenant
         assert owner_and_source("shared", "tenant-a") == ("", str(v1))
         assert owner_and_source("shared", "tenant-b") == ("", str(v1))

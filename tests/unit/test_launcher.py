@@ -755,3 +755,27 @@ def test_secrets_reach_the_children_by_environment_and_files_only_for_the_owner(
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     cluster.stop()
     assert not state_file.exists() and not launcher.credentials_path(state_file).exists()
+
+
+def test_a_wildcard_host_is_dialled_and_published_as_loopback(tmp_path: Path) -> None:
+    """With ``--host 0.0.0.0`` (or ``::``) the address plora up dials, and writes to the state
+    file for the CLI, is 127.0.0.1: one a TLS certificate can name; a named host stays."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    state = ["--state-file", str(tmp_path / "cluster.json")]
+    for host, dialled in (("0.0.0.0", "127.0.0.1"), ("::", "127.0.0.1"), ("10.1.2.3", "10.1.2.3")):
+        cluster = Cluster(parser.parse_args([*state, "--host", host]))
+        assert cluster._dial(50051) == f"{dialled}:50051"
+
+
+def test_read_credentials_takes_a_path_or_a_string(tmp_path: Path) -> None:
+    """:func:`plora.launcher.read_credentials` reads ``<stem>-credentials.json`` beside the
+    state file named as a ``Path`` or a ``str``, and refuses a file of another shape."""
+    state_file = tmp_path / "cluster.json"
+    secrets = {"redis_url": "redis://:pw@127.0.0.1:1/0", "internal_token": "t" * 32}
+    launcher.credentials_path(state_file).write_text(json.dumps(secrets))
+    assert launcher.read_credentials(state_file) == secrets
+    assert launcher.read_credentials(str(state_file)) == secrets
+    launcher.credentials_path(state_file).write_text("[]")
+    with pytest.raises(ValueError, match="not a plora up credentials file"):
+        launcher.read_credentials(str(state_file))
