@@ -27,6 +27,11 @@ pytestmark = pytest.mark.slow
 BATCH, QUEUE = 2, 2
 
 
+#: A prompt the base model answers greedily with hundreds of tokens (no early end of
+#: sequence), so a stream holding a place runs until it is cancelled or its deadline passes.
+LONG_PROMPT = "List the numbers from 1 to 1000, one per line:"
+
+
 @pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
     """A Redis of this module's own (the worker's records live across its tests)."""
@@ -84,7 +89,7 @@ class Gateway:
         """A long stream, running (its first token read); cancel it to end it."""
         call = self.stub.Generate(
             gateway_pb2.GenerateRequest(
-                prompt="Count to ten:", max_new_tokens=400, tenant_id=tenant_id
+                prompt=LONG_PROMPT, max_new_tokens=400, tenant_id=tenant_id
             ),
             timeout=120,
         )
@@ -142,7 +147,7 @@ def test_the_gateway_bound_refuses_at_once_and_every_ending_gives_the_place_back
     b.cancel()
     _eventually(lambda: g.in_flight == 0, "the cancelled stream's place")
     # the client's deadline
-    request = gateway_pb2.GenerateRequest(prompt="Count to ten:", max_new_tokens=400)
+    request = gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=400)
     with pytest.raises(grpc.RpcError) as deadline:
         list(g.stub.Generate(request, timeout=1.0))
     assert deadline.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -237,7 +242,7 @@ def test_the_workers_queue_bound_reaches_the_client_as_resource_exhausted(gatewa
     start = threading.Barrier(n)
 
     def run() -> None:
-        request = gateway_pb2.GenerateRequest(prompt="Count to ten:", max_new_tokens=48)
+        request = gateway_pb2.GenerateRequest(prompt=LONG_PROMPT, max_new_tokens=48)
         start.wait()
         began = time.monotonic()
         try:
