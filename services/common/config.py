@@ -143,6 +143,48 @@ def add_server_arguments(
     )
 
 
+def bytes_flag_or_env(flag_value: object, flag: str, env: str, default: int) -> int:
+    """A byte size from its flag, else its ``PLORA_*`` variable, else ``default``; sizes as
+    :func:`parse_bytes` reads them (``1MiB``, ``4096``).
+
+    Raises:
+        ConfigError: not a size, naming the flag and the variable.
+    """
+    text = str(flag_value) if flag_value not in (None, "") else env_or(env, None)
+    try:
+        return parse_bytes(text) if text else default
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} / {env}: {exc}") from exc
+
+
+def inspection_size_limits(args: argparse.Namespace) -> dict[str, int]:
+    """``max_adapter_config_bytes`` and ``max_safetensors_header_bytes`` of the gateway's and
+    the workers' configs, from ``--max-adapter-config-bytes`` /
+    ``PLORA_MAX_ADAPTER_CONFIG_BYTES`` and ``--max-safetensors-header-bytes`` /
+    ``PLORA_MAX_SAFETENSORS_HEADER_BYTES`` (defaults: those of
+    :class:`~services.common.peft_config.InspectionLimits`).
+
+    Raises:
+        ConfigError: a value is not a size.
+    """
+    from services.common.peft_config import MAX_CONFIG_BYTES, MAX_HEADER_BYTES  # noqa: PLC0415
+
+    return {
+        "max_adapter_config_bytes": bytes_flag_or_env(
+            args.max_adapter_config_bytes,
+            "--max-adapter-config-bytes",
+            "PLORA_MAX_ADAPTER_CONFIG_BYTES",
+            MAX_CONFIG_BYTES,
+        ),
+        "max_safetensors_header_bytes": bytes_flag_or_env(
+            args.max_safetensors_header_bytes,
+            "--max-safetensors-header-bytes",
+            "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
+            MAX_HEADER_BYTES,
+        ),
+    }
+
+
 def add_adapter_root_argument(parser: argparse.ArgumentParser) -> None:
     """``--adapter-root DIR`` (repeatable, into ``adapter_roots``) of the gateway and the
     workers, falling back to ``PLORA_ADAPTER_ROOTS`` (:func:`adapter_roots_or_env`)."""

@@ -382,23 +382,26 @@ class _CallDetails(
     """A call's details with other metadata (gRPC's ``examples/python/interceptors``)."""
 
 
-class BearerToken(
+class MetadataSender(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds ``authorization: Bearer <key>`` to every call of a channel (an API key; over
-    plaintext on loopback too, where gRPC's call credentials refuse to send it).
+    """Client interceptor that adds one metadata entry to every call of a channel: an API
+    key (:func:`bearer_token`), or the cluster's internal token
+    (:func:`services.common.internal_auth.internal_channel`). It works over plaintext on
+    loopback too, where gRPC's call credentials refuse to send anything.
 
     Args:
-        key: The API key.
+        key: The metadata key (lower case, as gRPC requires).
+        value: Its value.
     """
 
-    def __init__(self, key: str) -> None:
-        self._entry = ("authorization", f"Bearer {key}")
+    def __init__(self, key: str, value: str) -> None:
+        self._entry = (key, value)
 
-    def _with_key(self, details: Any) -> _CallDetails:
+    def _with_entry(self, details: Any) -> _CallDetails:
         return _CallDetails(
             details.method,
             details.timeout,
@@ -409,16 +412,21 @@ class BearerToken(
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_key(details), request)
+        return continuation(self._with_entry(details), request)
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_key(details), request)
+        return continuation(self._with_entry(details), request)
 
     def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_key(details), requests)
+        return continuation(self._with_entry(details), requests)
 
     def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_key(details), requests)
+        return continuation(self._with_entry(details), requests)
+
+
+def bearer_token(key: str) -> MetadataSender:
+    """The interceptor that sends ``authorization: Bearer <key>`` (an API key) on every call."""
+    return MetadataSender("authorization", f"Bearer {key}")
 
 
 def client_channel(
@@ -427,11 +435,11 @@ def client_channel(
     api_key: str = "",
 ) -> grpc.Channel:
     """A channel to ``address`` with :data:`CHANNEL_OPTIONS`: TLS with ``credentials``
-    (plaintext without), and ``api_key`` sent on every call (:class:`BearerToken`)."""
+    (plaintext without), and ``api_key`` sent on every call (:func:`bearer_token`)."""
     if credentials is None:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     else:
         channel = grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
     if api_key:
-        return grpc.intercept_channel(channel, BearerToken(api_key))
+        return grpc.intercept_channel(channel, bearer_token(api_key))
     return channel

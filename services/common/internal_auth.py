@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from services.common.errors import ConfigError
+from services.common.grpc_util import MetadataSender
 
 logger = logging.getLogger(__name__)
 
@@ -196,48 +197,6 @@ class InternalTokenInterceptor(grpc.ServerInterceptor):
         logger.warning("refused calls without the internal token: %s", summary)
 
 
-class _CallDetails(grpc.ClientCallDetails):
-    """A ``grpc.ClientCallDetails`` with its fields settable (the interface has no constructor)."""
-
-    def __init__(
-        self, details: grpc.ClientCallDetails, metadata: tuple[tuple[str, str | bytes], ...]
-    ) -> None:
-        self.method = details.method
-        self.timeout = details.timeout
-        self.metadata = metadata
-        self.credentials = details.credentials
-        self.wait_for_ready = getattr(details, "wait_for_ready", None)
-        self.compression = getattr(details, "compression", None)
-
-
-class _TokenSender(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Client interceptor that adds the internal token to every call's metadata."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        metadata = (*(details.metadata or ()), (TOKEN_METADATA_KEY, self._token))
-        return _CallDetails(details, metadata)
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_token(details), request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_token(details), request)
-
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
-
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
-
-
 def internal_channel(
     address: str, token: str, options: Sequence[tuple[str, Any]] | None = None
 ) -> grpc.Channel:
@@ -254,7 +213,7 @@ def internal_channel(
     channel = grpc.insecure_channel(address, options=options)
     if not token:
         return channel
-    return grpc.intercept_channel(channel, _TokenSender(token))
+    return grpc.intercept_channel(channel, MetadataSender(TOKEN_METADATA_KEY, token))
 
 
 def server_interceptors(

@@ -15,8 +15,8 @@ from services.common.config import (
     env_bool,
     env_float,
     env_or,
+    inspection_size_limits,
     int_flag_or_env,
-    parse_bytes,
     require_at_least_one,
     require_seconds,
     require_server_ports,
@@ -328,13 +328,6 @@ class GatewayConfig:
         """Flags first, then ``PLORA_*`` environment variables, then defaults."""
         d = cls()
 
-        def size(flag_value: str | None, flag: str, env: str, default: int) -> int:
-            text = flag_value if flag_value else env_or(env, None)
-            try:
-                return parse_bytes(text) if text else default
-            except ConfigError as exc:
-                raise ConfigError(f"{flag} / {env}: {exc}") from exc
-
         return cls(
             host=args.host or env_or("PLORA_GATEWAY_HOST", d.host) or d.host,
             port=int_flag_or_env(args.port, "PLORA_GATEWAY_PORT", d.port),
@@ -361,18 +354,7 @@ class GatewayConfig:
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
-            max_adapter_config_bytes=size(
-                args.max_adapter_config_bytes,
-                "--max-adapter-config-bytes",
-                "PLORA_MAX_ADAPTER_CONFIG_BYTES",
-                d.max_adapter_config_bytes,
-            ),
-            max_safetensors_header_bytes=size(
-                args.max_safetensors_header_bytes,
-                "--max-safetensors-header-bytes",
-                "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
-                d.max_safetensors_header_bytes,
-            ),
+            **inspection_size_limits(args),
             max_lora_rank=int_flag_or_env(
                 args.max_lora_rank, "PLORA_MAX_LORA_RANK", d.max_lora_rank
             ),

@@ -13,6 +13,7 @@ from services.common.config import (
     choice_or_env,
     env_or,
     float_flag_or_env,
+    inspection_size_limits,
     int_flag_or_env,
     parse_bytes,
     require_at_least_one,
@@ -411,18 +412,7 @@ class WorkerConfig:
                 args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
             ),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
-            max_adapter_config_bytes=size(
-                args.max_adapter_config_bytes,
-                "--max-adapter-config-bytes",
-                "PLORA_MAX_ADAPTER_CONFIG_BYTES",
-                d.max_adapter_config_bytes,
-            ),
-            max_safetensors_header_bytes=size(
-                args.max_safetensors_header_bytes,
-                "--max-safetensors-header-bytes",
-                "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
-                d.max_safetensors_header_bytes,
-            ),
+            **inspection_size_limits(args),
             ready_file=args.ready_file or "",
         )
 
