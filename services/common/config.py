@@ -185,6 +185,20 @@ def inspection_size_limits(args: argparse.Namespace) -> dict[str, int]:
     }
 
 
+def require_inspection_sizes(max_config_bytes: int, max_header_bytes: int) -> None:
+    """Check the size bounds of :func:`inspection_size_limits` (each at least one byte).
+
+    Raises:
+        ConfigError: a bound is below one, naming its flag and variable.
+    """
+    require_at_least_one(
+        max_config_bytes, "--max-adapter-config-bytes", "PLORA_MAX_ADAPTER_CONFIG_BYTES"
+    )
+    require_at_least_one(
+        max_header_bytes, "--max-safetensors-header-bytes", "PLORA_MAX_SAFETENSORS_HEADER_BYTES"
+    )
+
+
 def add_adapter_root_argument(parser: argparse.ArgumentParser) -> None:
     """``--adapter-root DIR`` (repeatable, into ``adapter_roots``) of the gateway and the
     workers, falling back to ``PLORA_ADAPTER_ROOTS`` (:func:`adapter_roots_or_env`)."""

@@ -18,6 +18,7 @@ from services.common.config import (
     inspection_size_limits,
     int_flag_or_env,
     require_at_least_one,
+    require_inspection_sizes,
     require_seconds,
     require_server_ports,
 )
@@ -170,16 +171,7 @@ class GatewayConfig:
         ):
             if value < 0:
                 raise ConfigError(f"{flag} / {env} must be >= 0 (0 = no bound), got {value}")
-        require_at_least_one(
-            self.max_adapter_config_bytes,
-            "--max-adapter-config-bytes",
-            "PLORA_MAX_ADAPTER_CONFIG_BYTES",
-        )
-        require_at_least_one(
-            self.max_safetensors_header_bytes,
-            "--max-safetensors-header-bytes",
-            "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
-        )
+        require_inspection_sizes(self.max_adapter_config_bytes, self.max_safetensors_header_bytes)
         require_at_least_one(self.max_lora_rank, "--max-lora-rank", "PLORA_MAX_LORA_RANK")
 
     @property

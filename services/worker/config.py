@@ -17,6 +17,7 @@ from services.common.config import (
     int_flag_or_env,
     parse_bytes,
     require_at_least_one,
+    require_inspection_sizes,
     require_seconds,
     require_server_ports,
 )
@@ -126,16 +127,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
         require_server_ports("worker", self.port, self.metrics_port)
-        require_at_least_one(
-            self.max_adapter_config_bytes,
-            "--max-adapter-config-bytes",
-            "PLORA_MAX_ADAPTER_CONFIG_BYTES",
-        )
-        require_at_least_one(
-            self.max_safetensors_header_bytes,
-            "--max-safetensors-header-bytes",
-            "PLORA_MAX_SAFETENSORS_HEADER_BYTES",
-        )
+        require_inspection_sizes(self.max_adapter_config_bytes, self.max_safetensors_header_bytes)
         if self.allocator not in ALLOCATORS:
             raise ConfigError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.eviction not in EVICTIONS:
