@@ -129,6 +129,8 @@ class GatewayCore:
         internal_token = resolve_token(config.internal_token_file, config.internal_token)
         self.workers = WorkerClients(internal_token)
         self.admission = Admission(config.max_concurrent_requests, config.max_concurrent_per_tenant)
+        # the in-flight gauge reads the admission count: one count of the streams served
+        metrics.in_flight.set_function(lambda: self.admission.in_flight)
         self.registrations = Registrations()
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
@@ -205,7 +207,6 @@ class GatewayCore:
             self.metrics.rejected.labels(exc.reason).inc()
             self.metrics.requests.labels(exc.status_code_name).inc()
             raise
-        self.metrics.in_flight.inc()
         code = grpc.StatusCode.OK
         detail = ""
         try:
@@ -219,7 +220,6 @@ class GatewayCore:
                 code = ended_by_client(client)
             ticket.release()
             self.metrics.requests.labels(code.name).inc()
-            self.metrics.in_flight.dec()
             if code is not grpc.StatusCode.OK:
                 log_request_failure(
                     logger,
