@@ -238,6 +238,10 @@ _SERVING = (" WARNING ", " ERROR ")
 #: The gateway port of ``plora up`` when neither --gateway-port nor PLORA_GATEWAY_PORT is set.
 DEFAULT_GATEWAY_PORT = 50051
 
+#: The HTTP (OpenAI API) port of ``plora up`` when neither --http-port nor
+#: PLORA_GATEWAY_HTTP_PORT is set; when it is taken, any free port.
+DEFAULT_HTTP_PORT = 8000
+
 #: Variables of plora up's own credentials as a client of the gateway, kept from the services.
 _CLIENT_SECRETS = ("PLORA_API_KEY", "PLORA_TLS_CLIENT_KEY")
 
@@ -290,6 +294,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gateway gRPC port, 0..65535; 0 = any free port (default: $PLORA_GATEWAY_PORT, as "
         f"the gateway reads it, else {DEFAULT_GATEWAY_PORT}; the other services always take "
         "free ports)",
+    )
+    parser.add_argument(
+        "--http-port",
+        type=port_number,
+        default=None,
+        help="port of the gateway's OpenAI-compatible HTTP API, 0..65535; 0 = any free port "
+        "(default: $PLORA_GATEWAY_HTTP_PORT, else 8000, or any free port when 8000 is taken)",
     )
     parser.add_argument(
         "--policy",
@@ -410,6 +421,7 @@ class ClusterState(TypedDict):
     adapters: list[str]
     pids: dict[str, int]
     launcher_pid: int
+    openai_base_url: NotRequired[str]
     prometheus_targets: NotRequired[str]
 
 
@@ -514,6 +526,11 @@ class Cluster:
                     "another cluster or service listens there; stop it, or pass "
                     "--gateway-port (0 = any free port)"
                 ) from None
+        if a.http_port and not _port_free(a.host, a.http_port):
+            raise RuntimeError(
+                f"HTTP port {a.host}:{a.http_port} is in use: another cluster or service "
+                "listens there; stop it, or pass --http-port (0 = any free port)"
+            )
 
     def _say(self, text: str) -> None:
         print(f"plora up: {text}", flush=True)
@@ -620,6 +637,14 @@ class Cluster:
         if a.gateway_port is None:
             a.gateway_port = int_flag_or_env(None, "PLORA_GATEWAY_PORT", DEFAULT_GATEWAY_PORT)
             require_server_ports("gateway", a.gateway_port, 0)
+        if a.http_port is None and env_or("PLORA_GATEWAY_HTTP_PORT", None) is not None:
+            a.http_port = int_flag_or_env(None, "PLORA_GATEWAY_HTTP_PORT", 0)
+            if not 0 <= a.http_port <= 65535:
+                raise ConfigError(
+                    f"PLORA_GATEWAY_HTTP_PORT must be a port 0..65535, got {a.http_port}"
+                )
+        elif a.http_port is None:
+            a.http_port = DEFAULT_HTTP_PORT if _port_free(a.host, DEFAULT_HTTP_PORT) else 0
         set_in_env = overridden_policy_env(os.environ)
         flags = policy_flags(POLICIES[a.policy or "plora"], None if a.policy else os.environ)
         if set_in_env:
@@ -843,7 +868,7 @@ class Cluster:
         """
         a = self.args
         flags = [*self._common_flags(), "--port", str(a.gateway_port), "--metrics-port", "0"]
-        flags += plan.flags["gateway"]
+        flags += ["--http-port", str(a.http_port), *plan.flags["gateway"]]
         if predictor:
             flags += ["--predictor-address", f"{a.host}:{predictor.ports['grpc_port']}"]
         gateway = self._child("gateway", "gateway", flags)
@@ -891,6 +916,9 @@ class Cluster:
             "pids": {c.name: c.proc.pid for c in self.children if c.proc},
             "launcher_pid": os.getpid(),
         }
+        gateway_child = next(c for c in self.children if c.name == "gateway")
+        scheme = "https" if self.gateway_credentials else "http"
+        state["openai_base_url"] = f"{scheme}://{self._dial(gateway_child.ports['http_port'])}/v1"
         state["prometheus_targets"] = str(self.targets_file)
         write_json_atomic(self.targets_file, prometheus_targets(state["metrics"]), indent=2)
         credentials = ClusterCredentials(
@@ -1126,10 +1154,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now (a probe: another process may take it after)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
 def _pin_ports(cmd: list[str], ports: dict[str, int]) -> list[str]:
     """``cmd`` with ``--port``/``--metrics-port`` set to the ports the child bound before."""
     out = list(cmd)
-    for flag, key in (("--port", "grpc_port"), ("--metrics-port", "metrics_port")):
+    for flag, key in (
+        ("--port", "grpc_port"),
+        ("--metrics-port", "metrics_port"),
+        ("--http-port", "http_port"),
+    ):
         if flag in out and key in ports:
             out[out.index(flag) + 1] = str(ports[key])
     return out

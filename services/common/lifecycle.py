@@ -57,11 +57,12 @@ def write_json_atomic(
     tmp.replace(path)
 
 
-def write_ready_file(path: str, grpc_port: int, metrics_port: int) -> None:
-    """Atomically write ``{"grpc_port", "metrics_port"}`` so the launcher learns bound ports."""
+def write_ready_file(path: str, grpc_port: int, metrics_port: int, **ports: int) -> None:
+    """Atomically write ``{"grpc_port", "metrics_port", ...}`` (plus any other named
+    ``ports``, e.g. ``http_port``) so the launcher learns bound ports."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(target, {"grpc_port": grpc_port, "metrics_port": metrics_port})
+    write_json_atomic(target, {"grpc_port": grpc_port, "metrics_port": metrics_port, **ports})
 
 
 #: Run as ``python -c _STOP_WITH_PARENT <parent pid> <command...>``: ask Linux to send SIGTERM

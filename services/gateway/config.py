@@ -11,12 +11,14 @@ from services.common.config import (
     adapter_roots_or_env,
     add_adapter_root_argument,
     add_server_arguments,
+    bytes_flag_or_env,
     choice_or_env,
     env_bool,
     env_float,
     env_or,
     inspection_size_limits,
     int_flag_or_env,
+    port_number,
     require_at_least_one,
     require_inspection_sizes,
     require_seconds,
@@ -45,6 +47,10 @@ class GatewayConfig:
         host: Interface of the gRPC server (``PLORA_GATEWAY_HOST``).
         port: gRPC port; 0 = any free port (``PLORA_GATEWAY_PORT``).
         metrics_port: Prometheus port; 0 = any free port (``PLORA_GATEWAY_METRICS_PORT``).
+        http_port: Port of the OpenAI-compatible HTTP API, on ``host``; 0 = any free port
+            (``PLORA_GATEWAY_HTTP_PORT``; :mod:`services.gateway.openai_http`).
+        http_max_body_bytes: Largest HTTP request body read; larger ones get 413
+            (``PLORA_GATEWAY_HTTP_MAX_BODY_BYTES``).
         redis_url: Metadata store (``PLORA_REDIS_URL``).
         internal_token_file: File holding the internal token
             (``PLORA_INTERNAL_TOKEN_FILE``; :mod:`services.common.internal_auth`).
@@ -85,7 +91,8 @@ class GatewayConfig:
         max_adapters_per_tenant: Adapters one ``tenant_id`` may have registered; registering a
             new id beyond it is refused, replacing one of its own is not; 0 = no bound
             (``PLORA_MAX_ADAPTERS_PER_TENANT``; default 0, for the same reason).
-        ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
+        ready_file: Where to write ``{"grpc_port", "metrics_port", "http_port"}`` once
+            serving (launcher).
         api_keys_file: JSON or YAML file of the API keys' sha256 hashes and whom each key
             acts as (:class:`services.gateway.auth.KeyRing`); empty = no keys, every caller
             trusted (``PLORA_API_KEYS_FILE``).
@@ -101,6 +108,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9100
+    http_port: int = 8000
+    http_max_body_bytes: int = 4 << 20
     redis_url: str = DEFAULT_REDIS_URL
     internal_token_file: str = ""
     internal_token: str = field(default="", repr=False)
@@ -131,6 +140,14 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
         require_server_ports("gateway", self.port, self.metrics_port)
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(
+                "--http-port / PLORA_GATEWAY_HTTP_PORT must be a port 0..65535 (0 = any free "
+                f"port), got {self.http_port}"
+            )
+        require_at_least_one(
+            self.http_max_body_bytes, "--http-max-body-bytes", "PLORA_GATEWAY_HTTP_MAX_BODY_BYTES"
+        )
         if self.routing not in ROUTING_POLICIES:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         require_at_least_one(
@@ -222,6 +239,17 @@ class GatewayConfig:
         """
         add_server_arguments(parser, "gateway", GatewayConfig.port, GatewayConfig.metrics_port)
         parser.add_argument(
+            "--http-port",
+            type=port_number,
+            help="port of the OpenAI-compatible HTTP API (/v1/...), 0 = any free port "
+            "(env PLORA_GATEWAY_HTTP_PORT; default 8000)",
+        )
+        parser.add_argument(
+            "--http-max-body-bytes",
+            help="largest HTTP request body read, e.g. 4MiB; larger ones get 413 "
+            "(env PLORA_GATEWAY_HTTP_MAX_BODY_BYTES; default 4MiB)",
+        )
+        parser.add_argument(
             "--predictor-address",
             help="host:port of the predictor that gets the request events; empty = none "
             "(env PLORA_PREDICTOR_ADDRESS; default none)",
@@ -311,7 +339,8 @@ class GatewayConfig:
         )
         parser.add_argument(
             "--ready-file",
-            help="write {grpc_port, metrics_port} as JSON here once serving, for the launcher "
+            help="write {grpc_port, metrics_port, http_port} as JSON here once serving, for "
+            "the launcher "
             "(no env variable; default none)",
         )
 
@@ -325,6 +354,13 @@ class GatewayConfig:
             port=int_flag_or_env(args.port, "PLORA_GATEWAY_PORT", d.port),
             metrics_port=int_flag_or_env(
                 args.metrics_port, "PLORA_GATEWAY_METRICS_PORT", d.metrics_port
+            ),
+            http_port=int_flag_or_env(args.http_port, "PLORA_GATEWAY_HTTP_PORT", d.http_port),
+            http_max_body_bytes=bytes_flag_or_env(
+                args.http_max_body_bytes,
+                "--http-max-body-bytes",
+                "PLORA_GATEWAY_HTTP_MAX_BODY_BYTES",
+                d.http_max_body_bytes,
             ),
             redis_url=args.redis_url or env_or("PLORA_REDIS_URL", d.redis_url) or d.redis_url,
             internal_token_file=args.internal_token_file

@@ -132,6 +132,7 @@ class GatewayCore:
         # the in-flight gauge reads the admission count: one count of the streams served
         metrics.in_flight.set_function(lambda: self.admission.in_flight)
         self.registrations = Registrations()
+        self._base_model = ("", 0.0)  # (name, monotonic time read): base_model()
         # monotonic time after which streams still running are ended (the gateway stops)
         self._drain_deadline: float | None = None
         self._drain_grace_s = 0.0
@@ -426,6 +427,47 @@ class GatewayCore:
         )
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
+
+    # -- what may be asked for -------------------------------------------------------------
+
+    def base_model(self) -> str:
+        """The served base model's name as the workers published it ("" before any did);
+        read at most once per ``adapter_cache_s`` (it changes only with the workers' model).
+
+        Raises:
+            RegistryUnavailableError: Redis is unreachable and no name was read before.
+        """
+        now = time.monotonic()
+        name, read_at = self._base_model
+        if name and now - read_at < self.config.adapter_cache_s:
+            return name
+        try:
+            published = self.registry.get_model_spec()
+        except RegistryUnavailableError:
+            if name:
+                return name
+            raise
+        name = published[0].name if published else ""
+        self._base_model = (name, now)
+        return name
+
+    def models(self, tenant_id: str) -> tuple[str, list[AdapterRecord]]:
+        """The base model's name and the adapters ``tenant_id`` may use ("" = every one).
+
+        Raises:
+            InvalidRequestError: A malformed tenant id.
+            RegistryUnavailableError: Redis is unreachable.
+        """
+        return self.base_model(), self.list_adapters(tenant_id)
+
+    def can_route(self) -> bool:
+        """Whether a request could be routed now: some worker is healthy and not set aside
+        after a failure (what an HTTP health check reports)."""
+        try:
+            healthy = [w for w in self.catalog.workers() if w.healthy]
+        except RegistryUnavailableError:
+            return False
+        return bool(self.routing.usable(healthy))
 
     # -- adapters -------------------------------------------------------------------------
 

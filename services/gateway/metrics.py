@@ -56,6 +56,13 @@ class GatewayMetrics:
             "failed, or the adapter's newer version after a worker refused the old one)",
             registry=r,
         )
+        self.http_requests = Counter(
+            "plora_gateway_http_requests",
+            "Requests answered by the OpenAI-compatible HTTP door, by route and HTTP status "
+            "(generations are counted in plora_gateway_requests_total too, with either door's)",
+            ["route", "code"],
+            registry=r,
+        )
         self.unauthenticated = Counter(
             "plora_gateway_unauthenticated",
             "Calls refused UNAUTHENTICATED: no API key, or one not in the keys file "

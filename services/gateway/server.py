@@ -41,6 +41,7 @@ from services.gateway.auth import (
 from services.gateway.config import GatewayConfig
 from services.gateway.core import GatewayCore
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_http import HttpServer, OpenAIApp
 from services.gateway.results import GenerateChunk
 
 logger = logging.getLogger(__name__)
@@ -188,13 +189,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 
 class GatewayService:
-    """A running gateway: gRPC server, metrics endpoint and event stream.
+    """A running gateway: gRPC server, OpenAI-compatible HTTP server (both over one
+    :class:`~services.gateway.core.GatewayCore`), metrics endpoint and event stream.
 
     Args:
         config: The gateway's settings.
 
     Raises:
         RegistryUnavailableError: Redis cannot be reached.
+        OSError: A port cannot be bound.
     """
 
     def __init__(self, config: GatewayConfig) -> None:
@@ -228,6 +231,22 @@ class GatewayService:
             credentials=credentials,
             interceptors=interceptors,
         )
+        self.openai = OpenAIApp(
+            self.core,
+            keyring,
+            self.metrics,
+            threads=server_threads(config.max_concurrent_requests),
+            max_body_bytes=config.http_max_body_bytes,
+        )
+        self.http = HttpServer(
+            self.openai,
+            config.host,
+            config.http_port,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
+            tls_client_ca=config.tls_client_ca,
+        )
+        self.http_port = self.http.port
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port
         )
@@ -235,14 +254,18 @@ class GatewayService:
     def start(self) -> GatewayService:
         """Start serving and mark the service SERVING."""
         self.server.start()
+        self.http.start()
         self.core.start()
         set_serving(self.health, [SERVICE_NAME], True)
         if self.config.ready_file:
-            write_ready_file(self.config.ready_file, self.port, self.metrics_port)
+            write_ready_file(
+                self.config.ready_file, self.port, self.metrics_port, http_port=self.http_port
+            )
         logger.info(
-            "gateway serving on %s:%d (%s, %s)",
+            "gateway serving gRPC on %s:%d, OpenAI HTTP on port %d (%s, %s)",
             self.config.host,
             self.port,
+            self.http_port,
             "TLS" if self.config.tls_cert else "plaintext",
             "API keys" if self.config.api_keys_file else "no API keys",
         )
@@ -255,7 +278,10 @@ class GatewayService:
         (:meth:`GatewayCore.begin_drain`)."""
         set_serving(self.health, [SERVICE_NAME], False)
         self.core.begin_drain(grace, max(0.0, grace - 1.0))
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace)
+        self.http.stop(grace)
+        stopped.wait()
+        self.openai.close()
         self.core.close()
         self.metrics_server.shutdown()
 
