@@ -392,6 +392,8 @@ class OpenAIApp:
         if isinstance(first, _Failed):
             watcher.cancel()
             return self._error(first.error, generation.request_id)
+        if first is _END:  # the client went away before the first token: nobody reads this
+            return JSONResponse(error_json(499, "the client closed the request"), 499)
         answer = Answer(chat, generation.request_id, body.model)
         if not body.stream:
             try:
