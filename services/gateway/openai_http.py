@@ -293,13 +293,20 @@ class OpenAIApp:
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own refusals (unknown path, wrong method) as OpenAI error objects."""
-        message = (
-            f"no route {request.method} {request.url.path}: this gateway serves /v1/models, "
-            "/v1/completions, /v1/chat/completions and /health"
-            if exc.status_code in (404, 405)
-            else str(exc.detail)
-        )
-        return JSONResponse(error_json(exc.status_code, message), exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            message = (
+                f"{request.method} is not allowed on {request.url.path}: use "
+                f"{headers.get('Allow', 'another method')}"
+            )
+        elif exc.status_code == 404:
+            message = (
+                f"no route {request.method} {request.url.path}: this gateway serves /v1/models, "
+                "/v1/completions, /v1/chat/completions and /health"
+            )
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_json(exc.status_code, message), exc.status_code, headers)
 
     # -- routes -----------------------------------------------------------------------------
 
