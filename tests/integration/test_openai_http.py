@@ -617,3 +617,71 @@ def test_a_tenant_key_lists_and_serves_its_own_and_shared_adapters_only(
     with _secure_client(secure_cluster, SECURE_KEYS["operator"]) as operator:
         everything = {m.id for m in operator.models.list().data}
         assert {*tenant_adapters.values(), *demo} <= everything
+
+
+# -- a gateway without a real worker ---------------------------------------------------------
+
+
+@pytest.fixture()
+def lone_gateway(redis_url: str) -> Iterator[tuple[str, str]]:
+    """A gateway on the session's real Redis with no worker yet; yields (HTTP base URL,
+    Redis URL)."""
+    from services.gateway.config import GatewayConfig
+    from services.gateway.server import GatewayService
+
+    config = GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    service = GatewayService(config).start()
+    yield f"http://127.0.0.1:{service.http_port}", redis_url
+    service.stop(0)
+
+
+def test_without_a_worker_health_and_generation_are_503(lone_gateway: tuple[str, str]) -> None:
+    base, _ = lone_gateway
+    with httpx2.Client(base_url=base, timeout=30) as http:
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json() == {"status": "unavailable"}
+        assert http.get("/v1/models").json() == {"object": "list", "data": []}
+    with OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
+        for model in (BASE_MODEL, "adapter-000-r8"):
+            with pytest.raises(openai.InternalServerError) as err:
+                client.chat.completions.create(model=model, messages=MESSAGES)
+            assert err.value.status_code == 503
+            assert "no healthy worker" in err.value.message
+
+
+def test_a_worker_failing_mid_stream_ends_the_stream_with_an_error_event(
+    lone_gateway: tuple[str, str],
+) -> None:
+    """After the first token the status is sent: the failure comes as an ``error`` event,
+    then ``[DONE]``, which the ``openai`` package raises as an APIError."""
+    from tests.integration.test_gateway_alone import SPEC, _start_token_streamer, _TokenStreamer
+
+    class FailsAfterTwoTokens(_TokenStreamer):
+        def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+            for i in range(2):
+                yield gateway_pb2.GenerateResponse(text="x", token_ids=[i], worker_id="w0")
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the test's worker failed")
+
+    base, redis_url = lone_gateway
+    worker, _ = _start_token_streamer(redis_url, 0.0, FailsAfterTwoTokens(0.0))
+    body = {"model": SPEC.name, "messages": MESSAGES, "stream": True}
+    try:
+        with httpx2.Client(base_url=base, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                events = [line for line in response.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable"
+        assert "the test's worker failed" in error["message"]
+        assert "Traceback" not in error["message"]
+        with OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
+            stream = client.chat.completions.create(model=SPEC.name, messages=MESSAGES, stream=True)
+            texts = []
+            with pytest.raises(openai.APIError) as err:
+                for chunk in stream:
+                    texts.append(chunk.choices[0].delta.content)
+            assert texts == ["", "x", "x"]
+            assert "the test's worker failed" in err.value.message
+    finally:
+        worker.stop(0)
