@@ -12,6 +12,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -319,6 +320,38 @@ def test_a_stream_closed_after_its_first_chunk_leaves_no_sequence_on_any_worker(
     while _gateway_requests(cluster, "CANCELLED") < cancelled + 1:
         assert time.monotonic() - closed < 10.0, "the gateway did not count the cancellation"
         time.sleep(0.1)
+
+
+def test_a_client_gone_before_a_whole_answer_leaves_no_sequence_on_any_worker(
+    cluster: dict,
+) -> None:
+    """A non-streamed request whose client stops waiting (a read timeout closes the
+    connection) is cancelled too."""
+    _wait_for_no_sequences(cluster, 30.0, "an earlier request still runs")
+    body = {
+        "model": cluster["adapters"][5],
+        "messages": [{"role": "user", "content": LONG_PROMPT}],
+        "max_tokens": 400,
+        "temperature": 0,
+    }
+    outcome: list[BaseException] = []
+
+    def ask() -> None:
+        with httpx2.Client(base_url=cluster["openai_base_url"] + "/", timeout=4.0) as http:
+            try:
+                http.post("chat/completions", json=body)
+            except httpx2.ReadTimeout as exc:  # the client gives up and closes
+                outcome.append(exc)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    start = time.monotonic()
+    while _sequences_on_workers(cluster) != 1:  # generating while the client waits
+        assert time.monotonic() - start < 4.0, "the request never reached a worker"
+        time.sleep(0.05)
+    client.join(30)
+    assert outcome and isinstance(outcome[0], httpx2.ReadTimeout)
+    _wait_for_no_sequences(cluster, 2.0, "the worker kept the sequence 2 s after the client left")
 
 
 def test_health_is_200_while_workers_serve(cluster: dict, http: httpx2.Client) -> None:
