@@ -105,9 +105,10 @@ def model_dir() -> Path:
 def run_plora_up(
     root: Path, model_dir: Path, flags: list[str], env: dict[str, str] | None = None
 ) -> Iterator[dict]:
-    """Run ``plora up`` with its state, logs and demo adapters under ``root`` until the
-    generator is closed; yields the state JSON with ``log`` and ``root`` added. Closing it
-    sends SIGTERM to the launcher and checks every child process ended.
+    """Run ``plora up`` with its state, logs and demo adapters under ``root`` (the gateway's
+    gRPC and HTTP ports chosen by the OS) until the generator is closed; yields the state
+    JSON with ``log`` and ``root`` added. Closing it sends SIGTERM to the launcher and checks
+    every child process ended.
 
     Args:
         root: Directory of this cluster's files (``cluster.json``, ``up.log``, ``adapters``).
@@ -133,6 +134,8 @@ def run_plora_up(
             "--state-file",
             str(state_file),
             "--gateway-port",
+            "0",
+            "--http-port",
             "0",
             "--adapters-dir",
             str(root / "adapters"),

@@ -41,7 +41,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from plora.v1 import gateway_pb2
-from services.common.errors import AdapterNotFoundError, PLoRAError, UnauthenticatedError
+from services.common.errors import (
+    AdapterNotFoundError,
+    NoHealthyWorkerError,
+    PLoRAError,
+    UnauthenticatedError,
+)
 from services.gateway.auth import KeyRing, Principal, effective_tenant
 from services.gateway.core import GatewayCore, Generation
 from services.gateway.metrics import GatewayMetrics
@@ -67,6 +72,12 @@ logger = logging.getLogger(__name__)
 #: or unknown key).
 UNAUTHENTICATED_MESSAGE = (
     "a valid API key is required: send the HTTP header 'Authorization: Bearer <key>'"
+)
+
+#: The refusal of a generation before any worker published the served model.
+NO_MODEL_YET = (
+    "no healthy worker is available (none has published the served model yet); check "
+    "`plora status` and the workers' logs"
 )
 
 #: Routes, as the HTTP metric labels them (anything else is "other").
@@ -293,13 +304,20 @@ class OpenAIApp:
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own refusals (unknown path, wrong method) as OpenAI error objects."""
-        message = (
-            f"no route {request.method} {request.url.path}: this gateway serves /v1/models, "
-            "/v1/completions, /v1/chat/completions and /health"
-            if exc.status_code in (404, 405)
-            else str(exc.detail)
-        )
-        return JSONResponse(error_json(exc.status_code, message), exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            message = (
+                f"{request.method} is not allowed on {request.url.path}: use "
+                f"{headers.get('Allow', 'another method')}"
+            )
+        elif exc.status_code == 404:
+            message = (
+                f"no route {request.method} {request.url.path}: this gateway serves /v1/models, "
+                "/v1/completions, /v1/chat/completions and /health"
+            )
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_json(exc.status_code, message), exc.status_code, headers)
 
     # -- routes -----------------------------------------------------------------------------
 
@@ -357,6 +375,8 @@ class OpenAIApp:
             data = await self._json(request)
             body = parse_body(ChatBody if chat else CompletionBody, data)
             base = await self._blocking(self.core.base_model)
+            if not base:  # no worker has run yet: no model is known, none can be served
+                raise NoHealthyWorkerError(NO_MODEL_YET)
             adapter_id = "" if body.model == base else body.model
             if chat:
                 message = chat_request(body, adapter_id)

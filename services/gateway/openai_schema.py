@@ -214,7 +214,9 @@ class ChatBody(_Body):
                 f"response_format type {quoted(str(kind))} is not supported: only text",
             )
         if self.modalities not in (None, ["text"]):
-            raise UnsupportedFieldError("modalities", "only the text modality is supported")
+            raise UnsupportedFieldError(
+                "modalities", 'modalities other than ["text"] are not supported: omit it'
+            )
 
     def chat_turns(self) -> list[gateway_pb2.ChatMessage]:
         """The messages as ``plora.v1.ChatMessage`` turns (text parts joined).
@@ -433,6 +435,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
