@@ -75,6 +75,9 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 #: Request header whose value becomes the request id (for tracing; echoed in the response).
 REQUEST_ID_HEADER = "x-request-id"
 
+#: Connections the HTTP socket queues before the server accepts them (uvicorn's default).
+BACKLOG = 2048
+
 
 class HttpError(Exception):
     """A refusal of the HTTP layer itself (body too large, not JSON), with its status."""
@@ -511,7 +514,8 @@ class HttpServer:
         tls_client_ca: Mutual TLS: client certificates must chain to this CA bundle.
 
     Raises:
-        OSError: the port cannot be bound.
+        OSError: the port cannot be bound (taken by another process, or a privileged port);
+            the message names the address and the flag that sets the port.
     """
 
     def __init__(
@@ -527,7 +531,19 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in name else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((name, port))
+        try:
+            self.socket.bind((name, port))
+            # listening now, not at start: until a socket listens, Linux lets a second one
+            # with SO_REUSEADDR bind the same port, and that server would fail only at start
+            self.socket.listen(BACKLOG)
+        except OSError as exc:
+            self.socket.close()
+            raise OSError(
+                exc.errno,
+                f"could not bind HTTP port {host}:{port}: {exc.strerror} (another cluster or "
+                "service on it? stop it, or choose another port with --http-port / "
+                "PLORA_GATEWAY_HTTP_PORT; 0 = any free port)",
+            ) from None
         self.socket.set_inheritable(True)
         self.port = self.socket.getsockname()[1]
         self.tls = bool(tls_cert)
@@ -535,6 +551,7 @@ class HttpServer:
             app,
             http="httptools",
             lifespan="off",
+            backlog=BACKLOG,
             log_config=None,
             access_log=False,
             server_header=False,
