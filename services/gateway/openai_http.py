@@ -553,6 +553,9 @@ class HttpServer:
             lifespan="off",
             backlog=BACKLOG,
             log_config=None,
+            # uvicorn's INFO lines repeat the gateway's own, and its stop line tells to press
+            # CTRL+C to force quit, which a gateway ignores: warnings and errors only
+            log_level="warning",
             access_log=False,
             server_header=False,
             ssl_certfile=tls_cert or None,
