@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow
 LIMIT = 150
 #: Streams opened at once.
 FLOOD = 200
-#: Tokens per stream: an admitted stream lasts seconds (five rounds of the workers' batches
-#: of 32 on one CPU thread each), far longer than a refusal may take.
+#: Tokens per stream: the admitted streams last seconds (about three rounds of each worker's
+#: batch of 32, on one CPU thread per worker), far longer than a refusal may take.
 MAX_TOKENS = 8
 #: ``plora serve gateway``'s grace period on SIGTERM (:meth:`GatewayService.stop`), seconds.
 GRACE_S = 5.0
@@ -155,7 +155,9 @@ def test_200_sse_streams_against_a_limit_of_150(limited_cluster: dict) -> None:
     new request is served."""
     cluster = limited_cluster
     base_url = cluster["openai_base_url"]
-    models = [cluster["adapters"][0], "SmolLM2-135M-Instruct"]
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    base_model = client.models.list().data[0].id  # listed first
+    models = [cluster["adapters"][0], base_model]
     # one stream per model first: the first steps and the lazy imports are not the flood's
     warm, _ = _flood(base_url, models, 2)
     assert [o.status for o in warm] == [200, 200], warm
@@ -207,7 +209,6 @@ def test_200_sse_streams_against_a_limit_of_150(limited_cluster: dict) -> None:
     assert after[("plora_gateway_requests_in_flight", frozenset())] == 0
     _eventually(lambda: _workers_idle(cluster), "every worker to have no sequence", 5.0)
 
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
     chunks = list(
         client.chat.completions.create(
             model=cluster["adapters"][0],
