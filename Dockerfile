@@ -37,7 +37,8 @@ RUN groupadd --gid 10001 plora \
     && mkdir -p /cache /adapters \
     && chown 10001:10001 /cache /adapters
 USER 10001:10001
-# gateway 50051, worker 50061, predictor 50071; metrics 9100-9102
-EXPOSE 50051 50061 50071 9100 9101 9102
+# gateway 50051 (gRPC) and 8000 (OpenAI-compatible HTTP), worker 50061, predictor 50071;
+# metrics 9100-9102
+EXPOSE 50051 8000 50061 50071 9100 9101 9102
 ENTRYPOINT ["plora"]
 CMD ["serve", "gateway", "--host", "0.0.0.0"]

@@ -181,8 +181,8 @@ def run_service(
     Returns:
         0 after a clean stop; :data:`EXIT_REGISTRY_UNAVAILABLE` when it cannot start because
         Redis is unreachable (worth trying again later); 2 when it cannot start for another
-        reason (bad config, model missing) - with a one-line reason in the log, not a stack
-        trace.
+        reason (bad config, model missing, a port taken) - with a one-line reason in the log,
+        not a stack trace.
     """
     args = service_parser(name, config_cls).parse_args(argv)
     try:
@@ -197,7 +197,7 @@ def run_service(
     except RegistryUnavailableError as exc:
         logger.error("%s", exc)
         return EXIT_REGISTRY_UNAVAILABLE
-    except PLoRAError as exc:
+    except (PLoRAError, OSError) as exc:  # OSError: a port it cannot bind, a file it cannot read
         logger.error("%s", exc)
         return 2
     serve_until_signalled(service.stop)

@@ -86,6 +86,9 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 #: Request header whose value becomes the request id (for tracing; echoed in the response).
 REQUEST_ID_HEADER = "x-request-id"
 
+#: Connections the HTTP socket queues before the server accepts them (uvicorn's default).
+BACKLOG = 2048
+
 
 class HttpError(Exception):
     """A refusal of the HTTP layer itself (body too large, not JSON), with its status."""
@@ -533,7 +536,8 @@ class HttpServer:
         tls_client_ca: Mutual TLS: client certificates must chain to this CA bundle.
 
     Raises:
-        OSError: the port cannot be bound.
+        OSError: the port cannot be bound (taken by another process, or a privileged port);
+            the message names the address and the flag that sets the port.
     """
 
     def __init__(
@@ -549,7 +553,19 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in name else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((name, port))
+        try:
+            self.socket.bind((name, port))
+            # listening now, not at start: until a socket listens, Linux lets a second one
+            # with SO_REUSEADDR bind the same port, and that server would fail only at start
+            self.socket.listen(BACKLOG)
+        except OSError as exc:
+            self.socket.close()
+            raise OSError(
+                exc.errno,
+                f"could not bind HTTP port {host}:{port}: {exc.strerror} (another cluster or "
+                "service on it? stop it, or choose another port with --http-port / "
+                "PLORA_GATEWAY_HTTP_PORT; 0 = any free port)",
+            ) from None
         self.socket.set_inheritable(True)
         self.port = self.socket.getsockname()[1]
         self.tls = bool(tls_cert)
@@ -557,7 +573,11 @@ class HttpServer:
             app,
             http="httptools",
             lifespan="off",
+            backlog=BACKLOG,
             log_config=None,
+            # uvicorn's INFO lines repeat the gateway's own, and its stop line tells to press
+            # CTRL+C to force quit, which a gateway ignores: warnings and errors only
+            log_level="warning",
             access_log=False,
             server_header=False,
             ssl_certfile=tls_cert or None,

@@ -238,14 +238,19 @@ class GatewayService:
             threads=server_threads(config.max_concurrent_requests),
             max_body_bytes=config.http_max_body_bytes,
         )
-        self.http = HttpServer(
-            self.openai,
-            config.host,
-            config.http_port,
-            tls_cert=config.tls_cert,
-            tls_key=config.tls_key,
-            tls_client_ca=config.tls_client_ca,
-        )
+        try:
+            self.http = HttpServer(
+                self.openai,
+                config.host,
+                config.http_port,
+                tls_cert=config.tls_cert,
+                tls_key=config.tls_key,
+                tls_client_ca=config.tls_client_ca,
+            )
+        except OSError:
+            self.server.stop(None)  # give the gRPC port back
+            self.openai.close()
+            raise
         self.http_port = self.http.port
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port

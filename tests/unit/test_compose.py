@@ -172,11 +172,40 @@ def test_environment_variables_are_ones_the_services_read(service: str) -> None:
         assert name in known, f"{service}: {name} is not read by any service"
 
 
+def _bound_ports(service: str) -> set[int]:
+    """The container ports ``service``'s command binds: gRPC, metrics and, for the gateway,
+    the OpenAI-compatible HTTP API (given as a flag, not left to a default)."""
+    kind, args = _parse(service)
+    ports = {args.port, args.metrics_port}
+    if kind == "gateway":
+        assert args.http_port is not None, "the gateway's command must name --http-port"
+        ports.add(args.http_port)
+    return ports
+
+
 @pytest.mark.parametrize("service", sorted(PLORA_SERVICES))
 def test_published_ports_match_the_bound_ports(service: str) -> None:
-    _kind, args = _parse(service)
     container_ports = {container for _host, container in _published(service)}
-    assert {args.port, args.metrics_port} == container_ports
+    assert _bound_ports(service) == container_ports
+
+
+def test_the_gateway_publishes_the_openai_http_api_on_the_host_port_8000() -> None:
+    """``http://localhost:8000/v1``, where OpenAI clients and ``plora up`` put it; the health
+    check stays on gRPC."""
+    _kind, args = _parse("gateway")
+    assert args.http_port == 8000
+    assert "127.0.0.1:8000:8000" in COMPOSE["services"]["gateway"]["ports"]
+    assert "http://localhost:8000/v1" in _docs_compose_section()
+
+
+def test_the_image_exposes_every_port_the_services_bind() -> None:
+    exposed = {
+        int(port)
+        for line in _dockerfile_stages()[-1]
+        if line.upper().startswith("EXPOSE ")
+        for port in line.split()[1:]
+    }
+    assert exposed == set().union(*(_bound_ports(s) for s in PLORA_SERVICES))
 
 
 @pytest.mark.parametrize("service", sorted(COMPOSE["services"]))
