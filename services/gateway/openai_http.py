@@ -377,7 +377,8 @@ class OpenAIApp:
             principal = self._principal(request)
             data = await self._json(request)
             body = parse_body(ChatBody if chat else CompletionBody, data)
-            base = await self._blocking(self.core.base_model)
+            # the name read within the last second needs no hop to a thread
+            base = self.core.fresh_base_model() or await self._blocking(self.core.base_model)
             if not base:  # no worker has run yet: no model is known, none can be served
                 raise NoHealthyWorkerError(NO_MODEL_YET)
             adapter_id = "" if body.model == base else body.model
