@@ -80,13 +80,8 @@ from services.worker.eviction import (
 )
 from services.worker.pool import Allocator
 from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
-from services.worker.store import (
-    HOST_STAGING_INTERVAL_S,
-    HOST_STAGING_MIN_EXPECTED,
-    HostCache,
-    PackedAdapter,
-    StoreConfig,
-)
+from services.worker.store import HostCache, PackedAdapter, StoreConfig
+from services.worker.store_types import staging_key
 
 logger = logging.getLogger(__name__)
 
@@ -349,13 +344,13 @@ class SimWorker:
         self.loading_handles: set[int] = set()
         self.active = 0
         # host staging (AdapterStore.stage): the registered adapters read into free host-cache
-        # space one at a time, on a thread of its own, while no device load is queued; the
-        # forecast's order first (the pass of every HOST_STAGING_INTERVAL_S, shared by the
-        # workers, read from stage_pos on), then the rest in id order
-        self.stage_first: list[int] = []
-        self.stage_pos = 0
+        # space one at a time, on a thread of its own, while no device load is queued, in the
+        # order of staging_key (the worker's passes every HOST_STAGING_INTERVAL_S list the same
+        # adapters in the same order, so one queue read once stands for them)
         self.staging: deque[int] = deque(
-            sorted(range(k), key=lambda a: sim.adapters.names[a]) if sim.policy.host_staging else ()
+            sorted(range(k), key=lambda a: staging_key(sim.adapters.names[a]))
+            if sim.policy.host_staging
+            else ()
         )
         self.staging_active = False
         self.alloc_wait: deque[_Load] = deque()
@@ -718,13 +713,8 @@ class SimWorker:
         host = self.host
         if len(host) >= len(names):
             return  # every adapter is in host memory
-        first = self.stage_first
-        while self.stage_pos < len(first) or self.staging:
-            if self.stage_pos < len(first):
-                a = first[self.stage_pos]
-                self.stage_pos += 1
-            else:
-                a = self.staging.popleft()
+        while self.staging:
+            a = self.staging.popleft()
             if a in self.jobs or a in self.resident or host.holds(names[a], 0):
                 continue
             if int(nbytes[a]) > host.free_bytes:
@@ -732,13 +722,6 @@ class SimWorker:
             self.staging_active = True
             sim.push(t + sim.source_read_s(a, self.rng), _EV_STAGED, self.wid, a)
             return
-
-    def stage_order(self, order: list[int], t: float) -> None:
-        """A staging pass (``AdapterStore.stage``): these adapters first, in this order (the
-        list is shared by the workers and not modified)."""
-        self.stage_first = order
-        self.stage_pos = 0
-        self._start_staging(t)
 
     def staged(self, a: int, t: float) -> None:
         """A staging read finished: the adapter is in host memory (unless a load beat it)."""
@@ -1065,7 +1048,6 @@ class ClusterSimulation:
             )
         self._arrivals_seen = 0  # requests the simulated predictor has heard of
         self.ticks = 0
-        self._last_staging = -HOST_STAGING_INTERVAL_S
         self.predictor_wall_s = 0.0
         self._feed_wait0 = feed.wait_s if feed is not None else 0.0
         self.busy_workers = 0
@@ -1207,12 +1189,6 @@ class ClusterSimulation:
             self.calibrator.observe(t, expected, arrived)
         for w in self.workers:
             w.evictor.set_forecast(expected)
-        if self.policy.host_staging and t - self._last_staging >= HOST_STAGING_INTERVAL_S:
-            self._last_staging = t
-            keep = exps >= HOST_STAGING_MIN_EXPECTED  # the rest stay in id order
-            order = ads[keep][np.lexsort((ads[keep], -exps[keep]))].tolist()
-            for w in self.workers:
-                w.stage_order(order, t)
         ranks = self._ranks_l
         sizes = self._sizes_l
         demand = {

@@ -448,7 +448,7 @@ class WorkerService:
                 )
             if staging:
                 self._last_staging = now
-                records.sort(key=lambda r: staging_key(r.adapter_id, expected))
+                records.sort(key=lambda r: staging_key(r.adapter_id))
                 self.store.stage([AdapterRef.of(r) for r in records])
         self._last_heartbeat = now
 

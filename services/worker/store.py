@@ -90,7 +90,6 @@ from services.worker.store_types import (
     _NO_WAITER,
     DTYPES,
     HOST_STAGING_INTERVAL_S,
-    HOST_STAGING_MIN_EXPECTED,
     SOURCE_RETRY_S,
     Loader,
     PrefetchResult,
@@ -107,7 +106,6 @@ from services.worker.store_types import (
 __all__ = [
     "DTYPES",
     "HOST_STAGING_INTERVAL_S",
-    "HOST_STAGING_MIN_EXPECTED",
     "SOURCE_RETRY_S",
     "AdapterStore",
     "HostCache",
@@ -447,8 +445,8 @@ class AdapterStore(StoreLoading):
         """Set the host-staging queue (``host_staging``): read ``refs``, in this order, from
         the source tier into the host cache ahead of demand.
 
-        Each call replaces the queue (callers pass every candidate, most wanted first, e.g.
-        by current forecast demand, so the order follows the forecast). Reads run one at a
+        Each call replaces the queue (callers pass every candidate, in the order to read
+        them: :func:`~services.worker.store_types.staging_key`). Reads run one at a
         time on a staging thread of their own (never on a loader thread), and only while no
         device load (demand or prefetch) is queued. Only free host-cache space is used:
         staging never evicts a cached adapter. Skipped: adapters already cached (this
@@ -458,7 +456,7 @@ class AdapterStore(StoreLoading):
         version for :data:`SOURCE_RETRY_S` seconds; the demand load reports the error.
 
         Args:
-            refs: Adapter versions, most wanted first.
+            refs: Adapter versions, in the order to read them.
 
         Returns:
             The queue's length; 0 when ``host_staging`` is off.

@@ -35,6 +35,7 @@ from plora.simulator.report import (
 )
 from plora.simulator.run import add_arguments, run
 from plora.traces import Trace
+from services.worker.store_types import staging_key
 
 DATA = Path("../shared/data/traces")
 ALIBABA = DATA / "alibaba_genai2026_lora_requests_nov.csv"
@@ -284,20 +285,21 @@ def test_host_staging_takes_source_reads_off_cold_starts() -> None:
     assert get_policy("plora").host_staging and not get_policy("plora-no-staging").host_staging
 
 
-def test_a_staging_pass_puts_its_order_first() -> None:
-    # AdapterStore.stage: the pass's order (the forecast's) first, then the rest by id
+def test_host_staging_reads_in_id_order_whatever_the_forecast() -> None:
+    # AdapterStore.stage gets the registered adapters by staging_key (by id), as the live
+    # worker passes them, and the simulated worker reads them in that order, the predictor's
+    # forecast of the hot adapters notwithstanding
     tr = _trace([100.0], ["a"])
     sim = ClusterSimulation(
         tr,
         build_adapter_set(tr, SIMPLE, 4, seed=0),
-        get_policy("plora-no-predictor"),
+        get_policy("plora"),
         SimConfig(preset=SIMPLE, workers=1),
     )
     w = sim.workers[0]
     names = sim.adapters.names
-    w.stage_order([3, 1], 0.0)  # reads 3 now (a loader thread was free), then 1, 0, 2
     sim.run()
-    staged = [names[i] for i in (3, 1, 0, 2)]
+    staged = sorted(names, key=staging_key)
     used = names[int(sim.req_adapter[0])]  # the request at 100 s moved it to the LRU end
     staged.remove(used)
     assert list(w.host._items) == [*staged, used]  # noqa: SLF001 - the cache's order
