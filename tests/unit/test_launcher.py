@@ -742,7 +742,7 @@ def test_secrets_reach_the_children_by_environment_and_files_only_for_the_owner(
         assert resolve_token("", token) == token == cluster.internal_token
         child = cluster._child("gateway", "gateway", [*cluster._common_flags(), "--port", "0"])
         assert not any(password in arg or token in arg for arg in child.cmd)
-        child.ports = {"grpc_port": 1, "metrics_port": 2}  # never started
+        child.ports = {"grpc_port": 1, "metrics_port": 2, "http_port": 3}  # never started
         state = cluster._write_state(launcher._Plan("plora", {}, {}), "127.0.0.1:1", [])
     text = state_file.read_text()
     assert password not in text and token not in text
