@@ -34,9 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import ssl
 import statistics
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -415,31 +417,124 @@ def text_mismatches(phases: Sequence[Phase]) -> int:
     return sum(1 for seen in texts.values() if len(seen) > 1)
 
 
+#: A reading of counters: ``{service: {series: value}}``; service ``"client"`` is this
+#: process.
+Snapshot = dict[str, dict[str, float]]
+
+#: The series read from each service's ``/metrics`` around every phase, each summed over its
+#: label sets.
+SERVICE_SERIES = (
+    "process_cpu_seconds_total",
+    "plora_gateway_ttft_seconds_sum",
+    "plora_gateway_ttft_seconds_count",
+    "plora_worker_time_per_output_token_seconds_sum",
+    "plora_worker_time_per_output_token_seconds_count",
+)
+
+
+def client_snapshot() -> Snapshot:
+    """This process's CPU seconds (user + system, every thread), as service ``"client"``."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"client": {"process_cpu_seconds_total": usage.ru_utime + usage.ru_stime}}
+
+
+def scrape(urls: dict[str, str], timeout: float = 5.0) -> Snapshot:
+    """:data:`SERVICE_SERIES` of each service's Prometheus endpoint (``urls``: service name
+    -> ``http://HOST:PORT/metrics``, as in the state file's ``metrics``).
+
+    Raises:
+        OSError: an endpoint did not answer.
+    """
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    out: Snapshot = {}
+    for service, url in urls.items():
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode()
+        values = dict.fromkeys(SERVICE_SERIES, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in values:
+                    values[sample.name] += sample.value
+        out[service] = values
+    return out
+
+
+def service_figures(spans: Sequence[tuple[Snapshot, Snapshot]], tokens: int) -> dict[str, Any]:
+    """What the services themselves measured over a door's phases (``spans``: the readings
+    before and after each phase; ``tokens``: the completion tokens of those phases).
+
+    Returns:
+        ``cpu_ms_per_token``: CPU milliseconds per completion token of each service read
+        (``client`` = the bench process; services whose ``/metrics`` were read: ``gateway``,
+        ``worker-0``, ...); ``gateway_ttft_s_mean``: the gateway's own mean TTFT (from its
+        receipt of the request, in the core, to the first token it passed on; None when not
+        read); ``worker_tpot_s_mean``: the workers' mean time per output token (None when
+        not read).
+    """
+
+    def delta(series: str, keep: Callable[[str], bool]) -> float:
+        return sum(
+            after[svc].get(series, 0.0) - before[svc].get(series, 0.0)
+            for before, after in spans
+            for svc in after
+            if keep(svc) and svc in before
+        )
+
+    services = sorted({svc for _, after in spans for svc in after})
+    cpu = {
+        svc: 1000 * delta("process_cpu_seconds_total", svc.__eq__) / tokens if tokens else 0.0
+        for svc in services
+    }
+
+    def mean(stem: str, keep: Callable[[str], bool]) -> float | None:
+        count = delta(f"{stem}_count", keep)
+        return delta(f"{stem}_sum", keep) / count if count else None
+
+    return {
+        "cpu_ms_per_token": cpu,
+        "gateway_ttft_s_mean": mean("plora_gateway_ttft_seconds", lambda x: x == "gateway"),
+        "worker_tpot_s_mean": mean(
+            "plora_worker_time_per_output_token_seconds", lambda x: x.startswith("worker")
+        ),
+    }
+
+
 def run_level(
     doors: dict[str, Door],
     requests: Sequence[BenchRequest],
     concurrency: int,
     rounds: int,
     progress: Callable[[str], None] = lambda _line: None,
+    snapshot: Callable[[], Snapshot] = client_snapshot,
 ) -> dict[str, Any]:
     """Every round of one level (the doors alternating first) and its figures.
 
+    Args:
+        snapshot: Reads the counters before and after each phase (:func:`service_figures`).
+
     Returns:
         ``concurrency``, ``requests_per_round``, ``http`` and ``grpc``
-        (:func:`summarize_door`), ``ratios`` and ``targets_met`` (:func:`compare`),
-        ``text_mismatches``, ``order`` (the doors in the order they ran).
+        (:func:`summarize_door` with :func:`service_figures` added), ``ratios`` and
+        ``targets_met`` (:func:`compare`), ``text_mismatches``, ``order`` (the doors in the
+        order they ran).
     """
     phases: list[Phase] = []
+    spans: dict[str, list[tuple[Snapshot, Snapshot]]] = {name: [] for name in DOORS}
     for round_no in range(1, rounds + 1):
         order = DOORS if round_no % 2 else DOORS[::-1]
         for name in order:
+            before = snapshot()
             phase = run_phase(doors[name], name, round_no, requests, concurrency)
+            spans[name].append((before, snapshot()))
             phases.append(phase)
             progress(
                 f"  {concurrency} streams, round {round_no}, {name}: {len(requests)} requests "
                 f"in {phase.wall_s:.1f} s"
             )
     by_door = {name: summarize_door([p for p in phases if p.door == name]) for name in DOORS}
+    for name, figures in by_door.items():
+        figures.update(service_figures(spans[name], figures["completion_tokens"]))
     return {
         "concurrency": concurrency,
         "requests_per_round": len(requests),
@@ -468,19 +563,35 @@ def warm_up(
 # -- the command ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ClusterAddresses:
+    """Where the bench reaches the cluster.
+
+    Attributes:
+        gateway: The gateway's gRPC ``HOST:PORT``.
+        base_url: Its OpenAI base URL, ``http(s)://HOST:PORT/v1``.
+        metrics: Service name -> Prometheus URL, read around every phase (the state file's
+            ``metrics`` when both addresses come from it; else empty: not read).
+    """
+
+    gateway: str
+    base_url: str
+    metrics: dict[str, str]
+
+
 def cluster_addresses(
     state_file: str | None, gateway: str | None, base_url: str | None
-) -> tuple[str, str]:
-    """The gRPC address and the OpenAI base URL of the cluster to measure: ``--gateway`` and
-    ``--base-url`` when given, else the state file's ``gateway`` and ``openai_base_url``
-    (``--state-file``, else ``$PLORA_STATE_FILE``, else ``.plora/cluster.json``). Both come
-    from one place so that the two doors are those of one gateway.
+) -> ClusterAddresses:
+    """The cluster to measure: ``--gateway`` and ``--base-url`` when given, else the state
+    file's ``gateway`` and ``openai_base_url`` (``--state-file``, else ``$PLORA_STATE_FILE``,
+    else ``.plora/cluster.json``). Both come from one place so that the two doors are those
+    of one gateway.
 
     Raises:
         ConfigError: the state file is needed and missing, not JSON, or lacks the address.
     """
     if gateway and base_url:
-        return gateway, base_url
+        return ClusterAddresses(gateway, base_url, {})
     path = Path(state_file or env_or("PLORA_STATE_FILE", None) or DEFAULT_STATE_FILE)
     if not path.is_file():
         raise ConfigError(
@@ -490,14 +601,17 @@ def cluster_addresses(
         )
     try:
         state = json.loads(path.read_text())
-        found_gateway = gateway or str(state["gateway"])
-        found_url = base_url or str(state["openai_base_url"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        found = ClusterAddresses(
+            gateway or str(state["gateway"]),
+            base_url or str(state["openai_base_url"]),
+            {} if gateway or base_url else {str(k): str(v) for k, v in state["metrics"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(
             f"{path}: not a state file of a `plora up` with the HTTP door ({exc!r}); give "
             "--gateway and --base-url"
         ) from None
-    return found_gateway, found_url
+    return found
 
 
 def http_tls_context(base_url: str, tls_ca: str | None) -> ssl.SSLContext | None:
@@ -623,9 +737,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         type=_positive,
-        default=32,
+        default=24,
         metavar="N",
-        help="tokens per answer at most (default 32)",
+        help="tokens per answer at most (default 24)",
     )
     parser.add_argument(
         "--adapters",
@@ -663,7 +777,8 @@ def run(args: argparse.Namespace) -> int:
     from plora.cli import client_security  # noqa: PLC0415 - plora.cli imports this module
 
     try:
-        gateway, base_url = cluster_addresses(args.state_file, args.gateway, args.base_url)
+        cluster = cluster_addresses(args.state_file, args.gateway, args.base_url)
+        gateway, base_url = cluster.gateway, cluster.base_url
         credentials, api_key = client_security(args.tls_ca)
         tls = http_tls_context(base_url, args.tls_ca)
     except ConfigError as exc:
@@ -697,6 +812,21 @@ def run(args: argparse.Namespace) -> int:
         max_retries=0,  # a refused request counts as failed, not as a slower one
         http_client=http,
     )
+    metrics = dict(cluster.metrics)
+    try:
+        scrape(metrics)
+    except OSError as exc:
+        print(f"services' /metrics not read ({exc}): no CPU or TTFT figures of the services")
+        metrics = {}
+
+    def snapshot() -> Snapshot:
+        reading = client_snapshot()
+        try:
+            reading.update(scrape(metrics))
+        except OSError:
+            pass  # a phase without the services' figures: service_figures skips them
+        return reading
+
     started = time.monotonic()
     try:
         models = _models(
@@ -722,9 +852,13 @@ def run(args: argparse.Namespace) -> int:
         for c in levels:
             n = requests_at(c, args.requests_per_stream, args.min_requests)
             requests = build_requests(n, models, args.max_tokens)
-            results_levels.append(run_level(doors, requests, c, args.rounds, progress=print))
+            results_levels.append(
+                run_level(doors, requests, c, args.rounds, progress=print, snapshot=snapshot)
+            )
     except openai.OpenAIError as exc:
-        print(f"plora bench http: GET {base_url}/models failed: {exc}")
+        unknown_key = isinstance(exc, openai.AuthenticationError)
+        hint = " (set PLORA_API_KEY to your API key)" if unknown_key else ""
+        print(f"plora bench http: GET {base_url}/models failed: {exc}{hint}")
         return 1
     except ConfigError as exc:
         print(f"plora bench http: {exc}")
@@ -755,6 +889,7 @@ def run(args: argparse.Namespace) -> int:
             "api_key": bool(api_key),
             "tls": tls is not None,
             "client_cpus": os.cpu_count(),
+            "services_read": sorted(metrics),
         },
         "targets": {
             "ttft_p50_ratio_max": TTFT_P50_RATIO_MAX,
@@ -783,8 +918,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _verdict(ratio: float | None, met: bool, bound: str) -> str:
-    shown = "-" if ratio is None else f"{ratio:.2f}x"
+    shown = "-" if ratio is None else f"{ratio:.3f}x"
     return f"{shown} (target {bound}: {'met' if met else 'NOT met'})"
+
+
+def _service_line(figures: dict[str, Any]) -> str:
+    """CPU per token by process, the gateway's TTFT beside the client's, the workers' TPOT."""
+    cpu = figures["cpu_ms_per_token"]
+    workers = [v for k, v in cpu.items() if k.startswith("worker")]
+    parts = [f"{k} {v:.2f}" for k, v in cpu.items() if not k.startswith("worker")]
+    if workers:
+        parts.append(f"workers {sum(workers):.2f}")
+    line = f"CPU ms/token {', '.join(parts)}"
+    if figures["gateway_ttft_s_mean"] is not None:
+        line += (
+            f"; mean TTFT gateway {figures['gateway_ttft_s_mean'] * 1000:.0f} ms, "
+            f"client {figures['ttft_s']['mean'] * 1000:.0f} ms"
+        )
+    if figures["worker_tpot_s_mean"] is not None:
+        line += f"; worker TPOT {figures['worker_tpot_s_mean'] * 1000:.1f} ms"
+    return line
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -811,6 +964,8 @@ def print_table(results: dict[str, Any]) -> None:
                 str(f["errors"]),
             )
             print(f"{lv['concurrency']:>7} {door:>5}" + "".join(f"{v:>14}" for v in vals))
+        for door in DOORS:
+            print(f"{'':>7} {door:>5}: {_service_line(lv[door])}")
         r, met = lv["ratios"], lv["targets_met"]
         ttft = _verdict(r["ttft_p50"], met["ttft_p50"], f"<= {TTFT_P50_RATIO_MAX:.2f}x")
         rate = _verdict(r["tokens_per_s"], met["tokens_per_s"], f">= {TOKENS_PER_S_RATIO_MIN:.2f}x")

@@ -1,6 +1,6 @@
 """``plora bench http`` without a cluster: the requests it sends, the figures it derives from
 timed samples, the ratios against the targets, where it finds the cluster, and its usage
-errors. The bench against a live cluster: tests/integration/test_bench_http.py."""
+errors. The bench against a live cluster: tests/integration/test_bench_http_live.py."""
 
 from __future__ import annotations
 
@@ -133,20 +133,72 @@ def test_the_doors_alternate_which_goes_first_and_get_the_same_requests() -> Non
     assert level["text_mismatches"] == 0 and level["requests_per_round"] == 3
 
 
+def test_what_the_services_measured_over_a_doors_phases() -> None:
+    """CPU per completion token by process over every phase; the gateway's mean TTFT and the
+    workers' mean TPOT from their histograms' sums and counts; a service missing from one
+    reading (its endpoint did not answer) adds nothing for that phase."""
+
+    def reading(cpu: dict[str, float], ttft=(0.0, 0), tpot=(0.0, 0)) -> bench.Snapshot:
+        out: bench.Snapshot = {}
+        for svc, c in cpu.items():
+            out[svc] = {"process_cpu_seconds_total": c}
+        if "gateway" in out:
+            out["gateway"]["plora_gateway_ttft_seconds_sum"] = ttft[0]
+            out["gateway"]["plora_gateway_ttft_seconds_count"] = ttft[1]
+        for svc in out:
+            if svc.startswith("worker"):
+                out[svc]["plora_worker_time_per_output_token_seconds_sum"] = tpot[0]
+                out[svc]["plora_worker_time_per_output_token_seconds_count"] = tpot[1]
+        return out
+
+    spans = [
+        (
+            reading({"client": 1.0, "gateway": 10.0, "worker-0": 100.0}, (5.0, 10), (1.0, 4)),
+            reading({"client": 1.5, "gateway": 11.0, "worker-0": 104.0}, (6.0, 14), (2.2, 8)),
+        ),
+        (
+            reading({"client": 2.0, "gateway": 12.0, "worker-0": 110.0}, (7.0, 20), (3.0, 10)),
+            reading({"client": 2.5}),  # the services did not answer after this phase
+        ),
+    ]
+    got = bench.service_figures(spans, 100)
+    assert got["cpu_ms_per_token"] == pytest.approx(
+        {"client": 10.0, "gateway": 10.0, "worker-0": 40.0}
+    )
+    assert got["gateway_ttft_s_mean"] == pytest.approx(1.0 / 4)
+    assert got["worker_tpot_s_mean"] == pytest.approx(1.2 / 4)
+    only_client = bench.service_figures([(reading({"client": 0.0}), reading({"client": 0.2}))], 10)
+    assert only_client == {
+        "cpu_ms_per_token": {"client": pytest.approx(20.0)},
+        "gateway_ttft_s_mean": None,
+        "worker_tpot_s_mean": None,
+    }
+
+
 def test_the_cluster_comes_from_one_state_file(tmp_path: Path, monkeypatch) -> None:
     state = tmp_path / "cluster.json"
     state.write_text(
-        json.dumps({"gateway": "127.0.0.1:5", "openai_base_url": "http://127.0.0.1:6/v1"})
+        json.dumps(
+            {
+                "gateway": "127.0.0.1:5",
+                "openai_base_url": "http://127.0.0.1:6/v1",
+                "metrics": {"gateway": "http://127.0.0.1:7/metrics"},
+            }
+        )
     )
-    assert bench.cluster_addresses(str(state), None, None) == (
-        "127.0.0.1:5",
-        "http://127.0.0.1:6/v1",
+    assert bench.cluster_addresses(str(state), None, None) == bench.ClusterAddresses(
+        "127.0.0.1:5", "http://127.0.0.1:6/v1", {"gateway": "http://127.0.0.1:7/metrics"}
     )
     monkeypatch.setenv("PLORA_STATE_FILE", str(state))
-    assert bench.cluster_addresses(None, "h:1", None) == ("h:1", "http://127.0.0.1:6/v1")
+    # an address given by flag: the state's metrics may be another cluster's, not read
+    assert bench.cluster_addresses(None, "h:1", None) == bench.ClusterAddresses(
+        "h:1", "http://127.0.0.1:6/v1", {}
+    )
     # both flags given: no state file is read
     monkeypatch.setenv("PLORA_STATE_FILE", str(tmp_path / "missing.json"))
-    assert bench.cluster_addresses(None, "h:1", "http://h:2/v1") == ("h:1", "http://h:2/v1")
+    assert bench.cluster_addresses(None, "h:1", "http://h:2/v1") == bench.ClusterAddresses(
+        "h:1", "http://h:2/v1", {}
+    )
     with pytest.raises(ConfigError, match="missing.json'?: no such state file: start the"):
         bench.cluster_addresses(None, None, None)
     old = tmp_path / "old.json"

@@ -26,6 +26,9 @@ DOOR_KEYS = {
     "tokens_per_s",
     "decode_tokens_per_s_per_stream",
     "tokens_per_s_by_round",
+    "cpu_ms_per_token",
+    "gateway_ttft_s_mean",
+    "worker_tpot_s_mean",
 }
 
 
@@ -81,6 +84,7 @@ def test_bench_http_measures_both_doors_on_the_same_requests(
     assert cfg["models"] == adapters and cfg["concurrency"] == levels
     assert cfg["openai_base_url"] == cluster["openai_base_url"]
     assert cfg["gateway"] == cluster["gateway"]
+    assert cfg["services_read"] == sorted(cluster["metrics"])
     assert cfg["http_client"].startswith("openai " if client == "openai" else "httpx2 ")
     assert report["targets"]["ttft_p50_ratio_max"] == TTFT_P50_RATIO_MAX
     assert report["targets"]["tokens_per_s_ratio_min"] == TOKENS_PER_S_RATIO_MIN
@@ -102,6 +106,12 @@ def test_bench_http_measures_both_doors_on_the_same_requests(
             assert f["tokens_per_s"] == pytest.approx(f["completion_tokens"] / f["wall_s"])
             assert len(f["tokens_per_s_by_round"]) == 2
             assert all(r > 0 for r in f["tokens_per_s_by_round"])
+            # what the services measured: the gateway's TTFT is within the client's
+            assert 0 < f["gateway_ttft_s_mean"] <= f["ttft_s"]["mean"]
+            assert f["worker_tpot_s_mean"] > 0
+            assert set(f["cpu_ms_per_token"]) == {"client", *cluster["metrics"]}
+            assert f["cpu_ms_per_token"]["client"] > 0
+            assert sum(f["cpu_ms_per_token"][w] for w in cluster["workers"]) > 0
             total_requests += f["requests"]
             total_tokens += f["completion_tokens"]
         http, grpc_ = lv["http"], lv["grpc"]
@@ -114,9 +124,38 @@ def test_bench_http_measures_both_doors_on_the_same_requests(
             "tokens_per_s": rate >= TOKENS_PER_S_RATIO_MIN,
         }
         assert 0 <= lv["text_mismatches"] <= n
-        assert f"{ttft:.2f}x (target <= {TTFT_P50_RATIO_MAX:.2f}x" in printed
+        assert f"{ttft:.3f}x (target <= {TTFT_P50_RATIO_MAX:.2f}x" in printed
 
     assert after["ok"] - before["ok"] == total_requests
     assert after["tokens"] - before["tokens"] == total_tokens
     route = "http_chat" if api == "chat" else "http_completions"
     assert after[route] - before[route] == total_requests / 2
+
+
+def test_bench_http_sends_the_key_over_mutual_tls_through_both_doors(
+    secure_cluster: dict, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """With API keys and mutual TLS, the bench reaches both doors with $PLORA_API_KEY and the
+    $PLORA_TLS_* files (HTTPS for the OpenAI door), and every request succeeds; without the
+    key, the first call is refused and the bench says so (exit 1)."""
+    for name, value in secure_cluster["client_env"].items():
+        monkeypatch.setenv(name, value)
+    state = str(Path(secure_cluster["root"]) / "cluster.json")
+    assert secure_cluster["openai_base_url"].startswith("https://")
+    out = tmp_path / "bench_http.json"
+    flags = ["bench", "http", "--state-file", state, "--out", str(out), "--concurrency", "1"]
+    flags += ["--min-requests", "1", "--rounds", "1", "--max-tokens", "2"]
+    code = cli.main(flags)
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(out.read_text())
+    assert report["config"]["tls"] is True and report["config"]["api_key"] is True
+    (level,) = report["levels"]
+    assert level["http"]["errors"] == level["grpc"]["errors"] == 0
+    assert level["http"]["completion_tokens"] > 0 and level["grpc"]["completion_tokens"] > 0
+
+    monkeypatch.delenv("PLORA_API_KEY")
+    assert cli.main(flags) == 1
+    printed = capsys.readouterr().out
+    assert "plora bench http: GET " in printed and "401" in printed, printed
+    assert "(set PLORA_API_KEY to your API key)" in printed
