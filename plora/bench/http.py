@@ -14,8 +14,9 @@ door, and each door opens its connections with a burst at the highest level.
 Figures per level and door:
 
 * TTFT: seconds from the client's send to the first chunk that carries text (HTTP: a
-  ``delta.content`` / ``text`` that is not empty; gRPC: a ``GenerateResponse`` with ``text``),
-  as the client sees it: p50, p90, p99 and mean over every request of every round.
+  ``delta.content`` / ``text`` that is not empty; gRPC: a ``GenerateResponse`` with ``text``;
+  an answer without text: its end), as the client sees it: p50, p90, p99 and mean over every
+  request of every round.
 * tokens/s: completion tokens (the answers' ``usage``) of every round over the rounds' wall
   time (first send to last answer of each phase): the aggregate rate of the ``c`` streams.
 * decode tokens/s per stream: the median over requests of ``(tokens - 1) / (end - first)``.
@@ -153,6 +154,15 @@ def requests_at(concurrency: int, per_stream: int, minimum: int) -> int:
     return max(minimum, per_stream * concurrency)
 
 
+def _answered(
+    index: int, start: float, first: float | None, tokens: int, parts: list[str]
+) -> Sample:
+    """The sample of an answer that ended now; one without text (a first token that ends it,
+    such as the end-of-sequence token) has its first token at its end."""
+    end = time.monotonic()
+    return Sample(index, start, end if first is None else first, end, tokens, "".join(parts))
+
+
 # -- the doors --------------------------------------------------------------------------------
 
 
@@ -182,7 +192,7 @@ def grpc_door(stub: gateway_pb2_grpc.GatewayStub, chat: bool, timeout: float) ->
         except grpc.RpcError as exc:
             error = f"gRPC {exc.code().name}: {exc.details()}"
             return Sample(req.index, start, first, time.monotonic(), 0, "".join(parts), error)
-        return Sample(req.index, start, first, time.monotonic(), tokens, "".join(parts))
+        return _answered(req.index, start, first, tokens, parts)
 
     return send
 
@@ -232,7 +242,7 @@ def openai_door(client: Any, chat: bool) -> Door:
         except openai.OpenAIError as exc:
             error = f"HTTP {type(exc).__name__}: {exc}"
             return Sample(req.index, start, first, time.monotonic(), 0, "".join(parts), error)
-        return Sample(req.index, start, first, time.monotonic(), tokens, "".join(parts))
+        return _answered(req.index, start, first, tokens, parts)
 
     return send
 
@@ -289,9 +299,9 @@ def httpx_door(client: Any, base_url: str, api_key: str, chat: bool) -> Door:
                             tokens = event["usage"]["completion_tokens"]
         except httpx2.HTTPError as exc:
             error = f"HTTP {type(exc).__name__}: {exc}"
-        return Sample(
-            req.index, start, first, time.monotonic(), 0 if error else tokens, "".join(parts), error
-        )
+        if error:
+            return Sample(req.index, start, first, time.monotonic(), 0, "".join(parts), error)
+        return _answered(req.index, start, first, tokens, parts)
 
     return send
 
@@ -341,7 +351,7 @@ def summarize_door(phases: Sequence[Phase]) -> dict[str, Any]:
 
     Returns:
         ``requests``, ``errors``, ``first_error`` ("" = none), ``ttft_s`` (p50/p90/p99/mean,
-        seconds, over requests that gave text), ``completion_tokens`` (sum, successful
+        seconds, over the successful requests), ``completion_tokens`` (sum, successful
         requests), ``wall_s`` (sum of the phases' walls), ``tokens_per_s``
         (``completion_tokens / wall_s``), ``decode_tokens_per_s_per_stream`` (median over
         requests of more than one token of ``(tokens - 1) / (end - first)``), and

@@ -34,6 +34,15 @@ def test_requests_per_phase(concurrency: int, per_stream: int, minimum: int, exp
     assert bench.requests_at(concurrency, per_stream, minimum) == expected
 
 
+def test_an_answer_without_text_has_its_first_token_at_its_end() -> None:
+    """A first token that ends the answer (end of sequence: no text) still gives a TTFT, so
+    the client's TTFT covers the requests the gateway's does."""
+    silent = bench._answered(3, 1.0, None, 1, [])
+    assert silent.first == silent.end and silent.text == "" and silent.completion_tokens == 1
+    spoken = bench._answered(4, 1.0, 1.5, 2, ["a", "b"])
+    assert spoken.first == 1.5 < spoken.end and spoken.text == "ab"
+
+
 def test_percentiles_interpolate_between_order_statistics() -> None:
     got = bench.percentiles([0.4, 0.1, 0.3, 0.2, 0.5])
     assert got["p50"] == pytest.approx(0.3)
