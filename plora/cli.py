@@ -2,7 +2,7 @@
 
 Verbs (docs/api.md): ``up``, ``serve {gateway,worker,predictor}``, ``generate``,
 ``adapters {register,list,get,delete}``, ``status``, ``make-adapters``,
-``bench {engine,pool,replay}``, ``eval predictor``, ``simulate``. Heavy modules are imported
+``bench {engine,pool,http,replay}``, ``eval predictor``, ``simulate``. Heavy modules are imported
 only by the verb that needs them, so client verbs start fast.
 """
 
@@ -44,6 +44,10 @@ _DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
         "engine throughput vs transformers and PEFT",
     ),
     ("bench", "pool"): ("plora.bench.pool", "paged vs contiguous adapter pool"),
+    ("bench", "http"): (
+        "plora.bench.http",
+        "TTFT and tokens/s through the OpenAI HTTP door vs gRPC, on a running cluster",
+    ),
     ("bench", "replay"): (
         "plora.replay.bench",
         "replay a trace against a fresh live cluster per policy",

@@ -1,1 +1,2 @@
-"""``plora bench engine`` and ``plora bench pool``: the engine and adapter-pool benchmarks."""
+"""``plora bench engine``, ``plora bench pool`` and ``plora bench http``: the engine, adapter-pool
+and HTTP-door benchmarks."""

@@ -451,14 +451,6 @@ class GatewayCore:
         self._base_model = (name, now)
         return name
 
-    def fresh_base_model(self) -> str | None:
-        """The base model's name when :meth:`base_model` read it within ``adapter_cache_s``,
-        else None: no I/O, for a caller on an event loop."""
-        name, read_at = self._base_model
-        if name and time.monotonic() - read_at < self.config.adapter_cache_s:
-            return name
-        return None
-
     def models(self, tenant_id: str) -> tuple[str, list[AdapterRecord]]:
         """The base model's name and the adapters ``tenant_id`` may use ("" = every one).
 

@@ -151,12 +151,17 @@ _END = object()  # the generation ended (after its last chunk, or with the clien
 
 
 def _pump(
-    generation: Generation,
+    core: GatewayCore,
+    message: Callable[[], gateway_pb2.GenerateRequest],
+    started: list[Generation],
     loop: asyncio.AbstractEventLoop,
     queue: asyncio.Queue[object],
     caller: HttpCaller,
 ) -> None:
-    """Read a generation's chunks (in a pool thread) and hand each to the loop's queue."""
+    """Build the request (``message``: it may read the base model's name from Redis), start
+    it in the core, append the generation to ``started`` and hand each of its chunks to the
+    loop's queue, all in one pool thread: the request reaches a worker without a hop back to
+    the loop first."""
 
     def put(item: object) -> None:
         try:
@@ -164,6 +169,12 @@ def _pump(
         except RuntimeError:  # the loop is closed: the server stopped
             caller.disconnect()
 
+    try:
+        generation = core.generate(message(), caller)
+    except BaseException as exc:  # noqa: BLE001 - handed to the loop, which answers with it
+        put(_Failed(exc))
+        return
+    started.append(generation)  # before any chunk is put: the loop reads it after one
     try:
         for chunk in generation:
             put(chunk)
@@ -377,34 +388,46 @@ class OpenAIApp:
             principal = self._principal(request)
             data = await self._json(request)
             body = parse_body(ChatBody if chat else CompletionBody, data)
-            # the name read within the last second needs no hop to a thread
-            base = self.core.fresh_base_model() or await self._blocking(self.core.base_model)
+            tenant = effective_tenant(principal, "")
+        except (PLoRAError, HttpError) as exc:
+            return self._error(exc, request_id)
+
+        def message() -> gateway_pb2.GenerateRequest:
+            """The request for the core (in the pump's thread: the base model's name may
+            take a Redis read).
+
+            Raises:
+                PLoRAError: the registry cannot be read, or the body asks for what the
+                    conversion refuses (an unsupported role or content part).
+            """
+            base = self.core.base_model()
             if not base:  # no worker has run yet: no model is known, none can be served
                 raise NoHealthyWorkerError(NO_MODEL_YET)
             adapter_id = "" if body.model == base else body.model
             if chat:
-                message = chat_request(body, adapter_id)
+                out = chat_request(body, adapter_id)
             else:
-                message = completion_request(body, adapter_id)
-            message.tenant_id = effective_tenant(principal, "")
-            message.request_id = request_id
-        except (PLoRAError, HttpError) as exc:
-            return self._error(exc, request_id)
-        return await self._serve(request, message, body, chat)
+                out = completion_request(body, adapter_id)
+            out.tenant_id = tenant
+            out.request_id = request_id
+            return out
+
+        return await self._serve(request, message, body, chat, request_id)
 
     async def _serve(
         self,
         request: Request,
-        message: gateway_pb2.GenerateRequest,
+        message: Callable[[], gateway_pb2.GenerateRequest],
         body: ChatBody | CompletionBody,
         chat: bool,
+        request_id: str,
     ) -> Response:
         """Run the request through the core; answer at its first chunk (or failure)."""
         caller = HttpCaller()
-        generation = self.core.generate(message, caller)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
-        self.executor.submit(_pump, generation, loop, queue, caller)
+        started: list[Generation] = []
+        self.executor.submit(_pump, self.core, message, started, loop, queue, caller)
         watcher = asyncio.create_task(_watch_disconnect(request.receive, caller))
         try:
             first = await queue.get()
@@ -412,12 +435,13 @@ class OpenAIApp:
             caller.disconnect()
             watcher.cancel()
             raise
-        headers = {"x-request-id": generation.request_id}
         if isinstance(first, _Failed):
             watcher.cancel()
-            return self._error(first.error, generation.request_id)
+            return self._error(first.error, started[0].request_id if started else request_id)
         if first is _END:  # the client went away before the first token: nobody reads this
             return JSONResponse(error_json(499, "the client closed the request"), 499)
+        generation = started[0]  # a chunk came: the pump started the generation first
+        headers = {"x-request-id": generation.request_id}
         answer = Answer(chat, generation.request_id, body.model)
         if not body.stream:
             try:
