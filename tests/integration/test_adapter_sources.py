@@ -69,7 +69,7 @@ def confined_gateway(
 ) -> Iterator[tuple[GatewayService, gateway_pb2_grpc.GatewayStub]]:
     _publish_model(redis_url)
     config = GatewayConfig(
-        port=0, metrics_port=0, redis_url=redis_url, adapter_roots=(str(tree.root),)
+        port=0, metrics_port=0, http_port=0, redis_url=redis_url, adapter_roots=(str(tree.root),)
     )
     service = GatewayService(config).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -144,7 +144,9 @@ def test_without_roots_sources_are_read_as_given_but_no_tenant_has_a_directory(
     """No roots: a source anywhere registers as today; a tenant-confined registration is
     refused, since no directory is the tenant's."""
     _publish_model(redis_url)
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     try:
         assert service.core.register_adapter("a", str(tree.stolen), "").version == 1
         with pytest.raises(SourceRefusedError):

@@ -75,7 +75,9 @@ def small_cluster(tmp_path: Path, model_dir: Path) -> Iterator[dict]:
         )
         procs.append(worker)
         gateway, gateway_ports = _serve(
-            "gateway", [*common, "--max-concurrent-requests", str(LIMIT)], tmp_path
+            "gateway",
+            [*common, "--http-port", "0", "--max-concurrent-requests", str(LIMIT)],
+            tmp_path,
         )
         procs.append(gateway)
         yield {

@@ -63,7 +63,7 @@ class Gateway:
     """A started gateway with the given settings, and a stub to it."""
 
     def __init__(self, redis_url: str, **settings: int) -> None:
-        config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, **settings)  # type: ignore[arg-type]
+        config = GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url, **settings)  # type: ignore[arg-type]
         self.service = GatewayService(config).start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.service.port}")
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)

@@ -192,6 +192,7 @@ def test_cli_generate_leaves_max_new_tokens_to_the_gateway(cluster: dict) -> Non
         GatewayConfig(
             port=0,
             metrics_port=0,
+            http_port=0,
             redis_url=cluster["redis_url"],
             internal_token=cluster["internal_token"],
             max_new_tokens_limit=16,

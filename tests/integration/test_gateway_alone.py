@@ -39,7 +39,9 @@ SPEC = ModelSpec("m", 2, 8, 16, 2, 1, 4, 32, 64, 10000.0, 1e-6, True)
 
 @pytest.fixture()
 def gateway(redis_url: str):
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     yield gateway_pb2_grpc.GatewayStub(channel)
     channel.close()
@@ -205,7 +207,9 @@ def test_a_redis_outage_is_unavailable_with_the_registry_named_then_served_again
     to do (no redis traceback in the log); once Redis is back on its port the same gateway
     serves again."""
     service = GatewayService(
-        GatewayConfig(port=0, metrics_port=0, redis_url=own_redis.url, worker_cache_s=0.0)
+        GatewayConfig(
+            port=0, metrics_port=0, http_port=0, redis_url=own_redis.url, worker_cache_s=0.0
+        )
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -277,7 +281,9 @@ def test_routing_joins_a_load_it_started_until_a_heartbeat_reports_it(redis_url:
     registry = Registry(connect(redis_url))
     for wid in ("w0", "w1"):
         registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
-    config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    config = GatewayConfig(
+        port=0, metrics_port=0, http_port=0, redis_url=redis_url, worker_cache_s=0.0
+    )
     gw = GatewayCore(config, registry, GatewayMetrics())
     routed = gw.metrics.routed
 
@@ -320,7 +326,9 @@ def test_loads_the_gateway_started_take_their_bytes_from_the_workers_room(
     registry.heartbeat(
         WorkerRecord("w1", "127.0.0.1:1", running=3, room_bytes=100 * mb), ttl_seconds=30
     )
-    config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    config = GatewayConfig(
+        port=0, metrics_port=0, http_port=0, redis_url=redis_url, worker_cache_s=0.0
+    )
     gw = GatewayCore(config, registry, GatewayMetrics())
     try:
         a = AdapterRecord("a", "/src", version=1, rank=8, size_bytes=10 * mb)
@@ -346,7 +354,9 @@ def test_equally_loaded_workers_take_turns(redis_url: str) -> None:
     registry = Registry(connect(redis_url))
     for wid in ("w0", "w1", "w2"):
         registry.heartbeat(WorkerRecord(wid, "127.0.0.1:1"), ttl_seconds=30)
-    config = GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+    config = GatewayConfig(
+        port=0, metrics_port=0, http_port=0, redis_url=redis_url, worker_cache_s=0.0
+    )
     gw = GatewayCore(config, registry, GatewayMetrics())
     try:
         chosen = []
@@ -429,7 +439,9 @@ def test_stopping_gateway_ends_a_long_stream_with_unavailable_saying_why(redis_u
     up`` stops) ends a second before the grace period runs out, with UNAVAILABLE naming the
     shutdown rather than gRPC's bare "Cancelling all calls"."""
     worker, _ = _start_token_streamer(redis_url, 0.05)
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
     stopped_by_test = False
@@ -477,7 +489,7 @@ def _gateway_before_a_streaming_worker(
         registry.put_adapter(AdapterRecord(adapter_id, "/src", version=1, rank=8))
     settings: dict[str, Any] = {"worker_cache_s": 0.0, "adapter_cache_s": 0.0, **config}
     service = GatewayService(
-        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, **settings)
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url, **settings)
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -652,7 +664,9 @@ def test_a_request_refused_for_a_superseded_version_is_sent_again_with_the_new_o
     registry = Registry(connect(redis_url))
     registry.put_adapter(AdapterRecord("a", "/src", version=1, rank=8))
     service = GatewayService(
-        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, adapter_cache_s=60.0)
+        GatewayConfig(
+            port=0, metrics_port=0, http_port=0, redis_url=redis_url, adapter_cache_s=60.0
+        )
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -686,7 +700,9 @@ def test_registering_again_unloads_only_older_versions_and_a_lost_race_is_aborte
     streamer = _TokenStreamer(0.0)
     worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
     source = write_peft_adapter(tmp_path / "a", SPEC, rank=4, alpha=8.0, seed=1)
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
     request = gateway_pb2.RegisterAdapterRequest(adapter_id="a", source=str(source))
@@ -758,7 +774,9 @@ def test_a_request_on_a_frozen_worker_is_retried_on_another_within_the_keepalive
             WorkerRecord("w1", f"127.0.0.1:{frozen_port}"), ttl_seconds=120
         )
         service = GatewayService(
-            GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+            GatewayConfig(
+                port=0, metrics_port=0, http_port=0, redis_url=redis_url, worker_cache_s=0.0
+            )
         ).start()
         channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -791,7 +809,9 @@ def test_per_worker_gauges_follow_the_registry_while_no_request_arrives(redis_ur
     gateway shows a frozen worker down and a drained queue empty), and the series of a worker
     gone from it are removed. A down worker's last resident list is shown as nothing resident
     (gauge and GetClusterStatus), since its pool is gone."""
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     registry = Registry(connect(redis_url))
     metrics = service.core.metrics
 
@@ -848,7 +868,9 @@ def test_a_retried_request_gets_what_is_left_of_the_clients_deadline(redis_url: 
         _start_token_streamer(redis_url, 0.0, failing, "w0")[0],
         _start_token_streamer(redis_url, 0.0, serving, "w1")[0],
     ]
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
     try:
@@ -880,7 +902,7 @@ def test_a_worker_whose_call_failed_is_left_out_until_it_heartbeats_again(
     registry = Registry(connect(redis_url))
     registry.heartbeat(WorkerRecord("w1", f"127.0.0.1:{dead_port}"), ttl_seconds=60)
     service = GatewayService(
-        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, worker_cache_s=0.0)
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url, worker_cache_s=0.0)
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -911,7 +933,9 @@ def test_only_an_adapters_owner_replaces_or_deletes_it_and_shared_ones_are_the_o
     worker, _ = _start_token_streamer(redis_url, 0.0)
     v1 = write_peft_adapter(tmp_path / "v1", SPEC, rank=4, alpha=8.0, seed=1)
     v2 = write_peft_adapter(tmp_path / "v2", SPEC, rank=4, alpha=8.0, seed=2)
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
 
@@ -969,7 +993,9 @@ def test_a_failed_request_is_logged_with_the_id_the_workers_saw(
     caplog.set_level(logging.INFO, logger="services.gateway.core")
     streamer = _TokenStreamer(0.0)
     worker, _ = _start_token_streamer(redis_url, 0.0, streamer)
-    service = GatewayService(GatewayConfig(port=0, metrics_port=0, redis_url=redis_url)).start()
+    service = GatewayService(
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url)
+    ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     stub = gateway_pb2_grpc.GatewayStub(channel)
 

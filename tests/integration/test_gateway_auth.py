@@ -84,6 +84,7 @@ def keyed(redis_url: str, tmp_path: Path) -> Iterator[tuple[GatewayService, grpc
     config = GatewayConfig(
         port=0,
         metrics_port=0,
+        http_port=0,
         redis_url=redis_url,
         api_keys_file=str(keys),
         adapter_roots=(str(tmp_path / "adapters"),),
@@ -280,6 +281,7 @@ def _tls_gateway(redis_url: str, tls: dict[str, str], **extra: Any) -> GatewaySe
     config = GatewayConfig(
         port=0,
         metrics_port=0,
+        http_port=0,
         redis_url=redis_url,
         tls_cert=tls["server_cert"],
         tls_key=tls["server_key"],

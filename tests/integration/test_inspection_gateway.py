@@ -33,7 +33,7 @@ def _gateway(
         model=(SPEC, "float32"),
     )
     service = GatewayService(
-        GatewayConfig(port=0, metrics_port=0, redis_url=redis_url, **settings)
+        GatewayConfig(port=0, metrics_port=0, http_port=0, redis_url=redis_url, **settings)
     ).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
     try:
