@@ -99,6 +99,35 @@ class HttpError(Exception):
         self.param = param
 
 
+def error_answer(
+    exc: BaseException, request_id: str = ""
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP status, OpenAI error object and headers of a failure: a domain error's own
+    status and message, a refusal of this layer's (:class:`HttpError`) as it says, anything
+    else 500 with a reference (its stack in the log only, never in the answer)."""
+    headers = {}
+    code = None
+    if isinstance(exc, HttpError):
+        status, message, param = exc.status, str(exc), exc.param
+    elif isinstance(exc, PLoRAError):
+        status, message = http_status(exc), str(exc) or type(exc).__name__
+        param = exc.param if isinstance(exc, UnsupportedFieldError) else None
+        if isinstance(exc, AdapterNotFoundError):  # the model names an unknown adapter
+            param, code = "model", "model_not_found"
+        if status == 401:
+            headers["www-authenticate"] = "Bearer"
+    else:
+        ref = request_id or uuid.uuid4().hex[:12]
+        logger.error("internal error (ref %s)", ref, exc_info=exc)
+        status, message, param = 500, f"internal error (ref {ref}); see the server log", None
+    return status, error_json(status, message, param, code), headers
+
+
+def _client_gone() -> JSONResponse:
+    """The answer to a request whose client went away before it (nobody reads it)."""
+    return JSONResponse(error_json(499, "the client closed the request"), 499)
+
+
 class HttpCaller:
     """The caller of one HTTP request, as the core sees it (its ``Client`` protocol): active
     until :meth:`disconnect`, no deadline of its own (the core applies
@@ -297,24 +326,9 @@ class OpenAIApp:
             raise HttpError(400, f"the request body is not valid JSON ({exc})") from None
 
     def _error(self, exc: BaseException, request_id: str = "") -> JSONResponse:
-        """The OpenAI error response of a failure (500 with a reference for an unexpected
-        one, its stack in the log only)."""
-        headers = {}
-        code = None
-        if isinstance(exc, HttpError):
-            status, message, param = exc.status, str(exc), exc.param
-        elif isinstance(exc, PLoRAError):
-            status, message = http_status(exc), str(exc) or type(exc).__name__
-            param = exc.param if isinstance(exc, UnsupportedFieldError) else None
-            if isinstance(exc, AdapterNotFoundError):  # the model names an unknown adapter
-                param, code = "model", "model_not_found"
-            if status == 401:
-                headers["www-authenticate"] = "Bearer"
-        else:
-            ref = request_id or uuid.uuid4().hex[:12]
-            logger.error("internal error (ref %s)", ref, exc_info=exc)
-            status, message, param = 500, f"internal error (ref {ref}); see the server log", None
-        return JSONResponse(error_json(status, message, param, code), status, headers=headers)
+        """The OpenAI error response of a failure (:func:`error_answer`)."""
+        status, body, headers = error_answer(exc, request_id)
+        return JSONResponse(body, status, headers=headers)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own refusals (unknown path, wrong method) as OpenAI error objects."""
@@ -438,8 +452,8 @@ class OpenAIApp:
         if isinstance(first, _Failed):
             watcher.cancel()
             return self._error(first.error, started[0].request_id if started else request_id)
-        if first is _END:  # the client went away before the first token: nobody reads this
-            return JSONResponse(error_json(499, "the client closed the request"), 499)
+        if first is _END:  # the client went away before the first token
+            return _client_gone()
         generation = started[0]  # a chunk came: the pump started the generation first
         headers = {"x-request-id": generation.request_id}
         answer = Answer(chat, generation.request_id, body.model)
@@ -473,9 +487,8 @@ class OpenAIApp:
             text.append(item.text)
             last = item
             item = await queue.get()
-        if last is None or last.finish_reason is None:
-            # ended without its last chunk: the client went away; nobody reads this
-            return JSONResponse(error_json(499, "the client closed the request"), 499)
+        if last is None or last.finish_reason is None:  # ended without its last chunk
+            return _client_gone()
         return JSONResponse(answer.whole("".join(text), last), headers=headers)
 
 
@@ -517,14 +530,7 @@ async def _events(
                     done = True
                     break
                 if isinstance(item, _Failed):
-                    error = item.error
-                    status = http_status(error) if isinstance(error, PLoRAError) else 500
-                    if status == 500 and not isinstance(error, PLoRAError):
-                        logger.error("internal error (ref %s)", request_id, exc_info=error)
-                        text = f"internal error (ref {request_id}); see the server log"
-                    else:
-                        text = str(error)
-                    out.append(_sse(error_json(status, text)))
+                    out.append(_sse(error_answer(item.error, request_id)[1]))
                     done = True
                     break
                 assert isinstance(item, GenerateChunk)
