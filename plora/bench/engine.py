@@ -32,23 +32,20 @@ measured ratio above it, so a faster base engine moves the ratio towards it, not
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import statistics
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from services.common.types import PROJECTION_MODULES, LoRAModuleWeights
-from services.worker.adapter_api import AdapterRef
+from services.common.types import LoRAModuleWeights, ModelSpec
+from services.worker.adapter_api import AdapterRef, ResidentAdapters
 from services.worker.engine import Engine, EngineConfig, EngineRequest
-from services.worker.model import LlamaModel
+from services.worker.model import DecoderModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
 
@@ -65,54 +62,6 @@ PROMPTS = [
     "How do airplanes stay in the air?",
     "Summarize the plot of Romeo and Juliet.",
 ]
-
-
-class _Lease:
-    def __init__(self, ref: AdapterRef, modules: dict[tuple[int, str], LoRAModuleWeights]):
-        self._ref, self._modules = ref, modules
-
-    @property
-    def ref(self) -> AdapterRef:
-        return self._ref
-
-    def ready(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def error(self) -> Exception | None:
-        return None
-
-    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
-        return self._modules
-
-    @property
-    def cold(self) -> bool:
-        return False
-
-    @property
-    def wait_seconds(self) -> float:
-        return 0.0
-
-    def release(self) -> None:
-        return None
-
-
-class _ResidentProvider:
-    """All adapters resident in memory (the benchmark measures compute, not loading)."""
-
-    def __init__(self, adapters: dict[str, dict[tuple[int, str], LoRAModuleWeights]]):
-        self.adapters = adapters
-        self._lock = threading.Lock()
-
-    def acquire(self, ref: AdapterRef) -> _Lease:
-        return _Lease(ref, self.adapters[ref.adapter_id])
-
-    @contextlib.contextmanager
-    def compute_guard(self) -> Iterator[None]:
-        with self._lock:
-            yield
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,10 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _chat_ids(tok: Tokenizer, n: int) -> list[list[int]]:
-    return [
-        tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}])
-        for i in range(n)
-    ]
+    """``n`` prompts, chat-formatted when the model has a chat template, else plain text."""
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    if tok.chat_template is None:
+        return [tok.encode(t) for t in texts]
+    return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
 def _engine_run(
@@ -209,15 +159,15 @@ def _hf_run(
 
 
 def _peft_adapters(
-    hf: torch.nn.Module, num_layers: int, ranks: tuple[int, ...] = ADAPTER_RANKS
+    hf: torch.nn.Module, spec: ModelSpec, ranks: tuple[int, ...] = ADAPTER_RANKS
 ) -> tuple[object, dict]:
-    """Wrap ``hf`` in PEFT with one random adapter per rank in ``ranks``; return it and our
-    view of the same tensors."""
+    """Wrap ``hf`` in PEFT with one random adapter per rank in ``ranks`` on every projection
+    of ``spec``'s family; return it and our view of the same tensors."""
     import peft
 
     names = [f"bench-r{r}-{i}" for i, r in enumerate(ranks)]
     cfgs = [
-        peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(PROJECTION_MODULES))
+        peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(spec.projections))
         for r in ranks
     ]
     pm = peft.get_peft_model(hf, cfgs[0], adapter_name=names[0])
@@ -245,7 +195,7 @@ def _peft_adapters(
                     lora_b=b.detach().clone().contiguous(),
                     scaling=float(mod.scaling[n]),
                 )
-    assert all(len(v) == num_layers * len(PROJECTION_MODULES) for v in ours.values())
+    assert all(len(v) == spec.num_layers * len(spec.projections) for v in ours.values())
     pm.eval()
     return pm, ours
 
@@ -267,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         args.dtype
     ]
     tok = Tokenizer(model_dir)
-    model = LlamaModel.from_dir(model_dir, device=args.device, dtype=dtype)
+    model = DecoderModel.from_dir(model_dir, device=args.device, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(args.device)
     hf.eval()
     max_b = max(sizes)
@@ -293,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         hf_base[str(b)] = max(r[0] for r in runs)
         hf_base_cpu[str(b)] = max(r[1] for r in runs)
 
-    pm, ours = _peft_adapters(hf, model.spec.num_layers, ranks)
+    pm, ours = _peft_adapters(hf, model.spec, ranks)
     names = list(ours)
     peft_mixed: dict[str, float] = {}
     logger.info("PEFT mixed-adapter generate")
@@ -314,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     del pm, hf
 
     model_elem_size = torch.empty((), dtype=dtype).element_size()
-    provider = _ResidentProvider(ours)
+    provider = ResidentAdapters(ours)
     engine = Engine(
         model,
         tok,

@@ -24,10 +24,12 @@ PEFT conventions followed exactly (peft 0.21, ``tuners/lora/model.py`` ``_create
   ``layers.3.mlp.up_proj``) and regexes all work as in PEFT.
 - ``target_modules``: a list selects a module whose name equals an entry or ends with
   ``"." + entry``; a string is a regex that must ``re.fullmatch`` the module name;
-  ``"all-linear"`` selects every projection (a Llama model's linear layers minus ``lm_head``).
+  ``"all-linear"`` selects every projection (the decoder's linear layers minus ``lm_head``).
   ``exclude_modules``, ``layers_to_transform`` and ``layers_pattern`` apply as in PEFT.
-- Module names are the ones PEFT sees on a ``LlamaForCausalLM``:
-  ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` / ``model.layers.{i}.mlp.{gate,up,down}_proj``.
+- Module names are the ones PEFT sees on the served family's ``*ForCausalLM``:
+  ``model.layers.{i}.self_attn.{q,k,v,o}_proj`` / ``model.layers.{i}.mlp.{gate,up,down}_proj``
+  (Llama, Mistral, Qwen, Gemma), or Phi-3's fused ``self_attn.qkv_proj`` and
+  ``mlp.gate_up_proj``; ``ModelSpec.projections`` lists the served model's.
 - Tensor keys may carry the ``base_model.model.`` prefix or not, and the adapter-name segment
   (``.lora_A.default.weight``) or not (``.lora_A.weight``, what ``save_pretrained`` writes).
 
@@ -99,6 +101,7 @@ __all__ = [
     "sha256_file",
 ]
 from services.common.types import (
+    ALL_PROJECTION_MODULES,
     ATTN_MODULES,
     PROJECTION_MODULES,
     LoRAModuleWeights,
@@ -118,7 +121,7 @@ _LORA_KEY_RE = re.compile(
 
 _OTHER_LORA_RE = re.compile(r"lora_magnitude_vector|lora_embedding_[AB]|lora_diag|lora_[A-Z]\b")
 
-#: Modules of a Llama model that exist but cannot carry LoRA here.
+#: Modules of a decoder that exist but cannot carry LoRA here.
 _LLAMA_NON_PROJECTIONS = frozenset(
     {
         "embed_tokens",
@@ -126,6 +129,10 @@ _LLAMA_NON_PROJECTIONS = frozenset(
         "norm",
         "input_layernorm",
         "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+        "q_norm",
+        "k_norm",
         "rotary_emb",
         "act_fn",
         "self_attn",
@@ -133,11 +140,14 @@ _LLAMA_NON_PROJECTIONS = frozenset(
     }
 )
 
-# A Llama decoder projection. Anything before "layers." is accepted as the model trunk
+# A decoder projection. Anything before "layers." is accepted as the model trunk
 # ("model.", "model.language_model.", none), matching PEFT's suffix semantics.
 _LLAMA_MODULE_RE = re.compile(
     r"^(?:.*\.)?layers\.(?P<layer>\d+)\.(?P<group>self_attn|mlp)\.(?P<proj>[A-Za-z0-9_]+)$"
 )
+
+#: Projections that live under ``self_attn`` (the rest are under ``mlp``).
+_ATTN_PROJECTIONS = frozenset(ATTN_MODULES) | {"qkv_proj"}
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
@@ -234,8 +244,8 @@ def load_json(
 
 
 def canonical_module_name(layer: int, projection: str) -> str:
-    """The module's name in a ``LlamaForCausalLM`` (what PEFT matches patterns against)."""
-    group = "self_attn" if projection in ATTN_MODULES else "mlp"
+    """The module's name in the served ``*ForCausalLM`` (what PEFT matches patterns against)."""
+    group = "self_attn" if projection in _ATTN_PROJECTIONS else "mlp"
     return f"model.layers.{layer}.{group}.{projection}"
 
 
@@ -246,7 +256,9 @@ class _TensorInfo:
     shape: tuple[int, ...]
 
 
-def parse_tensor_key(key: str) -> tuple[int, str, str, str | None]:
+def parse_tensor_key(
+    key: str, projections: tuple[str, ...] = PROJECTION_MODULES
+) -> tuple[int, str, str, str | None]:
     """Map a PEFT LoRA tensor key onto ``(layer, projection, "lora_A"|"lora_B", adapter_name)``.
 
     Examples: ``base_model.model.model.layers.3.mlp.up_proj.lora_B.weight`` ->
@@ -284,27 +296,31 @@ def parse_tensor_key(key: str) -> tuple[int, str, str, str | None]:
     module = m.group("module")
     last = module.rsplit(".", 1)[-1]
     mm = _LLAMA_MODULE_RE.match(module)
-    if last in _LLAMA_NON_PROJECTIONS or (
-        mm is not None and mm.group("proj") not in PROJECTION_MODULES
-    ):
+    proj = mm.group("proj") if mm is not None else None
+    if proj is not None and proj in ALL_PROJECTION_MODULES and proj not in projections:
+        raise IncompatibleAdapterError(
+            f"{WEIGHTS_NAME}: tensor {key!r} puts LoRA on {proj}, which the served model does "
+            f"not have (its projections: {', '.join(projections)}); this adapter was trained "
+            "for another architecture"
+        )
+    if last in _LLAMA_NON_PROJECTIONS or (proj is not None and proj not in projections):
         raise InvalidAdapterError(
             f"{WEIGHTS_NAME}: tensor {key!r} puts LoRA on {module!r}; only the decoder "
-            f"projections {', '.join(PROJECTION_MODULES)} can carry LoRA here (retrain with "
+            f"projections {', '.join(projections)} can carry LoRA here (retrain with "
             "target_modules limited to them)"
         )
-    if mm is None:
+    if mm is None or proj is None:
         raise IncompatibleAdapterError(
             f"{WEIGHTS_NAME}: tensor {key!r} names module {module!r}, which is no module of the "
-            "Llama-family base model served here (expected "
-            "model.layers.<i>.self_attn.<q|k|v|o>_proj or "
-            "model.layers.<i>.mlp.<gate|up|down>_proj); this adapter was trained for another "
-            "architecture"
+            "base model served here (expected model.layers.<i>.self_attn.<projection> or "
+            f"model.layers.<i>.mlp.<projection> with a projection among "
+            f"{', '.join(projections)}); this adapter was trained for another architecture"
         )
-    proj, group = mm.group("proj"), mm.group("group")
-    if (group == "self_attn") != (proj in ATTN_MODULES):
+    group = mm.group("group")
+    if (group == "self_attn") != (proj in _ATTN_PROJECTIONS):
         raise IncompatibleAdapterError(
-            f"{WEIGHTS_NAME}: tensor {key!r} names {group}.{proj}, which a Llama decoder layer "
-            "does not have; this adapter was trained for another architecture"
+            f"{WEIGHTS_NAME}: tensor {key!r} names {group}.{proj}, which the served model's "
+            "decoder layers do not have; this adapter was trained for another architecture"
         )
     return int(mm.group("layer")), proj, m.group("kind"), m.group("adapter")
 
@@ -677,7 +693,7 @@ def plan_modules(
     pairs: dict[tuple[int, str], dict[str, _TensorInfo]] = {}
     adapter_names: set[str | None] = set()
     for key, info in tensors.items():
-        layer, proj, kind, adapter = parse_tensor_key(key)
+        layer, proj, kind, adapter = parse_tensor_key(key, spec.projections)
         adapter_names.add(adapter)
         slot = pairs.setdefault((layer, proj), {})
         if kind in slot:
@@ -697,7 +713,7 @@ def plan_modules(
 
     plans: dict[tuple[int, str], _ModulePlan] = {}
     for (layer, proj), slot in sorted(
-        pairs.items(), key=lambda kv: (kv[0][0], PROJECTION_MODULES.index(kv[0][1]))
+        pairs.items(), key=lambda kv: (kv[0][0], spec.projections.index(kv[0][1]))
     ):
         name = canonical_module_name(layer, proj)
         if "lora_A" not in slot or "lora_B" not in slot:
@@ -787,7 +803,7 @@ class AdapterManifest:
         rank: Largest rank over the modules (from tensor shapes).
         alpha: ``lora_alpha`` of the config (per-module alphas are folded into ``modules``).
         use_rslora: Scaling is ``alpha / sqrt(r)``.
-        target_modules: Projection names that carry LoRA, in :data:`PROJECTION_MODULES` order.
+        target_modules: Projection names that carry LoRA, in ``ModelSpec.projections`` order.
         modules: ``(layer, projection) -> (r, scaling)``.
         num_modules: ``len(modules)``.
         size_bytes: Bytes of all A and B tensors in the serving dtype.
@@ -835,13 +851,14 @@ def _manifest(
     plans: Mapping[tuple[int, str], _ModulePlan],
     sha: str,
     dtype: torch.dtype,
+    projections: tuple[str, ...],
 ) -> AdapterManifest:
     present = {p.projection for p in plans.values()}
     return AdapterManifest(
         rank=max(p.r for p in plans.values()),
         alpha=cfg.lora_alpha,
         use_rslora=cfg.use_rslora,
-        target_modules=tuple(m for m in PROJECTION_MODULES if m in present),
+        target_modules=tuple(m for m in projections if m in present),
         modules={k: (p.r, p.scaling) for k, p in plans.items()},
         num_modules=len(plans),
         size_bytes=_size_bytes(plans, dtype),
@@ -912,7 +929,7 @@ def inspect_adapter(
                     _check_values(f.get_tensor(tkey), dtype, f"{path}: {name} {label}")
     except SafetensorError as e:
         raise InvalidAdapterError(f"{weights} could not be read as safetensors: {e}") from None
-    return _manifest(cfg, plans, sha, dtype)
+    return _manifest(cfg, plans, sha, dtype, spec.projections)
 
 
 def _check_values(t: torch.Tensor, dtype: torch.dtype, where: str) -> None:
@@ -1010,7 +1027,7 @@ def load_lora_weights(
             _check_values(src, dtype, f"{path}: {name} {label}")
             pair.append(src.to(device=device, dtype=dtype).contiguous())
         modules[key] = LoRAModuleWeights(lora_a=pair[0], lora_b=pair[1], scaling=plan.scaling)
-    manifest = _manifest(cfg, plans, sha, dtype)
+    manifest = _manifest(cfg, plans, sha, dtype, spec.projections)
     logger.debug(
         "loaded adapter %s v%d: %d modules, rank %d, %d bytes",
         adapter_id,

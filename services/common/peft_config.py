@@ -17,7 +17,7 @@ from services.common.errors import (
     InvalidAdapterError,
 )
 from services.common.patterns import CONFIG_NAME
-from services.common.types import PROJECTION_MODULES
+from services.common.types import ALL_PROJECTION_MODULES
 
 #: Largest ``adapter_config.json`` read by default, in bytes (PEFT writes about 1 KiB).
 MAX_CONFIG_BYTES = 1 << 20
@@ -210,7 +210,7 @@ class LoraAdapterConfig:
         if isinstance(tm, str):
             if c.target is not None:
                 return patterns.full_match(c.target, module_name)
-            tm = PROJECTION_MODULES  # "all-linear"
+            tm = ALL_PROJECTION_MODULES  # "all-linear": every projection the base has
         if module_name in tm:
             return True
         found = any(module_name.endswith(f".{k}") for k in tm)

@@ -16,11 +16,15 @@ import torch
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 PROJECTION_MODULES: tuple[str, ...] = ATTN_MODULES + MLP_MODULES
+#: Fused projections some families' checkpoints and PEFT adapters name (Phi-3).
+FUSED_MODULES: tuple[str, ...] = ("qkv_proj", "gate_up_proj")
+#: Every projection name an adapter may target on some served family.
+ALL_PROJECTION_MODULES: tuple[str, ...] = PROJECTION_MODULES + FUSED_MODULES
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Shape of a Llama-family base model, as read from its config.
+    """Shape of a served base model, as read from its config.
 
     Attributes:
         name: Display name of the model (e.g. ``"SmolLM2-135M-Instruct"``).
@@ -37,6 +41,11 @@ class ModelSpec:
         tie_word_embeddings: Whether lm_head shares the embedding matrix.
         rope_scaling: RoPE scaling parameters (``{"rope_type": "llama3", "factor": ...}``)
             from ``rope_scaling`` or a non-default ``rope_parameters``; ``None`` for plain RoPE.
+        family: The model family (``services.worker.families``): ``"llama"``, ``"qwen2"``,
+            ``"gemma3"``, ``"phi3"``, ...
+        projections: The projection names of a decoder layer that adapters may target, in
+            PEFT's naming and layer order (Phi-3: ``qkv_proj``, ``o_proj``, ``gate_up_proj``,
+            ``down_proj``).
     """
 
     name: str
@@ -52,12 +61,14 @@ class ModelSpec:
     rms_norm_eps: float
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
+    family: str = "llama"
+    projections: tuple[str, ...] = PROJECTION_MODULES
 
     def module_shape(self, module: str) -> tuple[int, int]:
         """Return ``(in_features, out_features)`` of one projection of a decoder layer.
 
         Raises:
-            KeyError: ``module`` is not one of :data:`PROJECTION_MODULES`.
+            KeyError: ``module`` is not one of :data:`ALL_PROJECTION_MODULES`.
         """
         d, q, kv, m = (
             self.hidden_size,
@@ -73,12 +84,23 @@ class ModelSpec:
             "gate_proj": (d, m),
             "up_proj": (d, m),
             "down_proj": (m, d),
+            "qkv_proj": (d, q + 2 * kv),
+            "gate_up_proj": (d, 2 * m),
         }
         return shapes[module]
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any], name: str = "") -> ModelSpec:
-        """Build from a Hugging Face Llama-family ``config.json`` dict.
+    def from_hf_config(
+        cls,
+        config: dict[str, Any],
+        name: str = "",
+        family: str = "llama",
+        projections: tuple[str, ...] = PROJECTION_MODULES,
+    ) -> ModelSpec:
+        """Build from a Hugging Face ``config.json`` dict of a decoder-only model.
+
+        ``family`` and ``projections`` come from the worker's family registry
+        (``services.worker.model_loader.spec_from_config`` fills them in).
 
         Reads ``rope_theta`` at the top level or inside ``rope_parameters`` (transformers >= 5).
 
@@ -112,6 +134,8 @@ class ModelSpec:
             rms_norm_eps=float(c.get("rms_norm_eps") or 1e-6),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
+            family=family,
+            projections=tuple(projections),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -122,7 +146,10 @@ class ModelSpec:
     def from_dict(cls, data: dict[str, object]) -> ModelSpec:
         """Inverse of :meth:`to_dict`; unknown keys are ignored."""
         names = cls.__dataclass_fields__.keys()
-        return cls(**{k: v for k, v in data.items() if k in names})  # type: ignore[arg-type]
+        fields = {k: v for k, v in data.items() if k in names}
+        if isinstance(fields.get("projections"), list):
+            fields["projections"] = tuple(fields["projections"])  # type: ignore[arg-type]
+        return cls(**fields)  # type: ignore[arg-type]
 
 
 @dataclass

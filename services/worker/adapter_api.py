@@ -11,7 +11,8 @@ cancelled. While a lease is held the adapter is never evicted or moved; compacti
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -127,3 +128,65 @@ class AdapterProvider(Protocol):
 def no_guard() -> Iterator[None]:
     """A guard that guards nothing: for providers whose memory never moves."""
     yield
+
+
+class _ResidentLease:
+    """A lease on an adapter that is always resident: ready at once, never cold."""
+
+    def __init__(self, ref: AdapterRef, modules: Mapping[tuple[int, str], LoRAModuleWeights]):
+        self._ref, self._modules = ref, dict(modules)
+
+    @property
+    def ref(self) -> AdapterRef:
+        return self._ref
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def error(self) -> Exception | None:
+        return None
+
+    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
+        return self._modules
+
+    @property
+    def cold(self) -> bool:
+        return False
+
+    @property
+    def wait_seconds(self) -> float:
+        return 0.0
+
+    def release(self) -> None:
+        return None
+
+
+class ResidentAdapters:
+    """An :class:`AdapterProvider` whose adapters are all resident in memory, never paged.
+
+    For measuring and checking compute alone (``plora bench engine``, exactness tests): every
+    lease is warm, nothing is loaded or evicted, and forward steps are serialised by one lock.
+
+    Args:
+        adapters: ``adapter_id -> ((layer, projection) -> LoRAModuleWeights)``.
+
+    Raises:
+        KeyError: from :meth:`acquire`, for an adapter id not given here.
+    """
+
+    def __init__(self, adapters: Mapping[str, Mapping[tuple[int, str], LoRAModuleWeights]]):
+        self.adapters = dict(adapters)
+        self._lock = threading.Lock()
+
+    def acquire(self, ref: AdapterRef) -> AdapterLease:
+        """A ready lease on ``ref`` (its version is not checked)."""
+        return _ResidentLease(ref, self.adapters[ref.adapter_id])
+
+    @contextlib.contextmanager
+    def compute_guard(self) -> Iterator[None]:
+        """Held around each forward step."""
+        with self._lock:
+            yield

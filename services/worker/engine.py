@@ -52,7 +52,7 @@ from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
 from services.worker.estimates import ServiceEstimates
 from services.worker.lora_ops import LoRABatch, StackedLoRA
-from services.worker.model import KVCache, LlamaModel
+from services.worker.model import DecoderModel, KVCache
 from services.worker.sampling import SamplingParams, StopMatcher, make_generator, sample_batch
 from services.worker.step_plan import StepPlan, build_step_batch, schedule_step
 from services.worker.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -254,6 +254,7 @@ class _Seq:
     prefill_work: float = 0.0  # seconds of steps attributed to its prompt so far
     acquire_error: Exception | None = None  # the provider refused the lease (failed at admit)
     adapter_key: tuple[str, int] | None = None
+    long_rope: bool = False  # its cached keys/values were computed with LongRoPE's long factors
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -269,7 +270,7 @@ class Engine:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: Tokenizer,
         provider: AdapterProvider | None,
         config: EngineConfig | None = None,
@@ -648,6 +649,7 @@ class Engine:
         :meth:`_sample_and_emit` samples and streams one token per sequence whose uncached
         tokens are all in the step.
         """
+        self._switch_long_rope()
         work = schedule_step(self._running, self.config.max_num_batched_tokens)
         if not work:
             return
@@ -656,6 +658,22 @@ class Engine:
         logits = self._forward(plan)
         if logits is not None:
             self._sample_and_emit(plan, logits, started)
+
+    def _switch_long_rope(self) -> None:
+        """Re-prefill a sequence that has grown past LongRoPE's switch point (Phi-3).
+
+        Rule (transformers' Phi-3 ``generate``): a sequence longer than
+        ``original_max_position_embeddings`` uses the long factors at every position, so the
+        keys and values cached while it was shorter are computed again, once, in the next
+        step (its ``num_cached`` drops to 0 and it prefills prompt and generated tokens).
+        """
+        limit = self.model.long_rope_after
+        if limit is None:
+            return
+        for s in self._running:
+            if not s.long_rope and len(s.tokens) > limit:
+                s.long_rope = True
+                s.num_cached = 0
 
     def _forward(self, plan: StepPlan[_Seq]) -> torch.Tensor | None:
         """Attach the step's LoRA weights to ``plan`` and run the model on it.

@@ -1,12 +1,15 @@
-"""Our own Llama-family forward pass with a slot KV cache and batched multi-LoRA.
+"""Our own decoder forward pass for every served family, with a slot KV cache and batched
+multi-LoRA.
 
-Serving never runs transformers' modeling code: this module implements the decoder
-(RMSNorm, RoPE with default / linear / llama3 scaling, grouped-query attention, SwiGLU MLP,
-tied or untied embeddings) over weights read from an HF directory's safetensors files.
+Serving never runs transformers' modeling code: this module implements the decoder (RMSNorm,
+RoPE, grouped-query attention with optional sliding windows and soft-capping, gated MLP, tied
+or untied embeddings) over weights read from an HF directory's safetensors files. What differs
+between Llama, Mistral, Qwen 2/3, Gemma 2/3 and Phi-3 is declared by the family
+(:mod:`services.worker.families`) and read here as data; there is one forward pass.
 
 One forward call runs one engine *step* over a flat token batch ``[T]`` that mixes prefill
 chunks of new sequences (many tokens each) with single-token decode rows of running ones.
-Every one of the seven projections adds the batch's LoRA deltas through
+Every projection adds the batch's LoRA deltas through
 :class:`services.worker.lora_ops.LoRABatch`. The base model uses fused ``qkv`` and
 ``gate_up`` matrices (one matmul each); LoRA deltas are added to column views of the fused
 outputs, so per-module semantics are exactly PEFT's.
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,44 +32,12 @@ import torch.nn.functional as F
 
 from services.common.errors import ConfigError
 from services.common.types import ModelSpec
+from services.worker.families import Architecture, describe
 from services.worker.lora_ops import LoRABatch
-from services.worker.model_loader import spec_from_dir
+from services.worker.model_loader import read_config, spec_from_config
+from services.worker.rope import RopeTable, rope_frequencies
 
 logger = logging.getLogger(__name__)
-
-
-def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies ``[head_dim // 2]`` (float32) and the attention scaling.
-
-    Supports ``rope_type`` ``default``, ``linear`` and ``llama3`` (transformers'
-    ``_compute_llama3_parameters``), read from ``spec.rope_scaling``.
-
-    Raises:
-        ConfigError: an unsupported ``rope_type``.
-    """
-    dim = spec.head_dim
-    base = spec.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = getattr(spec, "rope_scaling", None) or {}
-    rope_type = str(scaling.get("rope_type") or scaling.get("type") or "default")
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low = float(scaling.get("low_freq_factor", 1.0))
-        high = float(scaling.get("high_freq_factor", 4.0))
-        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-        low_wavelen = old_ctx / low
-        high_wavelen = old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        inv_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_llama / factor + smooth * inv_llama
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, inv_llama), 1.0
-    raise ConfigError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
 class KVCache:
@@ -78,7 +48,7 @@ class KVCache:
         v: same shape as ``k``.
 
     Memory is allocated with ``torch.empty``: on CPU, pages never touched are not resident,
-    and :meth:`LlamaModel.forward` touches only the positions a step reads or writes. Decode
+    and :meth:`DecoderModel.forward` touches only the positions a step reads or writes. Decode
     attention reads a slot up to the longest sequence of the step, past the slot's own length
     (those positions get zero probability, but ``0 * NaN`` is NaN, so they must hold finite
     values); :meth:`ensure_finite` zeroes just the never-written part of that range, once.
@@ -157,12 +127,16 @@ class SeqChunk:
         row: First row of its tokens in the flat batch.
         num_tokens: Tokens in this step (1 for decode).
         start_pos: Position of its first token (= tokens already in the cache).
+        seq_len: The sequence's whole length so far (prompt and generated tokens, >= the
+            chunk's end); 0 means the chunk's end. LongRoPE picks its short or long factors
+            from it, as transformers does from the sequence length.
     """
 
     slot: int
     row: int
     num_tokens: int
     start_pos: int
+    seq_len: int = 0
 
 
 @dataclass
@@ -191,8 +165,16 @@ class _Layer:
     wo: torch.Tensor  # [d, q]
     w_gate_up: torch.Tensor  # [2 m, d]
     w_down: torch.Tensor  # [d, m]
-    ln1: torch.Tensor  # [d]
-    ln2: torch.Tensor  # [d]
+    ln1: torch.Tensor  # [d] input norm
+    ln2: torch.Tensor  # [d] MLP input norm
+    bqkv: torch.Tensor | None = None  # [q + 2 kv]
+    bo: torch.Tensor | None = None  # [d]
+    b_gate_up: torch.Tensor | None = None  # [2 m]
+    b_down: torch.Tensor | None = None  # [d]
+    post_attn: torch.Tensor | None = None  # [d] Gemma's norm of the attention output
+    post_ffn: torch.Tensor | None = None  # [d] Gemma's norm of the MLP output
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
 
 
 def _load_state(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -208,65 +190,131 @@ def _load_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
-class LlamaModel:
-    """A Llama-family decoder for batched multi-LoRA serving.
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+class DecoderModel:
+    """A decoder-only transformer of any registered family, for batched multi-LoRA serving.
+
+    One implementation for every family: the family's :class:`Architecture` says which norms,
+    biases, activation, attention windows, RoPE tables and soft-caps a layer has (see
+    :mod:`services.worker.families`). LoRA deltas are added per projection name the family
+    declares (``q_proj`` ... ``down_proj``, or Phi-3's fused ``qkv_proj`` / ``gate_up_proj``)
+    onto column views of the fused base outputs, so each adapter's math is exactly PEFT's.
 
     Args:
         spec: The model's shape.
+        arch: The family's description of the layers.
         state: HF-named weights (``model.layers.{i}.self_attn.q_proj.weight``, ...).
         device: Where weights and activations live (``"cpu"``, ``"cuda"``, ...).
         dtype: Weight/activation dtype (float32 on CPU; bfloat16/float16 on CUDA).
 
     Raises:
-        KeyError: a weight is missing from ``state``.
+        ConfigError: a weight the architecture needs is missing from ``state``.
     """
 
     def __init__(
         self,
         spec: ModelSpec,
+        arch: Architecture,
         state: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.spec = spec
+        self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype
 
         def w(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ConfigError(
+                    f"the checkpoint has no {name!r}, which a {arch.family} model needs"
+                )
             return state[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def norm(name: str) -> torch.Tensor:
+            # Gemma scales by (1 + w) in float32; folding the 1 in at load is the same sum.
+            if arch.norm_plus_one:
+                return (1.0 + state[name].float()).to(self.device) if name in state else w(name)
+            return w(name)
+
+        def cat(names: list[str]) -> torch.Tensor:
+            return torch.cat([w(n) for n in names]).contiguous()
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, d]
         if spec.tie_word_embeddings or "lm_head.weight" not in state:
             self.lm_head = self.embed
         else:
             self.lm_head = w("lm_head.weight")  # [vocab, d]
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         self.layers: list[_Layer] = []
         for i in range(spec.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            qkv = ["qkv_proj"] if arch.fused_qkv else ["q_proj", "k_proj", "v_proj"]
+            gate_up = ["gate_up_proj"] if arch.fused_gate_up else ["gate_proj", "up_proj"]
             p = f"model.layers.{i}."
-            self.layers.append(
-                _Layer(
-                    wqkv=torch.cat(
-                        [
-                            w(p + "self_attn.q_proj.weight"),
-                            w(p + "self_attn.k_proj.weight"),
-                            w(p + "self_attn.v_proj.weight"),
-                        ]
-                    ).contiguous(),
-                    wo=w(p + "self_attn.o_proj.weight"),
-                    w_gate_up=torch.cat(
-                        [w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    w_down=w(p + "mlp.down_proj.weight"),
-                    ln1=w(p + "input_layernorm.weight"),
-                    ln2=w(p + "post_attention_layernorm.weight"),
-                )
+            layer = _Layer(
+                wqkv=cat([a + n + ".weight" for n in qkv]),
+                wo=w(a + "o_proj.weight"),
+                w_gate_up=cat([m + n + ".weight" for n in gate_up]),
+                w_down=w(m + "down_proj.weight"),
+                ln1=norm(p + "input_layernorm.weight"),
+                ln2=norm(
+                    p
+                    + (
+                        "pre_feedforward_layernorm"
+                        if arch.sandwich_norms
+                        else "post_attention_layernorm"
+                    )
+                    + ".weight"
+                ),
             )
-        inv_freq, self._attn_scaling = rope_inv_freq(spec)
-        self._inv_freq = inv_freq.to(self.device)
-        self._rope_len = 0
-        self._cos = torch.empty(0)
-        self._sin = torch.empty(0)
+            if arch.qkv_bias:
+                layer.bqkv = cat([a + n + ".bias" for n in qkv])
+            if arch.o_bias:
+                layer.bo = w(a + "o_proj.bias")
+            if arch.mlp_bias:
+                layer.b_gate_up = cat([m + n + ".bias" for n in gate_up])
+                layer.b_down = w(m + "down_proj.bias")
+            if arch.sandwich_norms:
+                layer.post_attn = norm(p + "post_attention_layernorm.weight")
+                layer.post_ffn = norm(p + "post_feedforward_layernorm.weight")
+            if arch.qk_norm:
+                layer.q_norm = norm(a + "q_norm.weight")
+                layer.k_norm = norm(a + "k_norm.weight")
+            self.layers.append(layer)
+        qdim = spec.num_heads * spec.head_dim
+        kvdim = spec.num_kv_heads * spec.head_dim
+        mlp = spec.intermediate_size
+        # (LoRA module name, column range of the fused output) for q/k/v and gate/up.
+        if arch.fused_qkv:
+            self._qkv_views = [("qkv_proj", 0, qdim + 2 * kvdim)]
+        else:
+            self._qkv_views = [
+                ("q_proj", 0, qdim),
+                ("k_proj", qdim, qdim + kvdim),
+                ("v_proj", qdim + kvdim, qdim + 2 * kvdim),
+            ]
+        if arch.fused_gate_up:
+            self._gate_up_views = [("gate_up_proj", 0, 2 * mlp)]
+        else:
+            self._gate_up_views = [("gate_proj", 0, mlp), ("up_proj", mlp, 2 * mlp)]
+        self._act = _gelu_tanh if arch.activation == "gelu_tanh" else F.silu
+        self._ropes = [
+            RopeTable(
+                rope_frequencies(r, arch.rotary_dim, arch.max_position_embeddings),
+                self.device,
+                dtype,
+            )
+            for r in arch.ropes
+        ]
+        self._long_rope = any(t.freqs.long_after is not None for t in self._ropes)
         self._ensure_rope(min(spec.max_position_embeddings, 4096))
 
     @classmethod
@@ -276,33 +324,44 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         name: str = "",
-    ) -> LlamaModel:
-        """Load from an HF model directory (``config.json`` + safetensors)."""
+    ) -> DecoderModel:
+        """Load from an HF model directory (``config.json`` + safetensors, sharded or not).
+
+        Raises:
+            ConfigError: an unsupported family or config, or a missing weight.
+        """
         model_dir = Path(model_dir)
-        spec = spec_from_dir(model_dir, name)
-        logger.info("loading %s weights (%s, %s)", spec.name, device, dtype)
+        config = read_config(model_dir)
+        spec = spec_from_config(config, name or model_dir.name)
+        arch = describe(config, model_dir)
+        logger.info("loading %s (%s) weights (%s, %s)", spec.name, arch.family, device, dtype)
         state = _load_state(model_dir)
-        return cls(spec, state, device=device, dtype=dtype)
+        return cls(spec, arch, state, device=device, dtype=dtype)
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's switch point (``original_max_position_embeddings``), else ``None``.
+
+        A sequence longer than this uses the long factors at every position; one that grows
+        past it during decode must have its cached keys and values computed again (the engine
+        re-prefills it once, as transformers' Phi-3 ``generate`` drops its cache there).
+        """
+        points = [t.freqs.long_after for t in self._ropes if t.freqs.long_after is not None]
+        return min(points) if points else None
 
     @property
     def decode_weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads: every layer's projections and norms, the
-        final norm and the LM head (the embedding rows a step gathers are negligible; tied
-        embeddings count once, as the LM head)."""
+        """Bytes of weights one decode step reads: every layer's projections, biases and
+        norms, the final norm and the LM head (the embedding rows a step gathers are
+        negligible; tied embeddings count once, as the LM head)."""
         tensors = [self.lm_head, self.norm]
         for layer in self.layers:
-            tensors += [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, layer.ln1, layer.ln2]
+            tensors += [t for t in vars(layer).values() if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _ensure_rope(self, length: int) -> None:
-        if length <= self._rope_len:
-            return
-        pos = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self._inv_freq.float())  # [L, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [L, hd]
-        self._cos = (emb.cos() * self._attn_scaling).to(self.dtype)
-        self._sin = (emb.sin() * self._attn_scaling).to(self.dtype)
-        self._rope_len = length
+        for table in self._ropes:
+            table.ensure(length)
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A KV cache for ``num_slots`` sequences of up to ``max_len`` tokens."""
@@ -311,15 +370,55 @@ class LlamaModel:
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        var = xf.pow(2).mean(-1, keepdim=True)
-        return weight * (xf * torch.rsqrt(var + self.spec.rms_norm_eps)).to(x.dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        if self.arch.norm_plus_one:  # Gemma: (x_hat * (1 + w)) in float32, then the dtype
+            return (normed * weight).to(x.dtype)
+        return weight * normed.to(x.dtype)  # Llama: w * x_hat.to(dtype)
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, hd]; cos/sin: [T, 1, hd]
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, hd]; cos/sin: [T, 1, rotary_dim]; only the leading rotary_dim rotate.
+        rd = cos.shape[-1]
+        xr = x[..., :rd]
+        half = rd // 2
+        rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+        out = xr * cos + rot * sin
+        return out if rd == x.shape[-1] else torch.cat([out, x[..., rd:]], dim=-1)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        allow: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """Attention of ``q`` ``[1, H, n, hd]`` over ``k``/``v`` ``[1, KV, L, hd]``.
+
+        ``allow`` is a boolean ``[n, L]`` mask (True = may attend); ``causal`` asks for the
+        plain causal mask instead. Soft-capped families take the explicit path (SDPA has no
+        soft-capping).
+        """
+        arch = self.arch
+        group = q.shape[1] // k.shape[1]
+        if arch.attn_softcap is None:
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=allow,
+                is_causal=causal and allow is None,
+                scale=arch.attn_scale,
+                enable_gqa=group > 1,
+            )
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * arch.attn_scale, arch.attn_softcap)
+        if allow is None:
+            n, length = q.shape[2], k.shape[2]
+            allow = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        scores = scores.masked_fill(~allow, float("-inf"))
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
@@ -333,32 +432,52 @@ class LlamaModel:
             ``[len(batch.logits_rows), vocab]`` float32 next-token logits, in the order of
             ``batch.logits_rows``; all NaN for a row whose final hidden state overflowed.
         """
-        spec = self.spec
+        spec, arch = self.spec, self.arch
         nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qdim, kvdim = nh * hd, nkv * hd
         m = spec.intermediate_size
         group = nh // nkv
-        scale = 1.0 / math.sqrt(hd)
         dev = self.device
         lora = batch.lora if batch.lora is not None and not batch.lora.empty else None
 
         ids = batch.input_ids.to(dev)
         pos = batch.positions.to(dev)
         T = ids.shape[0]
-        cos = self._cos[pos].unsqueeze(1)  # [T, 1, hd]
-        sin = self._sin[pos].unsqueeze(1)
 
-        # Row -> slot map for the KV writes.
+        # Row -> slot map for the KV writes; row -> sequence length after the step (LongRoPE).
         slot_rows = torch.empty(T, dtype=torch.long)
+        seq_end = torch.empty(T, dtype=torch.long) if self._long_rope else None
         decode: list[SeqChunk] = []
         prefill: list[SeqChunk] = []
         for c in batch.chunks:
             slot_rows[c.row : c.row + c.num_tokens] = c.slot
+            if seq_end is not None:
+                seq_end[c.row : c.row + c.num_tokens] = max(c.seq_len, c.start_pos + c.num_tokens)
             (decode if c.num_tokens == 1 else prefill).append(c)
         slot_rows = slot_rows.to(dev)
+        rope_rows = [t.rows(pos, None if seq_end is None else seq_end.to(dev)) for t in self._ropes]
+
+        # Prefill masks per window (None = global), built once per step.
+        prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
+
+        def prefill_mask(ci: int, c: SeqChunk, window: int | None) -> torch.Tensor | None:
+            key = (ci, window)
+            if key not in prefill_masks:
+                end = c.start_pos + c.num_tokens
+                if c.start_pos == 0 and (window is None or window >= end):
+                    prefill_masks[key] = None  # plain causal
+                else:
+                    qpos = torch.arange(c.start_pos, end, device=dev).unsqueeze(1)
+                    kpos = torch.arange(end, device=dev).unsqueeze(0)
+                    allow = kpos <= qpos
+                    if window is not None:
+                        allow &= kpos > qpos - window
+                    prefill_masks[key] = allow
+            return prefill_masks[key]
 
         # Decode attention over a contiguous slot range [s_lo, s_hi): one strided view.
         dec_meta = None
+        dec_masks: dict[int | None, torch.Tensor] = {}
         if decode:
             s_lo = min(c.slot for c in decode)
             s_hi = max(c.slot for c in decode) + 1
@@ -366,38 +485,39 @@ class LlamaModel:
             lmax = max(c.start_pos + 1 for c in decode)
             lengths = torch.ones(n, dtype=torch.long)
             q_index = torch.zeros(n, dtype=torch.long)
-            used = torch.zeros(n, dtype=torch.bool)
             for c in decode:
                 lengths[c.slot - s_lo] = c.start_pos + 1
                 q_index[c.slot - s_lo] = c.row
-                used[c.slot - s_lo] = True
-            mask = torch.arange(lmax).unsqueeze(0) >= lengths.unsqueeze(1)  # [n, lmax]
+            kpos = torch.arange(lmax).unsqueeze(0)
+            for window in set(arch.layer_windows):
+                hide = kpos >= lengths.unsqueeze(1)  # [n, lmax]
+                if window is not None:
+                    hide |= kpos <= lengths.unsqueeze(1) - 1 - window
+                dec_masks[window] = hide.to(dev)[:, None, None, :]
             dec_rows = torch.tensor([c.row for c in decode], dtype=torch.long, device=dev)
             dec_slots_rel = torch.tensor(
                 [c.slot - s_lo for c in decode], dtype=torch.long, device=dev
             )
             kv.ensure_finite(range(s_lo, s_hi), lmax)
-            dec_meta = (
-                s_lo,
-                s_hi,
-                lmax,
-                mask.to(dev)[:, None, None, :],
-                q_index.to(dev),
-                dec_rows,
-                dec_slots_rel,
-            )
+            dec_meta = (s_lo, s_hi, lmax, q_index.to(dev), dec_rows, dec_slots_rel)
 
         h = F.embedding(ids, self.embed)  # [T, d]
+        if arch.embed_scale is not None:
+            h = h * torch.tensor(arch.embed_scale, dtype=h.dtype)
         for li, L in enumerate(self.layers):
+            window = arch.layer_windows[li]
+            cos, sin = rope_rows[arch.layer_ropes[li]]
             x = self._rms(h, L.ln1)
-            qkv = F.linear(x, L.wqkv)  # [T, q + 2kv]
+            qkv = F.linear(x, L.wqkv, L.bqkv)  # [T, q + 2kv]
             if lora is not None:
-                lora.apply(li, "q_proj", x, qkv[:, :qdim])
-                lora.apply(li, "k_proj", x, qkv[:, qdim : qdim + kvdim])
-                lora.apply(li, "v_proj", x, qkv[:, qdim + kvdim :])
+                for name, lo, hi in self._qkv_views:
+                    lora.apply(li, name, x, qkv[:, lo:hi])
             q = qkv[:, :qdim].view(T, nh, hd)
             k = qkv[:, qdim : qdim + kvdim].view(T, nkv, hd)
             v = qkv[:, qdim + kvdim :].view(T, nkv, hd)
+            if L.q_norm is not None and L.k_norm is not None:
+                q = self._rms(q, L.q_norm)
+                k = self._rms(k, L.k_norm)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
             kc, vc = kv.k[li], kv.v[li]
@@ -405,50 +525,46 @@ class LlamaModel:
             vc[slot_rows, :, pos] = v
 
             attn = torch.empty(T, nh, hd, device=dev, dtype=self.dtype)
-            for c in prefill:
+            for ci, c in enumerate(prefill):
                 end = c.start_pos + c.num_tokens
                 qp = q[c.row : c.row + c.num_tokens].transpose(0, 1).unsqueeze(0)  # [1,H,n,hd]
                 kp = kc[c.slot, :, :end].unsqueeze(0)  # [1, nkv, end, hd]
                 vp = vc[c.slot, :, :end].unsqueeze(0)
-                if c.start_pos == 0:
-                    o = F.scaled_dot_product_attention(
-                        qp, kp, vp, is_causal=True, enable_gqa=group > 1
-                    )
-                else:
-                    allow = torch.ones(c.num_tokens, end, dtype=torch.bool, device=dev).tril(
-                        c.start_pos
-                    )
-                    o = F.scaled_dot_product_attention(
-                        qp, kp, vp, attn_mask=allow, enable_gqa=group > 1
-                    )
+                o = self._attend(qp, kp, vp, prefill_mask(ci, c, window), causal=True)
                 attn[c.row : c.row + c.num_tokens] = o[0].transpose(0, 1)
             if dec_meta is not None:
-                s_lo, s_hi, lmax, dmask, q_index, dec_rows, dec_rel = dec_meta
+                s_lo, s_hi, lmax, q_index, dec_rows, dec_rel = dec_meta
                 n = s_hi - s_lo
                 qd = q.index_select(0, q_index).view(n, nkv, group, hd)
                 kd = kc[s_lo:s_hi, :, :lmax]  # [n, nkv, lmax, hd] strided view
                 vd = vc[s_lo:s_hi, :, :lmax]
-                scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(scale)  # [n,nkv,g,lmax]
-                scores.masked_fill_(dmask, float("-inf"))
+                scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(arch.attn_scale)
+                if arch.attn_softcap is not None:
+                    scores = _softcap(scores, arch.attn_softcap)
+                scores.masked_fill_(dec_masks[window], float("-inf"))
                 probs = torch.softmax(scores, dim=-1)
                 od = torch.matmul(probs, vd).view(n, nh, hd)
                 attn[dec_rows] = od.index_select(0, dec_rel)
 
             a2 = attn.view(T, qdim)
-            o = F.linear(a2, L.wo)
+            o = F.linear(a2, L.wo, L.bo)
             if lora is not None:
                 lora.apply(li, "o_proj", a2, o)
+            if L.post_attn is not None:
+                o = self._rms(o, L.post_attn)
             h = h + o
 
             x = self._rms(h, L.ln2)
-            gu = F.linear(x, L.w_gate_up)  # [T, 2m]
+            gu = F.linear(x, L.w_gate_up, L.b_gate_up)  # [T, 2m]
             if lora is not None:
-                lora.apply(li, "gate_proj", x, gu[:, :m])
-                lora.apply(li, "up_proj", x, gu[:, m:])
-            inter = F.silu(gu[:, :m]) * gu[:, m:]
-            dn = F.linear(inter, L.w_down)
+                for name, lo, hi in self._gate_up_views:
+                    lora.apply(li, name, x, gu[:, lo:hi])
+            inter = self._act(gu[:, :m]) * gu[:, m:]
+            dn = F.linear(inter, L.w_down, L.b_down)
             if lora is not None:
                 lora.apply(li, "down_proj", inter, dn)
+            if L.post_ffn is not None:
+                dn = self._rms(dn, L.post_ffn)
             h = h + dn
 
         for c in batch.chunks:  # recorded only once every layer has written them
@@ -461,7 +577,10 @@ class LlamaModel:
         # run the linear form on one thread at a fraction of memory bandwidth; measured on
         # this 2-core AVX2 machine, 1 thread: 41.6 -> 19.6 ms at 4 rows, 192 -> 148 ms at 128;
         # 2 threads: 33.9 -> 10.3 ms at 4 rows (the linear form did not parallelise).
-        logits = torch.mm(self.lm_head, hl.t()).t().float().contiguous()
+        logits = torch.mm(self.lm_head, hl.t()).t()
+        if arch.final_softcap is not None:
+            logits = _softcap(logits, arch.final_softcap)
+        logits = logits.float().contiguous()
         # A row whose hidden state overflowed (NaN/Inf, or a mean square past float32's range,
         # which the norm turns into zeros: all-equal logits, argmax token 0) gets NaN logits,
         # so the engine fails its request instead of streaming that as an answer.

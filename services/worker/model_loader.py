@@ -24,6 +24,7 @@ from pathlib import Path
 
 from services.common.errors import ConfigError
 from services.common.types import ModelSpec
+from services.worker.families import describe, family_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +32,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Aliases that mean "the default base model".
 DEFAULT_MODEL_ALIASES = ("", "smollm2", "default", "SmolLM2-135M-Instruct")
-#: ``model_type`` values whose forward pass is the Llama one our ``model.py`` implements.
-LLAMA_FAMILY_TYPES = frozenset({"llama", "mistral", "smollm2", "smollm3_llama"})
-_LLAMA_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM"})
 
 
 def default_cache_dir() -> Path:
@@ -83,23 +81,13 @@ def _is_hf_dir(path: Path) -> bool:
     )
 
 
-def check_llama_family(config: dict[str, object], where: Path) -> None:
-    """Refuse a config whose architecture our Llama forward pass cannot run.
+def check_supported(config: dict[str, object], where: Path) -> None:
+    """Refuse a config whose family or switches the worker's decoder does not implement.
 
     Raises:
-        ConfigError: ``model_type`` / ``architectures`` is not Llama-family.
+        ConfigError: naming the supported ``model_type`` values, or the switch.
     """
-    model_type = str(config.get("model_type") or "")
-    archs = config.get("architectures") or []
-    ok_type = model_type in LLAMA_FAMILY_TYPES
-    ok_arch = isinstance(archs, list) and any(a in _LLAMA_ARCHS for a in archs)
-    if not (ok_type or ok_arch):
-        raise ConfigError(
-            f"{where}: model_type={model_type!r} architectures={archs!r} is not a Llama-family "
-            "model; P-LoRA's worker runs Llama-architecture bases only (e.g. SmolLM2, Llama 3)"
-        )
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ConfigError(f"{where}: attention/MLP biases are not supported by the worker")
+    describe(config, where)
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -116,9 +104,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
-    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
     config["dtype"] = "float32"
-    check_llama_family(config, gguf)
+    check_supported(config, gguf)
     state = model.state_dict()
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
@@ -157,8 +145,8 @@ def resolve_model(model: str | None, cache_dir: Path) -> Path:
         A directory holding ``config.json``, safetensors weights and tokenizer files.
 
     Raises:
-        ConfigError: the path does not exist, is not a supported layout, or the model is not
-            Llama-family.
+        ConfigError: the path does not exist, is not a supported layout, or the model's family
+            is not served.
     """
     if model is None or model in DEFAULT_MODEL_ALIASES:
         gguf: Path | None = default_model_path()
@@ -187,7 +175,7 @@ def resolve_model(model: str | None, cache_dir: Path) -> Path:
             f"{path} has no config.json with model.safetensors (or model.safetensors.index.json)"
         )
     with open(path / "config.json", encoding="utf-8") as f:
-        check_llama_family(json.load(f), path)
+        check_supported(json.load(f), path)
     return path
 
 
@@ -224,4 +212,17 @@ def load_model_spec(model: str | None, cache_dir: Path) -> ModelSpec:
 def spec_from_dir(model_dir: Path, name: str = "") -> ModelSpec:
     """The :class:`ModelSpec` of the HF model directory ``model_dir`` (its ``config.json``),
     named ``name`` or, by default, after the directory."""
-    return ModelSpec.from_hf_config(read_config(model_dir), name=name or Path(model_dir).name)
+    return spec_from_config(read_config(model_dir), name=name or Path(model_dir).name)
+
+
+def spec_from_config(config: dict[str, object], name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of a ``config.json`` dict, with its family and LoRA projections.
+
+    Raises:
+        ConfigError: an unsupported family.
+        KeyError: a required shape field is missing.
+    """
+    family = family_for_config(config, name)
+    return ModelSpec.from_hf_config(
+        config, name=name, family=family.name, projections=family.projections
+    )

@@ -47,7 +47,7 @@ from services.worker.config import WorkerConfig
 from services.worker.core import GenerateParams, WorkerCore, pool_stats_dict, resident_ids
 from services.worker.engine import Engine, EngineConfig, TokenEvent
 from services.worker.metrics import WorkerMetrics
-from services.worker.model import LlamaModel
+from services.worker.model import DecoderModel
 from services.worker.model_loader import default_cache_dir, model_display_name, resolve_model
 from services.worker.store import (
     HOST_STAGING_INTERVAL_S,
@@ -211,7 +211,7 @@ class WorkerService:
         logger.info("resolving base model %s", config.model)
         model_dir = resolve_model(config.model, cache)
         self.tokenizer = Tokenizer(model_dir)
-        self.model = LlamaModel.from_dir(
+        self.model = DecoderModel.from_dir(
             model_dir, device=self.device, dtype=self.dtype, name=model_display_name(model_dir)
         )
         self.spec: ModelSpec = self.model.spec

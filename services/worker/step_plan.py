@@ -151,7 +151,9 @@ def build_step_batch(work: Sequence[tuple[S, int]]) -> StepPlan[S]:
         positions.extend(range(start, start + n))
         aid = NO_ADAPTER if s.adapter_key is None else keys[s.adapter_key]
         row_adapter.extend([aid] * n)
-        chunks.append(SeqChunk(slot=s.slot, row=row, num_tokens=n, start_pos=start))
+        chunks.append(
+            SeqChunk(slot=s.slot, row=row, num_tokens=n, start_pos=start, seq_len=len(s.tokens))
+        )
         if start + n == len(s.tokens):
             logits_rows.append(row + n - 1)
             samplers.append(s)

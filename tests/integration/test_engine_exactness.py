@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from services.common.types import LoRAModuleWeights, LoRAWeights, ModelSpec
-from services.worker.adapter_api import AdapterRef
+from services.common.types import ModelSpec
+from services.worker.adapter_api import AdapterRef, ResidentAdapters
 from services.worker.engine import Engine, EngineConfig, EngineRequest
 from services.worker.lora_ops import NO_ADAPTER, LoRABatch
-from services.worker.model import LlamaModel, SeqChunk, StepBatch
+from services.worker.model import DecoderModel, SeqChunk, StepBatch
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
 
@@ -84,55 +83,6 @@ PROMPTS = [
 NEW_TOKENS = 10
 
 
-class _Lease:
-    def __init__(self, w: LoRAWeights) -> None:
-        self._w = w
-        self.released = False
-
-    @property
-    def ref(self) -> AdapterRef:
-        return AdapterRef(self._w.adapter_id, self._w.version, "")
-
-    def ready(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def error(self) -> Exception | None:
-        return None
-
-    def weights(self) -> dict[tuple[int, str], LoRAModuleWeights]:
-        return self._w.modules
-
-    @property
-    def cold(self) -> bool:
-        return False
-
-    @property
-    def wait_seconds(self) -> float:
-        return 0.0
-
-    def release(self) -> None:
-        self.released = True
-
-
-class HostProvider:
-    """Serves adapters loaded with ``load_lora_weights`` from host memory."""
-
-    def __init__(self, adapters: dict[str, LoRAWeights]) -> None:
-        self.adapters = adapters
-        self._lock = threading.Lock()
-
-    def acquire(self, ref: AdapterRef) -> _Lease:
-        return _Lease(self.adapters[ref.adapter_id])
-
-    @contextlib.contextmanager
-    def compute_guard(self) -> Iterator[None]:
-        with self._lock:
-            yield
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread() -> Iterator[None]:
     """Small batch-1/8 kernels on a shared 2-core box: one thread avoids OpenMP barrier stalls
@@ -170,7 +120,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     out = tmp_path_factory.mktemp("peft_adapters")
     pm.save_pretrained(str(out))
 
-    model = LlamaModel.from_dir(model_dir)
+    model = DecoderModel.from_dir(model_dir)
     spec: ModelSpec = model.spec
     weights = {
         n: load_lora_weights(out / n, spec, adapter_id=n, version=1, dtype=torch.float32)
@@ -235,7 +185,7 @@ def test_mixed_batch_logits_and_greedy_tokens_match_peft(setup) -> None:  # type
     assert (refs[0][0] - refs[-1][0]).abs().max() > 1e-2
 
     # 2) The engine: all rows concurrently; greedy tokens equal PEFT's per adapter alone.
-    provider = HostProvider(weights)
+    provider = ResidentAdapters({n: w.modules for n, w in weights.items()})
     e = Engine(model, tok, provider, EngineConfig(max_batch_size=16, max_model_len=512))
     e.start()
     try:
@@ -278,7 +228,7 @@ def test_mixed_batch_logits_and_greedy_tokens_match_peft(setup) -> None:  # type
 
 def test_seeded_sampling_with_adapters_is_batch_independent(setup) -> None:  # type: ignore[no-untyped-def]
     _, model, tok, weights = setup
-    provider = HostProvider(weights)
+    provider = ResidentAdapters({n: w.modules for n, w in weights.items()})
     names = list(ADAPTERS)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me a story."}])
 

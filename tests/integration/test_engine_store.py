@@ -17,7 +17,7 @@ from plora.make_adapters import write_peft_adapter
 from services.common.adapters import load_lora_weights
 from services.worker.adapter_api import AdapterRef
 from services.worker.engine import Engine, EngineConfig, EngineRequest
-from services.worker.model import LlamaModel
+from services.worker.model import DecoderModel
 from services.worker.store import AdapterStore, StoreConfig
 from services.worker.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ RANK = 32
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(model_dir: Path):
-    return LlamaModel.from_dir(model_dir), Tokenizer(model_dir)
+    return DecoderModel.from_dir(model_dir), Tokenizer(model_dir)
 
 
 def _stream(engine: Engine, ref: AdapterRef, prompt: list[int], n: int):

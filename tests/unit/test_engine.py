@@ -26,7 +26,7 @@ from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, ModelSp
 from services.worker.adapter_api import AdapterRef
 from services.worker.engine import Engine, EngineConfig, EngineRequest, TokenEvent
 from services.worker.estimates import ServiceEstimates
-from services.worker.model import LlamaModel
+from services.worker.model import DecoderModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
 
@@ -156,8 +156,8 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(model_dir: Path) -> LlamaModel:
-    return LlamaModel.from_dir(model_dir)
+def model(model_dir: Path) -> DecoderModel:
+    return DecoderModel.from_dir(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def tok(model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def provider(model: LlamaModel) -> TinyProvider:
+def provider(model: DecoderModel) -> TinyProvider:
     p = TinyProvider()
     p.adapters["r4-attn"] = random_adapter(model.spec, 4, ("q_proj", "v_proj"), seed=1, scale=6.0)
     p.adapters["r16-all"] = random_adapter(model.spec, 16, PROJECTION_MODULES, seed=2)
@@ -177,7 +177,7 @@ def provider(model: LlamaModel) -> TinyProvider:
 
 
 def make_engine(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider | None = None, **kw: object
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider | None = None, **kw: object
 ) -> Engine:
     cfg = {"max_batch_size": 8, "max_model_len": 512, "max_num_batched_tokens": 256}
     cfg.update(kw)
@@ -203,7 +203,7 @@ def ref(adapter_id: str) -> AdapterRef:
 
 
 # --------------------------------------------------------------------------- tests
-def test_greedy_france_paris(model: LlamaModel, tok: Tokenizer) -> None:
+def test_greedy_france_paris(model: DecoderModel, tok: Tokenizer) -> None:
     e = make_engine(model, tok)
     try:
         text, ids, last = collect(
@@ -224,7 +224,7 @@ def test_greedy_france_paris(model: LlamaModel, tok: Tokenizer) -> None:
 
 @pytest.mark.slow
 def test_mixed_adapter_batch_equals_one_at_a_time(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     jobs = [
         (None, "Name a fruit."),
@@ -265,7 +265,7 @@ def test_mixed_adapter_batch_equals_one_at_a_time(
     assert provider.guard_entries > 0
 
 
-def test_kv_cache_garbage_never_reaches_a_row(model: LlamaModel, tok: Tokenizer) -> None:
+def test_kv_cache_garbage_never_reaches_a_row(model: DecoderModel, tok: Tokenizer) -> None:
     """Decode attention reads every slot up to the step's longest sequence; positions past a
     row's own length must not leak into it even when the cache memory holds NaN (what
     ``torch.empty`` may return), and only the positions read are ever touched (no whole-slot
@@ -295,7 +295,7 @@ def test_kv_cache_garbage_never_reaches_a_row(model: LlamaModel, tok: Tokenizer)
 
 
 def test_request_waiting_for_adapter_does_not_block_others(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     provider.delay["r4-attn"] = 3600.0  # loads only when the test opens the gate
     e = make_engine(model, tok, provider)
@@ -329,7 +329,7 @@ def test_request_waiting_for_adapter_does_not_block_others(
 
 
 def test_cold_load_starts_on_submit_while_a_step_runs(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     """The lease (and so a cold adapter's load) is taken when the request arrives, not at
     the next step boundary: with the step thread held inside a step, the load has already
@@ -377,7 +377,7 @@ class _GatedProvider(TinyProvider):
 
 @pytest.mark.parametrize("action", ["cancel", "stop"])
 def test_cancel_or_stop_while_submit_takes_the_lease(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider, action: str
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider, action: str
 ) -> None:
     """A cancel that arrives while submit() is taking the lease ends the request once it is
     queued; a stop then makes submit() raise UNAVAILABLE. Either way the lease is released
@@ -428,7 +428,7 @@ def test_service_estimates_are_exponential_means() -> None:
 
 
 def test_failed_adapter_ends_only_that_request(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     provider.fail_load["broken"] = InvalidAdapterError("broken adapter files")
     e = make_engine(model, tok, provider)
@@ -454,7 +454,7 @@ def test_failed_adapter_ends_only_that_request(
 
 
 def test_cancel_frees_slot_and_lease(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     e = make_engine(model, tok, provider)
     try:
@@ -480,7 +480,7 @@ def test_cancel_frees_slot_and_lease(
     assert e.running == 0 and provider.live == 0
 
 
-def test_validation_and_overload(model: LlamaModel, tok: Tokenizer) -> None:
+def test_validation_and_overload(model: DecoderModel, tok: Tokenizer) -> None:
     e = Engine(
         model,
         tok,
@@ -512,7 +512,7 @@ def test_validation_and_overload(model: LlamaModel, tok: Tokenizer) -> None:
     assert e.queue_length == 0
 
 
-def test_finish_reasons_length_stop_context(model: LlamaModel, tok: Tokenizer) -> None:
+def test_finish_reasons_length_stop_context(model: DecoderModel, tok: Tokenizer) -> None:
     prompt = chat(tok, "Count from 1 to 20, separated by commas.")
     e = make_engine(model, tok, max_model_len=len(prompt) + 6)
     try:
@@ -532,7 +532,7 @@ def test_finish_reasons_length_stop_context(model: LlamaModel, tok: Tokenizer) -
 
 
 @pytest.mark.slow
-def test_seeded_sampling_independent_of_batch(model: LlamaModel, tok: Tokenizer) -> None:
+def test_seeded_sampling_independent_of_batch(model: DecoderModel, tok: Tokenizer) -> None:
     req = EngineRequest(
         "s",
         chat(tok, "Write a short poem."),
@@ -579,7 +579,7 @@ def test_seeded_sampling_independent_of_batch(model: LlamaModel, tok: Tokenizer)
     assert other_seed != alone
 
 
-def test_chunked_prefill_matches_single_chunk(model: LlamaModel, tok: Tokenizer) -> None:
+def test_chunked_prefill_matches_single_chunk(model: DecoderModel, tok: Tokenizer) -> None:
     prompt = chat(
         tok,
         "Explain in one sentence why the sky is blue, and mention Rayleigh "
@@ -599,7 +599,7 @@ def test_chunked_prefill_matches_single_chunk(model: LlamaModel, tok: Tokenizer)
 
 
 def test_adapter_lost_mid_generation_fails_only_its_requests(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     e = make_engine(model, tok, provider)
     try:
@@ -628,7 +628,7 @@ def test_adapter_lost_mid_generation_fails_only_its_requests(
 
 
 def test_an_adapter_whose_output_overflows_fails_its_request_not_the_batch(
-    model: LlamaModel, tok: Tokenizer, provider: TinyProvider
+    model: DecoderModel, tok: Tokenizer, provider: TinyProvider
 ) -> None:
     """A new user's adapter with ``lora_alpha`` 1e30 registered and streamed 8 copies of token 0
     (the argmax of NaN logits) as an answer. Its request now ends with a FAILED_PRECONDITION
@@ -656,7 +656,7 @@ def test_an_adapter_whose_output_overflows_fails_its_request_not_the_batch(
     assert provider.live == 0
 
 
-def test_submit_after_stop_is_unavailable(model: LlamaModel, tok: Tokenizer) -> None:
+def test_submit_after_stop_is_unavailable(model: DecoderModel, tok: Tokenizer) -> None:
     e = make_engine(model, tok)
     e.stop()
     with pytest.raises(NoHealthyWorkerError):
@@ -682,7 +682,7 @@ def test_decode_row_cost_is_the_slope_of_decode_steps() -> None:
     assert est.decode_row_s == pytest.approx(0.040, rel=0.02)
 
 
-def test_engine_measures_the_decode_row_cost(model: LlamaModel, tok: Tokenizer) -> None:
+def test_engine_measures_the_decode_row_cost(model: DecoderModel, tok: Tokenizer) -> None:
     """Three requests of different lengths decode together, then two, then one: the engine
     folds every decode-only step into ``estimates`` and, having seen three batch sizes,
     publishes a per-row step cost (a CPU decode row is a large share of a step)."""

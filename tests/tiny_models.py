@@ -1,0 +1,187 @@
+"""Small random-weight models of every served family, built from transformers' own config
+classes with each family's quirks switched on (GQA, biases, sliding windows shorter than the
+test prompts, soft-capping, fused projections, scaled RoPE), saved as HF directories.
+
+Every parameter is drawn at random (norm weights too, so Gemma's ``1 + w`` and Qwen 3's q/k
+norms matter), and a word-level ``tokenizer.json`` over the model's vocabulary is written
+beside the weights so the directory also serves through ``plora up --model DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: Vocabulary of the tiny models (word-level tokens ``w0`` .. ``w{VOCAB-1}``).
+VOCAB = 256
+#: Window shorter than the test prompts, so sliding layers differ from global ones.
+WINDOW = 6
+#: EOS token id of the tiny models and their tokenizer (``w2``).
+EOS = 2
+
+#: Shared shape: 4 layers, 4 query heads over 2 KV heads (GQA), head_dim 16.
+_SHAPE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": EOS,
+    "pad_token_id": 0,
+}
+#: family -> (transformers config class, extra config kwargs with the family's quirks on).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"head_dim": 16, "sliding_window": WINDOW}),
+    "qwen2": (
+        "Qwen2Config",
+        {
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "max_window_layers": 2,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        {
+            "head_dim": 16,
+            "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": WINDOW,
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            "final_logit_softcapping": 8.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    "phi3": (
+        "Phi3Config",
+        {
+            "sliding_window": WINDOW,
+            "original_max_position_embeddings": 24,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.05 * i for i in range(6)],
+                "long_factor": [2.0 + 0.5 * i for i in range(6)],
+                "original_max_position_embeddings": 24,
+            },
+        },
+    ),
+}
+
+#: PEFT target modules per family: split projections, or Phi-3's fused ones.
+SPLIT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def projections(family: str) -> list[str]:
+    """The LoRA projections PEFT finds in ``family``'s layers."""
+    return FUSED if family == "phi3" else SPLIT
+
+
+def hf_config(family: str):  # type: ignore[no-untyped-def]
+    """transformers' config object of the tiny ``family`` model."""
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    return getattr(transformers, cls_name)(**{**_SHAPE, **extra})
+
+
+def build(family: str, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A random-weight ``*ForCausalLM`` of ``family`` in float32, eval mode.
+
+    Every floating parameter is redrawn: matrices ``N(0, 1/fan_in)``-ish, norm weights and
+    biases ``N(0, 0.3)`` around their neutral value.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif "norm" in name and not family.startswith("gemma"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            else:  # Gemma norm weights (used as 1 + w) and biases
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.eval()
+    return model
+
+
+def write_tokenizer(out: Path, vocab: int = VOCAB) -> None:
+    """A word-level ``tokenizer.json`` (``w0`` .. ``w{vocab-1}``, whitespace split) and its
+    ``tokenizer_config.json`` with ``w2`` as EOS, matching the tiny models' ``eos_token_id``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "w1", "eos_token": "w2", "unk_token": "w3", "pad_token": "w0"}),
+        "utf-8",
+    )
+
+
+def save(family: str, out: Path, seed: int = 0, max_shard_size: str | None = None):  # type: ignore[no-untyped-def]
+    """Build the tiny ``family`` model, save it as an HF directory with a tokenizer at ``out``
+    (sharded when ``max_shard_size`` is given) and return the transformers model."""
+    model = build(family, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), **kwargs)
+    write_tokenizer(out)
+    return model
