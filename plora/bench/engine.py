@@ -167,8 +167,7 @@ def _peft_adapters(
 
     names = [f"bench-r{r}-{i}" for i, r in enumerate(ranks)]
     cfgs = [
-        peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(spec.projections))
-        for r in ranks
+        peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(spec.projections)) for r in ranks
     ]
     pm = peft.get_peft_model(hf, cfgs[0], adapter_name=names[0])
     for n, c in zip(names[1:], cfgs[1:], strict=True):
