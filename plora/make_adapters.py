@@ -48,7 +48,7 @@ from services.common.adapters import (
 )
 from services.common.config import parse_ranks
 from services.common.errors import ConfigError
-from services.common.types import PROJECTION_MODULES, ModelSpec
+from services.common.types import ALL_PROJECTION_MODULES, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def write_peft_adapter(
     *,
     rank: int,
     alpha: float,
-    target_modules: Sequence[str] = PROJECTION_MODULES,
+    target_modules: Sequence[str] | None = None,
     seed: int,
     use_rslora: bool = False,
     rank_pattern: Mapping[str, int] | None = None,
@@ -144,7 +144,8 @@ def write_peft_adapter(
         spec: Base model shapes.
         rank: Default LoRA rank r.
         alpha: Default ``lora_alpha``.
-        target_modules: Projection names (subset of :data:`PROJECTION_MODULES`).
+        target_modules: Projection names, a subset of ``spec.projections`` (all of them when
+            ``None``).
         seed: Seed of the CPU generator; same arguments + seed -> identical bytes.
         use_rslora: Write ``use_rslora: true`` (scaling ``alpha / sqrt(r)``).
         rank_pattern: PEFT ``rank_pattern`` (pattern -> r).
@@ -161,13 +162,7 @@ def write_peft_adapter(
     """
     from safetensors.torch import save_file
 
-    targets = list(target_modules)
-    bad = [t for t in targets if t not in PROJECTION_MODULES]
-    if bad or not targets:
-        raise ValueError(
-            f"target_modules must be a non-empty subset of {PROJECTION_MODULES}, "
-            f"got {bad or targets}"
-        )
+    targets = _targets(spec, target_modules)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     layer_ids = list(range(spec.num_layers)) if layers is None else sorted(set(layers))
@@ -195,7 +190,7 @@ def write_peft_adapter(
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     tensors: dict[str, torch.Tensor] = {}
     for layer in layer_ids:
-        for proj in PROJECTION_MODULES:
+        for proj in spec.projections:
             if proj not in targets:
                 continue
             name = canonical_module_name(layer, proj)
@@ -248,22 +243,38 @@ def _atomic_write(path: Path, write: object) -> None:
         raise
 
 
-def max_rank(spec: ModelSpec, target_modules: Sequence[str] = PROJECTION_MODULES) -> int:
-    """The largest LoRA rank that means something for ``target_modules`` of ``spec``: the
-    smallest ``min(in_features, out_features)`` among them (a rank above it adds parameters but
-    no expressiveness, and its tensors can exhaust memory).
+def _targets(spec: ModelSpec, target_modules: Sequence[str] | None) -> list[str]:
+    """``target_modules`` checked against ``spec``'s projections (all of them for ``None``).
 
     Raises:
-        KeyError: a module that is not one of :data:`PROJECTION_MODULES`.
+        ValueError: empty, or a name the base model's layers do not have.
     """
-    return min(min(spec.module_shape(proj)) for proj in target_modules)
+    targets = list(spec.projections if target_modules is None else target_modules)
+    bad = [t for t in targets if t not in spec.projections]
+    if bad or not targets:
+        raise ValueError(
+            f"target_modules must be a non-empty subset of {', '.join(spec.projections)} "
+            f"(the projections of {spec.name or 'the base model'}), got {bad or targets}"
+        )
+    return targets
+
+
+def max_rank(spec: ModelSpec, target_modules: Sequence[str] | None = None) -> int:
+    """The largest LoRA rank that means something for ``target_modules`` of ``spec`` (all its
+    projections for ``None``): the smallest ``min(in_features, out_features)`` among them (a
+    rank above it adds parameters but no expressiveness, and its tensors can exhaust memory).
+
+    Raises:
+        ValueError: a module that ``spec``'s layers do not have.
+    """
+    return min(min(spec.module_shape(proj)) for proj in _targets(spec, target_modules))
 
 
 def check_ranks(
     ranks: Sequence[int],
     spec: ModelSpec,
     flag: str,
-    target_modules: Sequence[str] = PROJECTION_MODULES,
+    target_modules: Sequence[str] | None = None,
 ) -> None:
     """Refuse ranks above :func:`max_rank` before any adapter is written (rank 100000 would
     allocate tensors until the OOM killer ends the process).
@@ -272,7 +283,7 @@ def check_ranks(
         ranks: The ranks asked for.
         spec: The base model.
         flag: The flag that gave them (named in the message).
-        target_modules: The projections the adapters adapt.
+        target_modules: The projections the adapters adapt (all of ``spec``'s for ``None``).
 
     Raises:
         ConfigError: a rank is too large, with the largest one ``spec`` allows and why.
@@ -280,7 +291,7 @@ def check_ranks(
     limit = max_rank(spec, target_modules)
     too_large = [r for r in ranks if r > limit]
     if too_large:
-        proj = min(target_modules, key=lambda m: min(spec.module_shape(m)))
+        proj = min(_targets(spec, target_modules), key=lambda m: min(spec.module_shape(m)))
         in_f, out_f = spec.module_shape(proj)
         raise ConfigError(
             f"{flag} {too_large[0]}: the largest rank {spec.name or 'the base model'} allows "
@@ -301,7 +312,7 @@ def make_adapter_set(
     count: int,
     ranks: Sequence[int],
     seed: int,
-    target_modules: Sequence[str] = PROJECTION_MODULES,
+    target_modules: Sequence[str] | None = None,
     alpha: float | None = None,
     dtype: torch.dtype = torch.float32,
     relative_delta: float = DEFAULT_RELATIVE_DELTA,
@@ -338,15 +349,17 @@ def make_adapter_set(
 # CLI: plora make-adapters
 
 
-def _module_list(text: str) -> list[str]:
+def _module_list(text: str) -> list[str] | None:
+    """``all`` -> ``None`` (every projection of the base); else the names, each one some
+    family's projection (the base model's own are checked once it is known)."""
     out = [t.strip() for t in text.split(",") if t.strip()]
     if text.strip() == "all":
-        return list(PROJECTION_MODULES)
-    bad = [t for t in out if t not in PROJECTION_MODULES]
+        return None
+    bad = [t for t in out if t not in ALL_PROJECTION_MODULES]
     if bad or not out:
         raise argparse.ArgumentTypeError(
             "target modules must be 'all' or a comma-separated subset of "
-            + ",".join(PROJECTION_MODULES)
+            + ",".join(ALL_PROJECTION_MODULES)
         )
     return out
 
@@ -376,8 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-modules",
         type=_module_list,
-        default=list(PROJECTION_MODULES),
-        help="comma-separated projections or 'all' (default all 7)",
+        default=None,
+        help="comma-separated projections or 'all' (default: every projection of the base "
+        "model, e.g. the 7 of a Llama layer or Phi-3's 4 fused ones)",
     )
     parser.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
     parser.add_argument(
@@ -401,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
     spec = load_model_spec(args.model, cache_dir)
     try:
         check_ranks(args.ranks, spec, "--ranks", args.target_modules)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"plora make-adapters: {exc}", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
@@ -436,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "dtype": args.dtype,
         "relative_delta": args.relative_delta,
-        "target_modules": list(args.target_modules),
+        "target_modules": _targets(spec, args.target_modules),
         "adapters": rows,
     }
     out = Path(args.out)

@@ -265,11 +265,17 @@ def parse_tensor_key(
     ``(3, "up_proj", "lora_B", None)``; ``model.layers.0.self_attn.q_proj.lora_A.default.weight``
     -> ``(0, "q_proj", "lora_A", "default")``.
 
+    Args:
+        key: The safetensors tensor name.
+        projections: The served family's projection names (``ModelSpec.projections``).
+
     Raises:
         InvalidAdapterError: the key is not a LoRA A/B weight (DoRA magnitude, a bias, embedding
-            LoRA, a full module weight) or puts LoRA on a module other than the 7 projections
+            LoRA, a full module weight) or puts LoRA on a module other than the projections
             (``embed_tokens``, ``lm_head``, norms).
-        IncompatibleAdapterError: the module path is not a Llama decoder projection at all
+        IncompatibleAdapterError: the module path is not a projection of the served family (a
+            projection another family has, e.g. Phi-3's ``qkv_proj`` on Llama), or no decoder
+            projection at all
             (another architecture's naming, e.g. ``transformer.h.0.attn.c_attn``).
     """
     m = _LORA_KEY_RE.match(key)
