@@ -127,9 +127,7 @@ def _parse(expr: str) -> tuple[set[str], set[str], dict[str, set[str]]]:
         r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text
     ):
         grouping |= {label.strip() for label in clause.split(",") if label.strip()}
-    text = re.sub(
-        r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text
-    )
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
     series = set()
     for match in re.finditer(r"(?<![\w.])([a-zA-Z_:][\w:]*)(\s*\()?", text):
         word, call = match.group(1), match.group(2)
@@ -182,7 +180,7 @@ def test_every_alert_uses_series_the_services_export(rule: dict[str, Any]) -> No
 def test_the_parser_finds_what_a_query_names() -> None:
     """The checks above are only as good as this reading of PromQL."""
     series, grouping, matched = _parse(
-        'histogram_quantile(0.95, sum by (le, adapter_cold) (rate(plora_gateway_ttft_seconds_'
+        "histogram_quantile(0.95, sum by (le, adapter_cold) (rate(plora_gateway_ttft_seconds_"
         'bucket{adapter_cold="true", job=~"plora-.*"}[$__rate_interval]))) / on (instance) '
         "max without (code) (plora_worker_queue_length offset 5m) > 0 and up == 0"
     )
@@ -360,7 +358,10 @@ ALERT_CASES: dict[str, Any] = {
                     'instance="w1:9101",cause="first_use"}',
                     "values": "0+15x80",  # not thrashing: never evicted
                 },
-                {"series": 'up{job="plora-worker",instance="w2:9101"}', "values": "1 1 0 0 0 0 0 0"},
+                {
+                    "series": 'up{job="plora-worker",instance="w2:9101"}',
+                    "values": "1 1 0 0 0 0 0 0",
+                },
             ],
             "alert_rule_test": [
                 {

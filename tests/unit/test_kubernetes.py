@@ -196,7 +196,9 @@ def _config(
         monkeypatch.setenv(name, value)
     if "PLORA_ADAPTER_ROOTS" in env:  # the mount point; not a directory on this machine
         monkeypatch.setenv("PLORA_ADAPTER_ROOTS", str(tmp_path))
-    args = service_parser(kind, CONFIGS[kind], exit_on_error=False).parse_args(container["args"][2:])
+    args = service_parser(kind, CONFIGS[kind], exit_on_error=False).parse_args(
+        container["args"][2:]
+    )
     return CONFIGS[kind].from_args(args)
 
 
@@ -450,9 +452,7 @@ def _secret_references(objects: list[dict]) -> dict[str, tuple[set[str], bool]]:
                     add(ref["name"], None, ref.get("optional", False))
             for mount_path, volume in _mounts(workload, c).items():
                 if "secret" in volume:  # the files read from it are its keys
-                    for arg in c.get("args", []) + [
-                        e.get("value", "") for e in c.get("env", [])
-                    ]:
+                    for arg in c.get("args", []) + [e.get("value", "") for e in c.get("env", [])]:
                         if arg.startswith(mount_path + "/"):
                             add(volume["secret"]["secretName"], arg.rpartition("/")[2], False)
     return refs
@@ -596,3 +596,62 @@ def test_the_service_monitor_scrapes_every_plora_service(tmp_path: Path) -> None
             selected.append(service["metadata"]["name"])
             assert port in {p["name"] for p in service["spec"]["ports"]}
     assert sorted(selected) == ["plora-gateway", "plora-predictor", "plora-worker"]
+
+
+# ------------------------------------------------------------------ the guide's own overlay
+def test_the_guides_overlay_deploys_20_workers_and_2_gateways(tmp_path: Path) -> None:
+    """docs/deploy-kubernetes.md's step 3, as written: its kustomization.yaml with the image
+    and replicas it sets, rendered and validated."""
+    text = DOC.read_text()
+    heredoc = re.search(r"cat > kustomization\.yaml <<'EOF'\n(.*?)\nEOF\n", text, re.S)
+    by_hand = re.search(r"add the same by hand:\n\n```yaml\n(.*?)```", text, re.S)
+    assert heredoc and by_hand, "step 3 of the guide lost its kustomization"
+    kustomization = yaml.safe_load(heredoc.group(1))
+    kustomization.update(yaml.safe_load(by_hand.group(1)))
+    assert kustomization["resources"] == ["../gpu"]
+    overlay = tmp_path / "prod"
+    overlay.mkdir()
+    kustomization["resources"] = [os.path.relpath(KUSTOMIZE / "overlays" / "gpu", overlay)]
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    objects = _render_dir(overlay)
+    for obj in objects:
+        kubernetes_validate.validate(obj, OLDEST, strict=True)
+    assert _one(objects, "StatefulSet", "plora-worker")["spec"]["replicas"] == 20
+    assert _one(objects, "Deployment", "plora-gateway")["spec"]["replicas"] == 2
+    claim = _one(objects, "PersistentVolumeClaim", "plora-adapters")
+    assert claim["spec"]["storageClassName"] and claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for _workload, container, _kind in _plora_containers(objects):
+        assert container["image"] == "registry.example.com/plora:0.1.0"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_the_guides_scrape_config_is_valid_and_names_the_alerts_jobs(tmp_path: Path) -> None:
+    text = DOC.read_text()
+    block = next(
+        b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kubernetes_sd_configs" in b
+    )
+    config = yaml.safe_load(block)
+    # Debian's promtool is built without Kubernetes discovery: check the job and its
+    # relabelling with the discovery swapped for a static target
+    checked = copy.deepcopy(config)
+    for job in checked["scrape_configs"]:
+        assert job.pop("kubernetes_sd_configs")[0]["role"] == "pod"
+        job["static_configs"] = [{"targets": ["10.1.2.3:9101"]}]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(checked))
+    out = subprocess.run(
+        ["promtool", "check", "config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    (job,) = config["scrape_configs"]
+    relabel = next(r for r in job["relabel_configs"] if r.get("target_label") == "job")
+    components = {
+        w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        for w, _c, _k in _plora_containers(_render("cpu"))
+    }
+    jobs = {relabel["replacement"].replace("$1", c) for c in components}
+    assert jobs == {"plora-gateway", "plora-worker", "plora-predictor"}
