@@ -655,3 +655,40 @@ def test_the_guides_scrape_config_is_valid_and_names_the_alerts_jobs(tmp_path: P
     }
     jobs = {relabel["replacement"].replace("$1", c) for c in components}
     assert jobs == {"plora-gateway", "plora-worker", "plora-predictor"}
+
+
+def test_the_guides_shutdown_figures_are_the_codes() -> None:
+    """What docs/deploy-kubernetes.md says happens when a worker or a gateway goes away, in
+    the figures the code uses, and the pods' grace periods long enough for it."""
+    import inspect  # noqa: PLC0415
+
+    from services.common import grpc_util  # noqa: PLC0415
+    from services.gateway.server import GatewayService  # noqa: PLC0415
+    from services.worker.engine import Engine  # noqa: PLC0415
+    from services.worker.server import WorkerService  # noqa: PLC0415
+
+    text = " ".join(DOC.read_text().split())
+
+    def default(function: Any, name: str) -> float:
+        return float(inspect.signature(function).parameters[name].default)
+
+    worker_grace = default(WorkerService.stop, "grace")
+    gateway_grace = default(GatewayService.stop, "grace")
+    assert f"for a {worker_grace:g}-s grace period" in text
+    assert f"gives the streams it relays a {gateway_grace:g}-s grace period" in text
+    assert f"reuse it for {GatewayConfig.worker_cache_s:g} s" in text
+    assert f"within {GatewayConfig.worker_cache_s:g} s" in text
+    assert f"expires {WorkerConfig.heartbeat_ttl_s:g} s after its last heartbeat" in text
+    assert f"at its next tick ({PredictorConfig.tick_s:g} s)" in text
+    ping_s = grpc_util.KEEPALIVE_TIME_MS / 1000
+    answer_s = grpc_util.KEEPALIVE_TIMEOUT_MS / 1000
+    assert f"a ping every {ping_s:g} s, answered within {answer_s:g} s" in text
+    objects = _render("gpu")
+    worker = _one(objects, "StatefulSet", "plora-worker")["spec"]["template"]["spec"]
+    engine_stop = default(Engine.stop, "timeout")
+    assert worker["terminationGracePeriodSeconds"] >= worker_grace + engine_stop + 5
+    assert f"`terminationGracePeriodSeconds` ({worker['terminationGracePeriodSeconds']} s)" in text
+    gateway = _one(objects, "Deployment", "plora-gateway")["spec"]["template"]["spec"]
+    pre_stop = gateway["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep" and f"serving for {pre_stop[1]} s (`preStop`)" in text
+    assert gateway["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + gateway_grace + 5
