@@ -14,6 +14,7 @@ docs/deploy-kubernetes.md says how to create.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import re
@@ -30,11 +31,15 @@ import pytest
 import redis
 import yaml
 
+from services.common import grpc_util
 from services.common.lifecycle import service_parser
 from services.common.redis_server import redis_server_binary
 from services.gateway.config import GatewayConfig
+from services.gateway.server import GatewayService
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
+from services.worker.engine import Engine
+from services.worker.server import WorkerService
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -660,13 +665,6 @@ def test_the_guides_scrape_config_is_valid_and_names_the_alerts_jobs(tmp_path: P
 def test_the_guides_shutdown_figures_are_the_codes() -> None:
     """What docs/deploy-kubernetes.md says happens when a worker or a gateway goes away, in
     the figures the code uses, and the pods' grace periods long enough for it."""
-    import inspect  # noqa: PLC0415
-
-    from services.common import grpc_util  # noqa: PLC0415
-    from services.gateway.server import GatewayService  # noqa: PLC0415
-    from services.worker.engine import Engine  # noqa: PLC0415
-    from services.worker.server import WorkerService  # noqa: PLC0415
-
     text = " ".join(DOC.read_text().split())
 
     def default(function: Any, name: str) -> float:
