@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-#: Projection names of a Llama-family decoder layer, in PEFT/transformers naming.
+#: Projection names of an unfused decoder layer (Llama, Mistral, Qwen, Gemma), PEFT naming.
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
 PROJECTION_MODULES: tuple[str, ...] = ATTN_MODULES + MLP_MODULES
