@@ -874,8 +874,13 @@ class WorkerLeaseKeeper:
         return self
 
     def set_address(self, address: str) -> None:
-        """The address the lease names from the next renewal on (once the server bound)."""
+        """Name ``address`` in the lease (once the server bound its port), stored by a renewal
+        now (or, while Redis cannot be reached, by the next one)."""
         self.lease.address = address
+        try:
+            self.renew()
+        except RegistryUnavailableError:  # logged by the registry; the thread renews later
+            pass
 
     def renew(self) -> bool:
         """Renew the lease now.

@@ -149,10 +149,11 @@ def test_a_holder_taken_over_learns_it_at_its_next_renewal(redis_url: str) -> No
 
     reg.client.flushdb()  # Redis restarted empty
     keeper = WorkerLeaseKeeper(reg, new, 30, 1, on_lost=lambda _: called.set())
-    keeper.set_address("10.0.0.9:50061")
-    assert keeper.renew()
+    keeper.set_address("10.0.0.9:50061")  # stored by a renewal at once: claimed again
     stored = reg.get_worker_lease("w")
     assert stored is not None and stored.token == new.token
     assert stored.address == "10.0.0.9:50061" and stored.renewals == 1
+    assert keeper.renew()
+    assert reg.get_worker_lease("w").renewals == 2  # type: ignore[union-attr]
     keeper.release()
     assert reg.get_worker_lease("w") is None
