@@ -171,3 +171,36 @@ def test_workers_started_without_an_id_get_distinct_ones(
             w.stop()
         if env_id is not None:
             os.environ["PLORA_WORKER_ID"] = env_id
+
+
+def test_a_frozen_worker_loses_its_id_to_a_newcomer_and_exits_when_it_wakes(
+    redis_server_own: OwnRedis, model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP past the lease's TTL (5 s): a newcomer claims the id once the lease expires;
+    the old worker, continued, finds its lease taken and exits with status 69 without
+    removing the newcomer's registry record."""
+    url = redis_server_own.url
+    registry = Registry(connect(url))
+    old = Worker(tmp_path, "old", url, model_dir, "--worker-id", "w-2")
+    workers = [old]
+    try:
+        old.wait_ready()
+        old.proc.send_signal(signal.SIGSTOP)
+        new = Worker(tmp_path, "new", url, model_dir, "--worker-id", "w-2")
+        workers.append(new)
+        port = new.wait_ready()["grpc_port"]
+        waited = new.seconds_between("claiming worker id w-2", "resolving base model")
+        assert waited < 6.0, f"claimed {waited:.2f} s after its claim began"  # TTL 5 s
+        old.proc.send_signal(signal.SIGCONT)
+        assert old.proc.wait(timeout=30) == 69
+        assert "was taken over by pid" in old.log.read_text()
+        time.sleep(1.5)  # the newcomer's next heartbeat
+        (record,) = registry.list_workers()
+        assert (record.address, record.healthy) == (f"127.0.0.1:{port}", True)
+        assert registry.get_worker_lease("w-2").holder.pid == new.pid  # type: ignore[union-attr]
+        print(f"the newcomer claimed the frozen worker's id {waited:.2f} s after its claim began")
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGCONT)
+            w.stop()
