@@ -663,9 +663,9 @@ class Registry:
         * Sooner when the old holder is provably gone: a lease whose holder ran in the same
           kernel boot and PID namespace as this process (the same host, or the same
           container) and whose pid no longer names that process (none, or one started at
-          another time) is taken over at once (``plora up`` restarting a worker, a worker
-          restarted in its container). Under Kubernetes a re-created StatefulSet pod has a new
-          PID namespace and waits out the old pod's lease (``ttl_seconds``, 5 s by default).
+          another time) is taken over at once (``plora up`` restarting a worker). A restarted
+          container or a re-created StatefulSet pod has a new PID namespace and waits out the
+          old lease (``ttl_seconds``, 5 s by default).
 
         Args:
             worker_id: The id.
