@@ -317,6 +317,24 @@ class ProcessIdentity:
             start_ticks=process_start_ticks(pid) or 0,
         )
 
+    def ended(self) -> bool:
+        """Whether this process provably no longer runs, as seen from a process that
+        :meth:`sees` it: its pid names no process, or one started at another time. A process
+        whose start cannot be read (``/proc`` mounted ``hidepid``) counts as running unless
+        signal 0 finds no such pid."""
+        if self.pid <= 0:
+            return False
+        ticks = process_start_ticks(self.pid)
+        if ticks is not None:
+            return ticks != self.start_ticks
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # EPERM: a process of another user has that pid
+            return False
+        return False
+
     def sees(self, other: ProcessIdentity) -> bool:
         """Whether ``other``'s process, if it still ran, would be visible to this one: the
         same kernel boot and PID namespace (the same host, or the same container)."""
@@ -700,9 +718,7 @@ class Registry:
             if watched is not None and raw != watched:  # renewed, or claimed anew: live
                 raise WorkerIdInUseError(self._in_use(worker_id, holder))
             if watched is None:
-                if me.sees(holder.holder) and (
-                    process_start_ticks(holder.holder.pid) != holder.holder.start_ticks
-                ):
+                if me.sees(holder.holder) and holder.holder.ended():
                     if self._replace_lease(keys=[key], args=[raw, lease.to_json(), ttl_ms]):
                         logger.info(
                             "worker id %s: took it over from pid %d on this host, which is gone",

@@ -157,3 +157,14 @@ def test_a_holder_taken_over_learns_it_at_its_next_renewal(redis_url: str) -> No
     assert reg.get_worker_lease("w").renewals == 2  # type: ignore[union-attr]
     keeper.release()
     assert reg.get_worker_lease("w") is None
+
+
+def test_a_process_ended_only_when_its_pid_is_free_or_names_a_later_process() -> None:
+    me = ProcessIdentity.current()
+    assert not me.ended()
+    assert dataclasses.replace(me, start_ticks=me.start_ticks + 1).ended()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert dataclasses.replace(me, pid=child.pid).ended()
+    assert not dataclasses.replace(me, pid=0).ended()  # no pid recorded: never provably gone
+    assert not ProcessIdentity("?", 0).ended()
