@@ -31,6 +31,10 @@ Model of one worker (the engine of :mod:`services.worker.engine`):
   (``ServiceEstimates``: each prefill's share of its step, each cold start's adapter wait), and
   the simulated gateway routes as the gateway does, through the same
   :class:`~services.common.routing.RoutingState`.
+* Several gateways (``SimConfig.gateways``): arrivals are split over them in turn, and each
+  routes with a :class:`~services.common.routing.RoutingState` of its own that counts only the
+  requests it sent (in flight, awaiting their first token) and the loads it started, on top
+  of the heartbeats they all read, as live gateways do.
 * Loads: ``loader_threads`` at once, demand before prefetch (by expected demand): the source
   tier (a draw from the real Alibaba load latencies, or a fixed cost plus bytes / bandwidth)
   unless the host cache holds the adapter, then the allocation (first fit; compaction of the
@@ -134,6 +138,8 @@ class SimConfig:
             at every request.
         source_latencies_s: ``float64 [m]`` real load latencies to draw from (preset source
             ``"alibaba"``); required for that source.
+        gateways: Gateways in front of the workers (>= 1); arrival ``i`` goes to gateway
+            ``i % gateways``.
 
     The predictor settings (tick, horizon, training budget, prefetch threshold and cap) default
     to the predictor service's own defaults (:class:`services.predictor.config.PredictorConfig`).
@@ -154,10 +160,13 @@ class SimConfig:
     prefetch_min_gain: float = StoreConfig.prefetch_min_gain
     view_refresh_s: float = 1.0
     source_latencies_s: np.ndarray | None = field(default=None, repr=False)
+    gateways: int = 1
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.gateways < 1:
+            raise ValueError(f"gateways must be >= 1, got {self.gateways}")
         if self.tick_s <= 0 or self.horizon_s <= 0 or self.train_every < 1:
             raise ValueError("tick_s, horizon_s must be > 0 and train_every >= 1")
         if self.view_refresh_s < 0:
@@ -1020,7 +1029,14 @@ class ClusterSimulation:
         )
         self.workers = [SimWorker(w, self) for w in range(config.workers)]
         self.by_name = {w.name: w for w in self.workers}
-        self.routing = RoutingState(policy.routing)  # the simulated gateway's
+        # the simulated gateways' routing states; each counts only its own requests
+        self.gateways = [RoutingState(policy.routing) for _ in range(config.gateways)]
+        self.routing = self.gateways[0]
+        # with several gateways: [gateway][worker] -> requests it sent there, not yet ended
+        self._sent: list[list[list[int]]] = [
+            [[] for _ in range(config.workers)] for _ in range(config.gateways)
+        ]
+        self._gv_srcs: list[list[WorkerView] | None] = [None] * config.gateways
         self.placement: dict[str, list[str]] = {}
         self.placement_moves = 0
         self.routed: dict[str, int] = {}
@@ -1138,15 +1154,39 @@ class ClusterSimulation:
             refresh=refresh,
         )
 
+    def gateway_views_of(self, g: int, t: float) -> list[WorkerView]:
+        """:meth:`gateway_views` for gateway ``g`` of several: the heartbeat views with the
+        counts of the requests that gateway sent (in flight: not ended; pending: no first
+        token at the gateway by ``t``)."""
+        stale = self.views(t)
+        if stale is not self._gv_src:
+            self._gv_src = stale
+            self._gv_heartbeats = [(v, self._views_t) for v in stale]
+        refresh = stale is not self._gv_srcs[g]
+        self._gv_srcs[g] = stale
+        status, first = self.status, self.first_token
+        counts = []
+        for sent in self._sent[g]:
+            sent[:] = [r for r in sent if status[r] == _PENDING]
+            pending = sum(1 for r in sent if not first[r] <= t)  # NaN: not admitted yet
+            counts.append((len(sent), pending))
+        return self.gateways[g].views(self._gv_heartbeats, counts=counts, refresh=refresh)
+
     def _dispatch(self, r: int, t: float) -> None:
         a = self.req_adapter[r]
         rank_aware = self.policy.routing == RANK_AWARE
+        g = r % len(self.gateways)
+        routing = self.gateways[g]
         # round robin reads only the worker ids: the heartbeat views do
-        views = self.gateway_views(t) if rank_aware else self.views(t)
+        if not rank_aware:
+            views = self.views(t)
+        elif len(self.gateways) == 1:
+            views = self.gateway_views(t)
+        else:
+            views = self.gateway_views_of(g, t)
         name = self.adapters.names[a]
         size = int(self.adapters.nbytes[a])
         by_name = self.by_name
-        routing = self.routing
         while views:
             chosen, reason = routing.pick(name, views, self.placement, size_bytes=size)
             self.routed[reason] = self.routed.get(reason, 0) + 1
@@ -1154,6 +1194,8 @@ class ClusterSimulation:
             if worker.accept(r, a, t):
                 if rank_aware:
                     routing.record(chosen, name, size, t)
+                    if len(self.gateways) > 1:
+                        self._sent[g][worker.wid].append(r)
                 return
             # A full queue refuses the request and the simulated gateway tries the next
             # worker. (The gateway does not: a worker's RESOURCE_EXHAUSTED is the request's

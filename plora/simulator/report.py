@@ -16,6 +16,9 @@ be put side by side:
 - **SLO attainment**: share of *all* requests (failed ones count as misses) whose TTFT is at
   most the SLO. **min_workers_for_slo**: the smallest worker count whose attainment is at least
   99 % (searched by doubling then bisection; attainment is treated as monotone in the count).
+- **requests_per_worker**: requests each worker accepted (rejected ones excluded);
+  ``worker_requests_max_over_min`` their largest over their smallest (``None`` when a worker
+  got none): how evenly the gateways spread the load.
 - Comparisons: ``reduction = 1 - a / b``, ``ratio = a / b`` (``None`` when undefined).
 """
 
@@ -92,12 +95,17 @@ def summarize(result: SimResult, slo_ttft_s: float) -> dict[str, Any]:
     waits = np.where(cold, result.cold_wait_s, 0.0)[ok]
     c = result.counters
     samples = c.get("pressure_samples", 0)
+    per_worker = np.bincount(result.worker[result.worker >= 0], minlength=result.workers)
     return {
         "requests": n,
         "completed": done,
         "failed": n - done,
         "failed_by_reason": c.get("failed_by_reason", {}),
         "workers": result.workers,
+        "requests_per_worker": per_worker.tolist(),
+        "worker_requests_max_over_min": float(per_worker.max() / per_worker.min())
+        if per_worker.min() > 0
+        else None,
         "ttft_mean_s": _f(ttft.mean()) if done else None,
         "ttft_p50_s": _f(np.percentile(ttft, 50)) if done else None,
         "ttft_p99_s": _f(np.percentile(ttft, 99)) if done else None,

@@ -124,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between the workers' heartbeats that routing sees (default 1; 0 = exact)",
     )
     parser.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateways in front of the workers, arrivals split over them in turn, each routing "
+        "on its own in-flight counts and the shared heartbeats (default 1)",
+    )
+    parser.add_argument(
         "--forecast-process",
         choices=("auto", "on", "off"),
         default="auto",
@@ -150,6 +157,7 @@ def _config(args: argparse.Namespace, workers: int) -> SimConfig:
         train_every=args.train_every,
         view_refresh_s=args.view_refresh,
         source_latencies_s=lat,
+        gateways=args.gateways,
     )
 
 
@@ -488,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {
             "preset": args.preset,
             "workers": args.workers,
+            "gateways": args.gateways,
             "policies": policies,
             "adapters": args.adapters,
             "seed": args.seed,
@@ -559,6 +568,7 @@ def _print_table(report: dict[str, Any], policies: list[str]) -> None:
         ("pool_utilization_under_pressure", "util"),
         ("external_fragmentation", "frag"),
         ("slo_attainment", "slo"),
+        ("worker_requests_max_over_min", "w_max/min"),
         ("min_workers_for_slo", "min_w"),
         ("sim_wall_s", "wall_s"),
         ("sim_cpu_s", "cpu_s"),

@@ -9,6 +9,8 @@ Key layout (prefix ``plora`` by default; every value is JSON unless noted):
 * ``{p}:workers`` - set of worker ids that have ever registered (pruned on graceful stop).
 * ``{p}:worker:{id}`` - :class:`WorkerRecord` (last heartbeat, kept without TTL).
 * ``{p}:worker_alive:{id}`` - liveness key with the heartbeat TTL: healthy while it exists.
+* ``{p}:worker_lease:{id}`` - :class:`WorkerLease`: which process holds the id (TTL; renewed
+  while it lives, released on a clean stop; :meth:`Registry.claim_worker_id`).
 * ``{p}:model`` - the served base model's :class:`~services.common.types.ModelSpec`.
 * ``{p}:placement`` - ``{adapter_id: [worker_id, ...]}`` from the predictor.
 * ``{p}:forecast`` - ``{"made_unix", "horizon_seconds", "model", "expected": {id: count}}``.
@@ -20,6 +22,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -255,6 +260,147 @@ class WorkerRecord:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def _read_text(path: str) -> str:
+    """A small /proc file's text, stripped; empty when it cannot be read (off Linux)."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of
+    ``/proc/<pid>/stat``): with the pid, it names one process, since a pid is reused only by
+    a later process. None when no such process is visible here (or off Linux)."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    try:  # the command name (field 2) is in parentheses and may hold spaces or ')'
+        return int(stat.rpartition(")")[2].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """Who a process is, as far as another process can check it.
+
+    Attributes:
+        hostname: The host (the pod name under Kubernetes, the container id under Docker).
+        pid: Process id, in its PID namespace.
+        boot_id: The kernel's boot id (``/proc/sys/kernel/random/boot_id``; shared by every
+            container on a host); empty off Linux.
+        pid_namespace: The PID namespace (``pid:[4026531836]``); empty off Linux.
+        start_ticks: When the process started (:func:`process_start_ticks`); 0 = unknown.
+    """
+
+    hostname: str
+    pid: int
+    boot_id: str = ""
+    pid_namespace: str = ""
+    start_ticks: int = 0
+
+    @classmethod
+    def current(cls) -> ProcessIdentity:
+        """This process's identity."""
+        try:
+            namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            namespace = ""
+        pid = os.getpid()
+        return cls(
+            hostname=socket.gethostname(),
+            pid=pid,
+            boot_id=_read_text("/proc/sys/kernel/random/boot_id"),
+            pid_namespace=namespace,
+            start_ticks=process_start_ticks(pid) or 0,
+        )
+
+    def ended(self) -> bool:
+        """Whether this process provably no longer runs, as seen from a process that
+        :meth:`sees` it: its pid names no process, or one started at another time. A process
+        whose start cannot be read (``/proc`` mounted ``hidepid``) counts as running unless
+        signal 0 finds no such pid."""
+        if self.pid <= 0:
+            return False
+        ticks = process_start_ticks(self.pid)
+        if ticks is not None:
+            return ticks != self.start_ticks
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # EPERM: a process of another user has that pid
+            return False
+        return False
+
+    def sees(self, other: ProcessIdentity) -> bool:
+        """Whether ``other``'s process, if it still ran, would be visible to this one: the
+        same kernel boot and PID namespace (the same host, or the same container)."""
+        return bool(
+            self.boot_id
+            and self.pid_namespace
+            and other.start_ticks
+            and (self.boot_id, self.pid_namespace) == (other.boot_id, other.pid_namespace)
+        )
+
+
+@dataclass
+class WorkerLease:
+    """The claim of one process on a worker id (``{p}:worker_lease:{id}``).
+
+    Attributes:
+        worker_id: The id claimed.
+        token: Random, one per claim: only the holder renews or releases the lease.
+        address: ``host:port`` the holder advertises (the port is 0 until its server binds).
+        holder: The holding process.
+        claimed_unix: Wall-clock time of the claim.
+        renewed_unix: Wall-clock time of the last renewal.
+        renewals: Renewals so far; every renewal changes the stored value, which is how a
+            claimant sees that the holder lives.
+    """
+
+    worker_id: str
+    token: str
+    address: str
+    holder: ProcessIdentity
+    claimed_unix: float = 0.0
+    renewed_unix: float = 0.0
+    renewals: int = 0
+
+    def to_json(self) -> str:
+        """The stored value."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, worker_id: str, raw: str | bytes) -> WorkerLease:
+        """A stored lease; one that does not parse reads as an unknown holder (never
+        provably gone)."""
+        try:
+            data = json.loads(raw)
+            holder = ProcessIdentity(**data.pop("holder"))
+            names = cls.__dataclass_fields__.keys()
+            return cls(holder=holder, **{k: v for k, v in data.items() if k in names})
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return cls(worker_id, "", "?", ProcessIdentity("?", 0))
+
+    def describe(self) -> str:
+        """The holder for a message: ``pid 12 on host 'h', serving at 10.0.0.5:50061 (lease
+        renewed 0.4 s ago)``."""
+        age = max(0.0, time.time() - self.renewed_unix)
+        return (
+            f"pid {self.holder.pid} on host {self.holder.hostname!r}, serving at "
+            f"{self.address} (lease renewed {age:.1f} s ago)"
+        )
+
+
+class WorkerIdInUseError(PLoRAError):
+    """Another live process holds the worker id this one claims (ALREADY_EXISTS)."""
+
+    status_code_name = "ALREADY_EXISTS"
+
+
 def connect(url: str, timeout: float = 5.0) -> redis.Redis:
     """Open a Redis client and check it answers.
 
@@ -298,6 +444,51 @@ redis.call('SADD', KEYS[2], ARGV[3])
 return 1
 """
 
+#: KEYS = (a lease key,); ARGV = (the holder's token, the new value, TTL in ms). Renews the
+#: lease if the token holds it (1), claims it again if it is gone (2: it expired while the holder
+#: could not renew, or Redis lost it), or leaves it to the process that holds it now (0).
+_RENEW_LEASE = """
+local stored = redis.call('GET', KEYS[1])
+if stored then
+  local ok, rec = pcall(cjson.decode, stored)
+  if not (ok and type(rec) == 'table' and rec['token'] == ARGV[1]) then
+    return 0
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3]))
+if stored then
+  return 1
+end
+return 2
+"""
+
+#: KEYS = (a lease key,); ARGV = (the holder's token,). Deletes the lease if the token holds it.
+_RELEASE_LEASE = """
+local stored = redis.call('GET', KEYS[1])
+if not stored then
+  return 0
+end
+local ok, rec = pcall(cjson.decode, stored)
+if ok and type(rec) == 'table' and rec['token'] == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+#: KEYS = (a lease key,); ARGV = (the value expected, the new value, TTL in ms). Replaces the
+#: lease only if it still holds the value expected (1), else leaves it (0).
+_REPLACE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3]))
+  return 1
+end
+return 0
+"""
+
+#: Seconds between two looks at a held lease while a claim waits for it to change or expire.
+CLAIM_POLL_S = 0.05
+
 
 class Registry:
     """Typed access to the keys above. Thread-safe (redis-py pools connections).
@@ -317,6 +508,9 @@ class Registry:
         self.prefix = prefix
         self._outage = _Outage(_location(client))
         self._put_if_newer = client.register_script(_PUT_IF_NEWER)
+        self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._release_lease = client.register_script(_RELEASE_LEASE)
+        self._replace_lease = client.register_script(_REPLACE_LEASE)
 
     def _k(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -461,6 +655,138 @@ class Registry:
             workers.append(rec)
         return workers
 
+    # -- worker ids -----------------------------------------------------------------------
+
+    @_guarded
+    def claim_worker_id(
+        self,
+        worker_id: str,
+        address: str,
+        ttl_seconds: float,
+        renew_every_s: float,
+        identity: ProcessIdentity | None = None,
+    ) -> WorkerLease:
+        """Claim ``worker_id`` for this process, atomically (``SET NX PX``), before it serves.
+
+        The rule, so that no two live processes ever serve under one id:
+
+        * A free id (no lease) is claimed at once.
+        * A held lease is watched: its holder renews it every ``renew_every_s``
+          (:class:`WorkerLeaseKeeper`), each renewal changing the stored value. A change seen
+          proves a live holder, and the claim is refused, naming it (within about
+          ``renew_every_s``). A lease that expires unrenewed (its holder died, froze or lost
+          Redis ``ttl_seconds`` ago) is claimed; a frozen holder that wakes finds its lease
+          taken and stops (:meth:`renew_worker_lease`). So an id comes back to a restarted
+          instance within ``ttl_seconds`` of its old process's last renewal.
+        * Sooner when the old holder is provably gone: a lease whose holder ran in the same
+          kernel boot and PID namespace as this process (the same host, or the same
+          container) and whose pid no longer names that process (none, or one started at
+          another time) is taken over at once (``plora up`` restarting a worker). A restarted
+          container or a re-created StatefulSet pod has a new PID namespace and waits out the
+          old lease (``ttl_seconds``, 5 s by default).
+
+        Args:
+            worker_id: The id.
+            address: ``host:port`` this process advertises (port 0 before it binds), shown to
+                a process refused the id.
+            ttl_seconds: Lifetime of the lease unless renewed (the heartbeat's TTL).
+            renew_every_s: How often the holder renews (the heartbeat interval).
+            identity: This process (default :meth:`ProcessIdentity.current`).
+
+        Returns:
+            The lease: renew it every ``renew_every_s`` and release it on a clean stop.
+
+        Raises:
+            WorkerIdInUseError: a live process holds the id; the message names it.
+            RegistryUnavailableError: Redis cannot be reached.
+        """
+        me = identity or ProcessIdentity.current()
+        key = self._k("worker_lease", worker_id)
+        ttl_ms = max(1, int(ttl_seconds * 1000))
+        token = secrets.token_hex(16)
+        watched: bytes | None = None  # the holder's value being watched for a renewal
+        watched_since = 0.0
+        while True:
+            now = time.time()
+            lease = WorkerLease(worker_id, token, address, me, now, now)
+            if self.client.set(key, lease.to_json(), nx=True, px=ttl_ms):
+                return lease
+            raw = cast("bytes | None", self.client.get(key))
+            if raw is None:  # expired or released just now: claim it
+                continue
+            holder = WorkerLease.from_json(worker_id, raw)
+            if watched is not None and raw != watched:  # renewed, or claimed anew: live
+                raise WorkerIdInUseError(self._in_use(worker_id, holder))
+            if watched is None:
+                if me.sees(holder.holder) and holder.holder.ended():
+                    if self._replace_lease(keys=[key], args=[raw, lease.to_json(), ttl_ms]):
+                        logger.info(
+                            "worker id %s: took it over from pid %d on this host, which is gone",
+                            worker_id,
+                            holder.holder.pid,
+                        )
+                        return lease
+                    continue  # it changed meanwhile: look again
+                watched, watched_since = raw, time.monotonic()
+                logger.info(
+                    "worker id %s is held by %s; waiting up to %.1f s to see it renewed "
+                    "(refused) or expire (claimed)",
+                    worker_id,
+                    holder.describe(),
+                    ttl_seconds + renew_every_s,
+                )
+            elif time.monotonic() - watched_since > ttl_seconds + renew_every_s:
+                # neither renewed nor expired: a lease without a TTL, not one of ours
+                raise WorkerIdInUseError(self._in_use(worker_id, holder))
+            time.sleep(CLAIM_POLL_S)
+
+    @staticmethod
+    def _in_use(worker_id: str, holder: WorkerLease) -> str:
+        return (
+            f"worker id {worker_id!r} is in use by a live worker: {holder.describe()}; stop "
+            "that worker, or give this one another --worker-id / PLORA_WORKER_ID (leave it "
+            "unset for a unique one)"
+        )
+
+    @_guarded
+    def renew_worker_lease(self, lease: WorkerLease, ttl_seconds: float) -> bool:
+        """Renew a lease this process claimed (its ``renewals`` and ``renewed_unix`` move on;
+        its ``address`` is stored as it is now); a lease that expired or that Redis lost is
+        claimed again if nobody else took the id meanwhile.
+
+        Returns:
+            False when another process holds the id now (this one was frozen or cut off from
+            Redis past the lease's TTL and was taken over): it must stop serving under it.
+        """
+        lease.renewals += 1
+        lease.renewed_unix = time.time()
+        held = self._renew_lease(
+            keys=[self._k("worker_lease", lease.worker_id)],
+            args=[lease.token, lease.to_json(), max(1, int(ttl_seconds * 1000))],
+        )
+        if held == 2:
+            logger.warning(
+                "worker id %s: its lease was gone (expired or lost by Redis) and is claimed again",
+                lease.worker_id,
+            )
+        return bool(held)
+
+    @_guarded
+    def release_worker_lease(self, lease: WorkerLease) -> bool:
+        """Give the id up on a clean stop (another process may claim it at once).
+
+        Returns:
+            Whether the lease was this process's to release.
+        """
+        key = self._k("worker_lease", lease.worker_id)
+        return bool(self._release_lease(keys=[key], args=[lease.token]))
+
+    @_guarded
+    def get_worker_lease(self, worker_id: str) -> WorkerLease | None:
+        """Who holds ``worker_id`` now, or None when nobody does."""
+        raw = self.client.get(self._k("worker_lease", worker_id))
+        return None if raw is None else WorkerLease.from_json(worker_id, raw)
+
     # -- model, placement, forecast, predictor state ---------------------------------------
 
     @_guarded
@@ -521,3 +847,106 @@ class Registry:
     def load_predictor_state(self) -> bytes | None:
         """The persisted predictor state, or None."""
         return cast("bytes | None", self.client.get(self._k("predictor_state")))
+
+
+class WorkerLeaseKeeper:
+    """Keeps a claimed worker id (:meth:`Registry.claim_worker_id`): renews its lease every
+    ``renew_every_s`` in a daemon thread until :meth:`release` or :meth:`stop`.
+
+    While Redis cannot be reached the renewals fail quietly (the registry logs the outage) and
+    are tried again; once another process is found holding the id, ``on_lost`` is called once,
+    from the keeper's thread, and renewals end: the process must stop serving under the id.
+
+    Args:
+        registry: The registry the lease is in.
+        lease: The claimed lease.
+        ttl_seconds: Lifetime of each renewal.
+        renew_every_s: Seconds between renewals (below ``ttl_seconds``).
+        on_lost: Called with the holder's lease (or None when it is gone again) when the id
+            was taken over.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        lease: WorkerLease,
+        ttl_seconds: float,
+        renew_every_s: float,
+        on_lost: Callable[[WorkerLease | None], None],
+    ) -> None:
+        self.registry = registry
+        self.lease = lease
+        self.ttl_seconds = ttl_seconds
+        self.renew_every_s = renew_every_s
+        self.on_lost = on_lost
+        self.lost = False
+        self._lock = threading.Lock()  # one renewal or release at a time
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-lease", daemon=True)
+
+    def start(self) -> WorkerLeaseKeeper:
+        """Start renewing."""
+        self._thread.start()
+        return self
+
+    def set_address(self, address: str) -> None:
+        """Name ``address`` in the lease (once the server bound its port), stored by a renewal
+        now (or, while Redis cannot be reached, by the next one)."""
+        self.lease.address = address
+        try:
+            self.renew()
+        except RegistryUnavailableError:  # logged by the registry; the thread renews later
+            pass
+
+    def renew(self) -> bool:
+        """Renew the lease now.
+
+        Returns:
+            False when the id was lost (``on_lost`` has been called) or the keeper stopped.
+
+        Raises:
+            RegistryUnavailableError: Redis cannot be reached (try again later).
+        """
+        with self._lock:
+            if self._stop.is_set() or self.lost:
+                return False
+            if self.registry.renew_worker_lease(self.lease, self.ttl_seconds):
+                return True
+            self.lost = True
+            self._stop.set()
+        holder = self.registry.get_worker_lease(self.lease.worker_id)
+        self.on_lost(holder)
+        return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.renew_every_s):
+            try:
+                self.renew()
+            except RegistryUnavailableError:  # logged by the registry as an outage
+                continue
+            except Exception as exc:  # noqa: BLE001 - keep renewing; the next may succeed
+                logger.warning(
+                    "renewing the lease of worker id %s failed: %s", self.lease.worker_id, exc
+                )
+
+    def stop(self) -> None:
+        """Stop renewing without releasing (the lease expires after ``ttl_seconds``)."""
+        with self._lock:
+            self._stop.set()
+
+    def release(self) -> None:
+        """Stop renewing and give the id up at once (a clean stop). Never raises: a lease
+        that cannot be released expires after ``ttl_seconds``."""
+        with self._lock:
+            if self.lost:  # not this process's any more
+                return
+            self._stop.set()
+            try:
+                self.registry.release_worker_lease(self.lease)
+            except Exception as exc:  # noqa: BLE001 - it expires by itself
+                logger.warning(
+                    "could not release worker id %s (it expires in %.0f s): %s",
+                    self.lease.worker_id,
+                    self.ttl_seconds,
+                    exc,
+                )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import re
+import secrets
+import socket
 from dataclasses import dataclass, field
 
 from services.common.config import (
@@ -29,6 +32,16 @@ ALLOCATORS = ("paged", "contiguous")
 EVICTIONS = ("lru", "predictive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+
+def default_worker_id(hostname: str | None = None) -> str:
+    """A worker id unique without configuration: the host name (the pod name under
+    Kubernetes, the container id under Docker), characters other than letters, digits,
+    ``.``, ``_`` and ``-`` replaced by ``-``, then ``-`` and 6 random hex digits, new for
+    every process (``gpu-node-3-5f2a9c``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", hostname or socket.gethostname()).strip("-")
+    return f"{name or 'worker'}-{secrets.token_hex(3)}"
+
+
 #: Threads of the worker's gRPC pool beyond its running and waiting streams: adapter, status
 #: and health calls, and the streams refused as beyond ``max_queue``.
 RESERVED_THREADS = 16
@@ -39,11 +52,17 @@ class WorkerConfig:
     """Settings of one worker process.
 
     Attributes:
-        worker_id: Stable id in the registry (``PLORA_WORKER_ID``).
+        worker_id: Id in the registry (``PLORA_WORKER_ID``), used as given (a StatefulSet's
+            pod name, ``worker-0`` under ``plora up``); unset (empty), a unique one is made:
+            :func:`default_worker_id`. One live process holds an id at a time: a second one
+            claiming it is refused at start
+            (:meth:`~services.common.registry.Registry.claim_worker_id`).
         host: Interface of the gRPC server (``PLORA_WORKER_HOST``).
         port: gRPC port; 0 = any free port (``PLORA_WORKER_PORT``).
-        advertise_host: Host the gateway should dial (``PLORA_WORKER_ADVERTISE_HOST``; the
-            container name under docker compose); defaults to ``host``.
+        advertise_host: Host the worker publishes in the registry for its peers (gateway,
+            predictor) to dial, instead of ``host`` (``PLORA_WORKER_ADVERTISE_HOST``; the
+            container name under docker compose, the pod IP under Kubernetes); defaults to
+            ``host``.
         metrics_port: Prometheus port; 0 = any (``PLORA_WORKER_METRICS_PORT``).
         redis_url: Metadata store (``PLORA_REDIS_URL``).
         internal_token_file: File holding the internal token
@@ -91,7 +110,7 @@ class WorkerConfig:
         ready_file: Where to write ``{"grpc_port", "metrics_port"}`` once serving (launcher).
     """
 
-    worker_id: str = "worker-0"
+    worker_id: str = ""  # resolved in __post_init__: default_worker_id()
     host: str = "127.0.0.1"
     port: int = 50061
     advertise_host: str = ""
@@ -125,6 +144,8 @@ class WorkerConfig:
     ready_file: str = ""
 
     def __post_init__(self) -> None:
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", default_worker_id())
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
         require_server_ports("worker", self.port, self.metrics_port)
         require_inspection_sizes(self.max_adapter_config_bytes, self.max_safetensors_header_bytes)
@@ -202,12 +223,15 @@ class WorkerConfig:
         add_server_arguments(parser, "worker", WorkerConfig.port, WorkerConfig.metrics_port)
         parser.add_argument(
             "--worker-id",
-            help="stable id of this worker in the registry (env PLORA_WORKER_ID; default worker-0)",
+            help="id of this worker in the registry, used as given (a pod name); a second "
+            "process claiming a live worker's id is refused (env PLORA_WORKER_ID; default "
+            "none = <host name>-<6 random hex digits>)",
         )
         parser.add_argument(
             "--advertise-host",
-            help="host the gateway dials instead of --host, e.g. the container name under "
-            "docker compose (env PLORA_WORKER_ADVERTISE_HOST; default none)",
+            help="host published in the registry for the gateway and predictor to dial instead "
+            "of --host: the container name under docker compose, the pod IP under Kubernetes "
+            "(env PLORA_WORKER_ADVERTISE_HOST; default none = --host)",
         )
         parser.add_argument(
             "--model",
@@ -349,7 +373,7 @@ class WorkerConfig:
             max(d.host_cache_bytes, pool),
         )
         return cls(
-            worker_id=pick(args.worker_id, "PLORA_WORKER_ID", d.worker_id),
+            worker_id=pick(args.worker_id, "PLORA_WORKER_ID", ""),
             host=pick(args.host, "PLORA_WORKER_HOST", d.host),
             port=int_flag_or_env(args.port, "PLORA_WORKER_PORT", d.port),
             advertise_host=pick(args.advertise_host, "PLORA_WORKER_ADVERTISE_HOST", ""),

@@ -39,7 +39,14 @@ from services.common.grpc_util import (
 from services.common.internal_auth import resolve_token, server_interceptors
 from services.common.lifecycle import run_service, write_ready_file
 from services.common.metrics import serve_metrics
-from services.common.registry import Registry, RegistryUnavailableError, WorkerRecord, connect
+from services.common.registry import (
+    Registry,
+    RegistryUnavailableError,
+    WorkerLease,
+    WorkerLeaseKeeper,
+    WorkerRecord,
+    connect,
+)
 from services.common.sources import Confinement, SourceRefusedError, redact
 from services.common.types import LoRAWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
@@ -192,6 +199,8 @@ class WorkerService:
 
     Raises:
         RegistryUnavailableError: Redis cannot be reached (checked before the model loads).
+        WorkerIdInUseError: a live worker holds ``config.worker_id`` (checked before the model
+            loads; the message names that worker's pid, host and address).
         ConfigError: the model cannot be found or its family is not served, or the internal token
             cannot be read (checked before the model loads).
     """
@@ -199,10 +208,61 @@ class WorkerService:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         internal_token = resolve_token(config.internal_token_file, config.internal_token)
+        self._stop = threading.Event()
+        #: How the stall watchdog and the loss of the id end the process (``os._exit``: the
+        #: engine thread may hold locks a normal exit would wait on).
+        self._exit = os._exit
         self.metrics = WorkerMetrics()
         #: Adapter roots every source read must lie under; None = none configured.
         self.confinement = Confinement(config.adapter_roots) if config.adapter_roots else None
         self.registry = Registry(connect(config.redis_url))
+        self.lease = self._claim_id()
+        try:
+            self._build(config, internal_token)
+        except BaseException:
+            self.lease.release()  # the id is free again at once: nothing served under it
+            raise
+
+    def _claim_id(self) -> WorkerLeaseKeeper:
+        """Claim the worker id before anything slow (the model) and keep it renewed from then
+        on (:meth:`~services.common.registry.Registry.claim_worker_id`).
+
+        Raises:
+            WorkerIdInUseError: a live worker holds the id (the message names it).
+            RegistryUnavailableError: Redis cannot be reached.
+        """
+        c = self.config
+        logger.info("claiming worker id %s", c.worker_id)
+        lease = self.registry.claim_worker_id(
+            c.worker_id, c.address, c.heartbeat_ttl_s, c.heartbeat_interval_s
+        )
+        return WorkerLeaseKeeper(
+            self.registry, lease, c.heartbeat_ttl_s, c.heartbeat_interval_s, self._on_id_lost
+        ).start()
+
+    def _on_id_lost(self, holder: WorkerLease | None) -> None:
+        """Another process took this worker's id over (this one was frozen or cut off from
+        Redis longer than the lease's TTL): stop serving under it and exit with
+        :data:`EXIT_WORKER_ID_LOST`, without deregistering (the record is the new holder's)."""
+        logger.critical(
+            "worker id %s was taken over by %s while this worker could not renew its lease "
+            "(frozen or cut off from Redis for over %g s): exiting with status %d so that two "
+            "workers never serve under one id",
+            self.config.worker_id,
+            holder.describe() if holder else "another process",
+            self.config.heartbeat_ttl_s,
+            EXIT_WORKER_ID_LOST,
+        )
+        self._stop.set()
+        health = getattr(self, "health", None)
+        if health is not None:
+            set_serving(health, [SERVICE_NAME], False)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        self._exit(EXIT_WORKER_ID_LOST)
+
+    def _build(self, config: WorkerConfig, internal_token: str) -> None:
+        """Load the model and build the store, the engine, the servers and the heartbeat."""
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
@@ -267,7 +327,7 @@ class WorkerService:
         self.metrics_server, self.metrics_port = serve_metrics(
             self.metrics.registry, config.host, config.metrics_port
         )
-        self._stop = threading.Event()
+        self.lease.set_address(self.address)
         self._heartbeat_thread = threading.Thread(
             target=self._heartbeat_loop, name="heartbeat", daemon=True
         )
@@ -275,9 +335,6 @@ class WorkerService:
         self._last_staging = -HOST_STAGING_INTERVAL_S
         self._last_reconcile = -RECONCILE_INTERVAL_S
         self._published = False  # a heartbeat has reached the registry
-        #: How the stall watchdog ends the process (``os._exit``: the engine thread may hold
-        #: locks a normal exit would wait on).
-        self._exit = os._exit
 
     def _on_store_event(self, event: StoreEvent) -> None:
         """Store events -> Prometheus (called under the store lock: counters only)."""
@@ -514,6 +571,7 @@ class WorkerService:
             self.registry.deregister_worker(self.config.worker_id)
         except Exception as exc:  # noqa: BLE001 - exiting anyway; its liveness key expires
             logger.warning("could not deregister: %s", exc)
+        self.lease.release()  # its restart takes the id back at once
         for handler in logging.getLogger().handlers:
             handler.flush()
         self._exit(EXIT_ENGINE_STALLED)
@@ -521,7 +579,7 @@ class WorkerService:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
-            if self._watch_engine():
+            if self._watch_engine() or self.lease.lost:
                 return
             try:
                 self.heartbeat()
@@ -536,18 +594,24 @@ class WorkerService:
         """Deregister, stop accepting requests, finish in-flight ones within ``grace``."""
         self._stop.set()
         set_serving(self.health, [SERVICE_NAME], False)
-        try:
-            self.registry.deregister_worker(self.config.worker_id)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("could not deregister: %s", exc)
+        if not self.lease.lost:  # else the record is another process's
+            try:
+                self.registry.deregister_worker(self.config.worker_id)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("could not deregister: %s", exc)
         self.server.stop(grace).wait()
         self.engine.stop()
         self.store.close()
         self.metrics_server.shutdown()
+        self.lease.release()  # last: a successor may claim the id at once
 
 
 #: The worker's exit status when its stall watchdog ended it (``EX_SOFTWARE`` of sysexits.h).
 EXIT_ENGINE_STALLED = 70
+
+#: The worker's exit status when another process took its id over while it could not renew
+#: its lease (``EX_UNAVAILABLE`` of sysexits.h).
+EXIT_WORKER_ID_LOST = 69
 
 
 def main(argv: list[str] | None = None) -> int:

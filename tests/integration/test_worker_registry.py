@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 def _worker(redis_url: str, model_dir: Path, **kw: object) -> WorkerService:
     """A started worker on free ports: the real model, a 64 MiB pool, one thread, no staging."""
+    kw.setdefault("worker_id", "worker-0")
     cfg = WorkerConfig(
         port=0,
         metrics_port=0,

@@ -8,6 +8,7 @@ import inspect
 import itertools
 import os
 import re
+import socket
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from services.common.config import inspection_size_limits, parse_bytes
 from services.common.errors import ConfigError
 from services.gateway.config import DEFAULT_MAX_NEW_TOKENS, GatewayConfig
 from services.predictor.config import PredictorConfig
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, default_worker_id
 from tests.conftest import REPO
 from tests.helpers import config_from_flags
 
@@ -221,6 +222,9 @@ FLAG_HELP = re.compile(
 #: their help states instead.
 RESOLVED_DEFAULTS = {"default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 
+#: Fields whose help states "none" and which, unset, get a value made per process: its form.
+GENERATED_DEFAULTS = {"worker_id": re.compile(r"[A-Za-z0-9._-]+-[0-9a-f]{6}")}
+
 #: Variables a ``from_args`` reads that no flag falls back to.
 ENV_ONLY = {
     GatewayConfig: {"PLORA_REQUEST_TIMEOUT_S", "PLORA_REGISTRY_STALE_S", "PLORA_INTERNAL_TOKEN"},
@@ -300,6 +304,10 @@ def test_every_flag_has_help_stating_its_default(
         assert _stated_value(stated, fields[dest]) == expected, (
             f"{flag}: help says default {stated!r}, the dataclass {expected!r}"
         )
+        if dest in GENERATED_DEFAULTS:
+            made = getattr(unset, dest)
+            assert GENERATED_DEFAULTS[dest].fullmatch(made), f"{flag}: unset, made {made!r}"
+            continue
         assert getattr(unset, dest) == expected, f"{flag}: unset, it is not {expected!r}"
 
 
@@ -401,3 +409,20 @@ def test_settings_line_gives_every_effective_setting_without_the_redis_password(
     assert "s3cret" not in line and "redis_url='redis://tenant:***@redis.internal:6379/2'" in line
     with pytest.raises(TypeError, match="configuration dataclass"):
         settings_line(type(config))
+
+
+def test_a_worker_without_an_id_gets_a_unique_one_and_a_given_id_is_kept_as_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset: ``<host name>-<6 hex digits>``, another per process (two workers on one host
+    never share an id); a given id (a StatefulSet's pod name) is used unchanged."""
+    _without_plora_env(monkeypatch)
+    made = {config_from_flags(WorkerConfig).worker_id for _ in range(20)}
+    assert len(made) == 20
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-")
+    assert all(re.fullmatch(rf"{re.escape(host)}-[0-9a-f]{{6}}", m) for m in made), made
+    assert re.fullmatch(r"gpu-node_3-[0-9a-f]{6}", default_worker_id("gpu node_3"))
+    assert re.fullmatch(r"worker-[0-9a-f]{6}", default_worker_id("%%"))
+    monkeypatch.setenv("PLORA_WORKER_ID", "plora-worker-7")
+    assert config_from_flags(WorkerConfig).worker_id == "plora-worker-7"
+    assert config_from_flags(WorkerConfig, "--worker-id", "w-1").worker_id == "w-1"
