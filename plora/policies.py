@@ -37,6 +37,9 @@ class PolicySpec:
             of demand (``AdapterStore.stage``; the worker's ``--host-staging``).
         oracle: Simulator only: eviction and prefetch know the future arrivals
             (:mod:`plora.simulator.oracle`), the bound the forecast is measured against.
+        clairvoyant: Simulator only, with ``oracle``: also prefetch adapters before their
+            first request, which nothing observable announces (a reference, out of any
+            forecast's reach).
 
     Raises:
         ValueError: an unknown allocator, eviction or routing name, or prefetch without the
@@ -51,6 +54,7 @@ class PolicySpec:
     prefetch: bool
     host_staging: bool = False
     oracle: bool = False
+    clairvoyant: bool = False
 
     def __post_init__(self) -> None:
         if self.allocator not in ALLOCATORS:
@@ -80,11 +84,25 @@ POLICIES: dict[str, PolicySpec] = {
 
 
 #: Policies only the simulator runs: ``oracle`` knows the future (Belady eviction per worker and
-#: prefetch of the next requests, through the same loader threads, pool and routing as
-#: ``plora``), the bound of what any forecast could win.
+#: prefetch of the next requests of adapters already seen, through the same loader threads, pool
+#: and routing as ``plora``), the bound of what any forecast could win; ``oracle-clairvoyant``
+#: also prefetches first requests.
 SIM_POLICIES: dict[str, PolicySpec] = {
     p.name: p
-    for p in (PolicySpec("oracle", "paged", "lru", "rank_aware", False, True, True, oracle=True),)
+    for p in (
+        PolicySpec("oracle", "paged", "lru", "rank_aware", False, True, True, oracle=True),
+        PolicySpec(
+            "oracle-clairvoyant",
+            "paged",
+            "lru",
+            "rank_aware",
+            False,
+            True,
+            True,
+            oracle=True,
+            clairvoyant=True,
+        ),
+    )
 }
 
 

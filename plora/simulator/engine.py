@@ -1213,8 +1213,9 @@ class ClusterSimulation:
         feed = self.feed
         assert self.selector is not None
         k = self.ticks
-        if self.future is not None:  # the oracle: the exact counts ahead
-            ads, exps = self.future.counts(t, t + LOOKAHEAD_S)
+        if self.future is not None:  # the oracle: the exact counts ahead (repeat requests)
+            seen_only = not self.policy.clairvoyant
+            ads, exps = self.future.counts(t, t + LOOKAHEAD_S, seen_only=seen_only)
         else:
             assert feed is not None
             if feed.ticks[k] != t:

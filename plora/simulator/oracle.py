@@ -8,7 +8,12 @@ a policy a cluster can run:
   only adapters whose next request comes after the prefetched one's, by the production rule
   of :meth:`services.worker.eviction.EvictionPolicy.choose_victim` fed with exact counts.
 * **Prefetch**: every predictor tick, the exact number of requests of each adapter in the next
-  :data:`LOOKAHEAD_S` seconds is the "forecast"; placement, the prefetch choice and the
+  :data:`LOOKAHEAD_S` seconds is the "forecast", for the adapters requested at least once
+  before the tick. An adapter's first request is cold under every policy (nothing that
+  precedes it says it is coming), so the oracle does not prefetch it either: the bound is
+  what a perfect forecast of the trace's *repeat* requests gains. ``oracle-clairvoyant``
+  prefetches first requests too, to show how much of the cold-start time no forecast can
+  reach. Placement, the prefetch choice and the
   workers' loads then run the production code (:func:`plan_placement`,
   :class:`PrefetchSelector`, the simulated store), so prefetches go through the same loader
   threads, pool and routing as ``plora``'s.
@@ -46,6 +51,10 @@ class FutureArrivals:
         ]
         self._times = times
         self._adapter = adapter
+        #: First arrival of each adapter (``inf`` for an adapter never requested).
+        self._first = np.array(
+            [arr[0] if arr else np.inf for arr in self._per_adapter], dtype=np.float64
+        )
 
     def next_use(self, a: int, t: float) -> float:
         """The first arrival of adapter ``a`` after ``t`` (``inf`` when none)."""
@@ -53,13 +62,19 @@ class FutureArrivals:
         i = bisect.bisect_right(arr, t)
         return arr[i] if i < len(arr) else float("inf")
 
-    def counts(self, t0: float, t1: float) -> tuple[np.ndarray, np.ndarray]:
-        """``(adapters, counts)``: arrivals per adapter in ``(t0, t1]``, adapters ascending."""
+    def counts(
+        self, t0: float, t1: float, seen_only: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(adapters, counts)``: arrivals per adapter in ``(t0, t1]``, adapters ascending;
+        with ``seen_only``, only of adapters whose first arrival is at or before ``t0``."""
         lo = int(np.searchsorted(self._times, t0, side="right"))
         hi = int(np.searchsorted(self._times, t1, side="right"))
         if hi <= lo:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
         ads, counts = np.unique(self._adapter[lo:hi], return_counts=True)
+        if seen_only:
+            keep = self._first[ads] <= t0
+            ads, counts = ads[keep], counts[keep]
         return ads.astype(np.int64), counts.astype(np.float64)
 
 

@@ -542,3 +542,17 @@ def test_several_gateways_spread_a_uniform_load_as_evenly_as_one() -> None:
     assert max(ttft[2], ttft[4]) < 1.5 * ttft[1], ttft
     with pytest.raises(ValueError, match="gateways must be >= 1"):
         SimConfig(preset, gateways=0)
+
+
+def test_oracle_prefetches_repeat_requests_only_unless_clairvoyant() -> None:
+    """The ``oracle`` bound forecasts only adapters already requested (a first request has
+    nothing before it to announce it); ``oracle-clairvoyant`` sees first requests too."""
+    from plora.simulator.oracle import FutureArrivals
+
+    future = FutureArrivals(np.array([1.0, 2.0, 3.0, 4.0]), np.array([0, 1, 0, 1]), 3)
+    ads, counts = future.counts(1.5, 10.0, seen_only=True)
+    assert ads.tolist() == [0] and counts.tolist() == [1.0]  # adapter 1 first arrives at 2.0
+    ads, counts = future.counts(1.5, 10.0)
+    assert ads.tolist() == [0, 1] and counts.tolist() == [1.0, 2.0]
+    ads, _ = future.counts(2.5, 10.0, seen_only=True)
+    assert ads.tolist() == [0, 1]
