@@ -185,3 +185,27 @@ def save(family: str, out: Path, seed: int = 0, max_shard_size: str | None = Non
     model.save_pretrained(str(out), **kwargs)
     write_tokenizer(out)
     return model
+
+
+def put_in_hub_cache(src: Path, cache: Path, repo_id: str, commit: str = "0" * 40) -> Path:
+    """Lay the model directory ``src`` out in a Hugging Face Hub cache at ``cache`` as
+    ``hf download repo_id`` would (``models--org--name/blobs/<sha256>``,
+    ``snapshots/<commit>/<file>`` linking to its blob, ``refs/main`` holding ``commit``) and
+    return the snapshot directory."""
+    import hashlib
+    import os
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / f.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

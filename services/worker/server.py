@@ -192,7 +192,7 @@ class WorkerService:
 
     Raises:
         RegistryUnavailableError: Redis cannot be reached (checked before the model loads).
-        ConfigError: the model cannot be found or is not Llama-family, or the internal token
+        ConfigError: the model cannot be found or its family is not served, or the internal token
             cannot be read (checked before the model loads).
     """
 
