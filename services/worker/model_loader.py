@@ -31,7 +31,7 @@ from pathlib import Path
 
 from services.common.errors import ConfigError
 from services.common.types import ModelSpec
-from services.worker.families import describe, family_for_config
+from services.worker.families import describe, family_for_config, supported
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> Path:
     cache = hub_cache_dir()
     try:
         return Path(
-            snapshot_download(
-                repo_id, revision=revision, cache_dir=cache, local_files_only=True
-            )
+            snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
         )
     except (LocalEntryNotFoundError, HFValidationError, OSError) as exc:
         pinned = f" --revision {revision}" if revision else ""
@@ -152,12 +150,40 @@ def check_supported(config: dict[str, object], where: Path) -> None:
     describe(config, where)
 
 
+def gguf_family_check(gguf: Path) -> None:
+    """Refuse a GGUF whose architecture the worker does not serve, from its metadata alone
+    (before any tensor is read).
+
+    Raises:
+        ConfigError: transformers' GGUF reader cannot read the file's architecture, or the
+            family it maps to is not served; both name the supported ``model_type`` values.
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    except ValueError as exc:  # "GGUF model with architecture X is not supported yet."
+        raise ConfigError(
+            f"{gguf}: transformers' GGUF reader cannot read this file ({exc}); P-LoRA's worker "
+            f"serves these model_type values: {supported()}"
+        ) from exc
+    family_for_config(config, gguf)
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize ``gguf`` into an HF directory at ``out_dir`` (atomic: temp dir + rename)."""
+    """Dequantize ``gguf`` into an HF directory at ``out_dir`` (atomic: temp dir + rename).
+
+    The config keeps the file's family: ``model_type`` as transformers' GGUF reader maps it and
+    ``architectures`` from the model class it builds (``Qwen2ForCausalLM``, ...).
+
+    Raises:
+        ConfigError: the file's family is not served (checked before its tensors are read).
+    """
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf_family_check(gguf)
     logger.info("converting %s to float32 safetensors (first start only)", gguf)
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -166,7 +192,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
-    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config["architectures"] = [type(model).__name__]
     config["dtype"] = "float32"
     check_supported(config, gguf)
     state = model.state_dict()

@@ -123,3 +123,64 @@ def test_a_missing_relative_directory_is_not_taken_for_a_model_id(
     for model in ("models/a/b", "./model", "../x/y"):
         with pytest.raises(ConfigError, match="neither"):
             resolve_model(model, tmp_path / "plora-cache")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_gguf_of_another_family_converts_with_its_own_config(tmp_path: Path, family: str) -> None:
+    """A float32 GGUF laid out as llama.cpp writes it (Llama's permuted q/k rows, Qwen2's
+    biases) converts to an HF directory of that family (``model_type`` and ``architectures``
+    its own, no Llama default) whose logits equal the model written into it."""
+    import json
+
+    import torch
+
+    from services.worker.model import DecoderModel, SeqChunk, StepBatch
+    from tests import tiny_models
+
+    hf = tiny_models.save_gguf(family, tmp_path / f"tiny-{family}.gguf")
+    out = resolve_model(str(tmp_path / f"tiny-{family}.gguf"), tmp_path / "cache")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family
+    assert config["architectures"] == [type(hf).__name__]
+    model = DecoderModel.from_dir(out)
+    assert model.spec.family == family
+    ids = [5, 9, 17, 33, 60, 100, 7, 250]
+    batch = StepBatch(
+        torch.tensor(ids), torch.arange(len(ids)), [SeqChunk(0, 0, len(ids), 0)], [len(ids) - 1]
+    )
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        got = model.forward(batch, model.new_kv_cache(1, 64))[0]
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def _metadata_only_gguf(path: Path, arch: str) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "rwkv6"])
+def test_a_gguf_of_an_unserved_family_is_refused_naming_the_served_ones(
+    tmp_path: Path, arch: str
+) -> None:
+    """gpt2: transformers reads it, the worker does not serve it; rwkv6: transformers' reader
+    does not read it. Both are refused from the metadata, before any tensor or cache write."""
+    from services.common.errors import ConfigError
+
+    path = _metadata_only_gguf(tmp_path / f"{arch}.gguf", arch)
+    with pytest.raises(ConfigError) as err:
+        resolve_model(str(path), tmp_path / "cache")
+    message = str(err.value)
+    assert str(path) in message
+    served = message.split("model_type values: ")[1]
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"):
+        assert family in served.split(", ")
+    assert not (tmp_path / "cache").exists()
