@@ -48,7 +48,7 @@ from services.common.adapters import (
 )
 from services.common.config import parse_ranks
 from services.common.errors import ConfigError
-from services.common.types import PROJECTION_MODULES, ModelSpec
+from services.common.types import ALL_PROJECTION_MODULES, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def write_peft_adapter(
     *,
     rank: int,
     alpha: float,
-    target_modules: Sequence[str] = PROJECTION_MODULES,
+    target_modules: Sequence[str] | None = None,
     seed: int,
     use_rslora: bool = False,
     rank_pattern: Mapping[str, int] | None = None,
@@ -144,7 +144,8 @@ def write_peft_adapter(
         spec: Base model shapes.
         rank: Default LoRA rank r.
         alpha: Default ``lora_alpha``.
-        target_modules: Projection names (subset of :data:`PROJECTION_MODULES`).
+        target_modules: Projection names, a subset of ``spec.projections`` (the family's:
+            Phi-3's are fused); ``None`` = all of them.
         seed: Seed of the CPU generator; same arguments + seed -> identical bytes.
         use_rslora: Write ``use_rslora: true`` (scaling ``alpha / sqrt(r)``).
         rank_pattern: PEFT ``rank_pattern`` (pattern -> r).
@@ -157,16 +158,16 @@ def write_peft_adapter(
         ``Path(out_dir)``.
 
     Raises:
-        ValueError: unknown target module, rank < 1, layer out of range.
+        ValueError: a target module the model does not have, rank < 1, layer out of range.
     """
     from safetensors.torch import save_file
 
-    targets = list(target_modules)
-    bad = [t for t in targets if t not in PROJECTION_MODULES]
+    targets = list(spec.projections if target_modules is None else target_modules)
+    bad = [t for t in targets if t not in spec.projections]
     if bad or not targets:
         raise ValueError(
-            f"target_modules must be a non-empty subset of {PROJECTION_MODULES}, "
-            f"got {bad or targets}"
+            f"target_modules must be a non-empty subset of {spec.name or 'the model'}'s "
+            f"projections {spec.projections}, got {bad or targets}"
         )
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
@@ -195,7 +196,7 @@ def write_peft_adapter(
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     tensors: dict[str, torch.Tensor] = {}
     for layer in layer_ids:
-        for proj in PROJECTION_MODULES:
+        for proj in spec.projections:
             if proj not in targets:
                 continue
             name = canonical_module_name(layer, proj)
@@ -248,22 +249,23 @@ def _atomic_write(path: Path, write: object) -> None:
         raise
 
 
-def max_rank(spec: ModelSpec, target_modules: Sequence[str] = PROJECTION_MODULES) -> int:
-    """The largest LoRA rank that means something for ``target_modules`` of ``spec``: the
-    smallest ``min(in_features, out_features)`` among them (a rank above it adds parameters but
-    no expressiveness, and its tensors can exhaust memory).
+def max_rank(spec: ModelSpec, target_modules: Sequence[str] | None = None) -> int:
+    """The largest LoRA rank that means something for ``target_modules`` of ``spec`` (default:
+    all its projections): the smallest ``min(in_features, out_features)`` among them (a rank
+    above it adds parameters but no expressiveness, and its tensors can exhaust memory).
 
     Raises:
-        KeyError: a module that is not one of :data:`PROJECTION_MODULES`.
+        KeyError: a module that is not one of :data:`ALL_PROJECTION_MODULES`.
     """
-    return min(min(spec.module_shape(proj)) for proj in target_modules)
+    targets = spec.projections if target_modules is None else target_modules
+    return min(min(spec.module_shape(proj)) for proj in targets)
 
 
 def check_ranks(
     ranks: Sequence[int],
     spec: ModelSpec,
     flag: str,
-    target_modules: Sequence[str] = PROJECTION_MODULES,
+    target_modules: Sequence[str] | None = None,
 ) -> None:
     """Refuse ranks above :func:`max_rank` before any adapter is written (rank 100000 would
     allocate tensors until the OOM killer ends the process).
@@ -272,15 +274,16 @@ def check_ranks(
         ranks: The ranks asked for.
         spec: The base model.
         flag: The flag that gave them (named in the message).
-        target_modules: The projections the adapters adapt.
+        target_modules: The projections the adapters adapt (default: all of ``spec``'s).
 
     Raises:
         ConfigError: a rank is too large, with the largest one ``spec`` allows and why.
     """
-    limit = max_rank(spec, target_modules)
+    targets = spec.projections if target_modules is None else target_modules
+    limit = max_rank(spec, targets)
     too_large = [r for r in ranks if r > limit]
     if too_large:
-        proj = min(target_modules, key=lambda m: min(spec.module_shape(m)))
+        proj = min(targets, key=lambda m: min(spec.module_shape(m)))
         in_f, out_f = spec.module_shape(proj)
         raise ConfigError(
             f"{flag} {too_large[0]}: the largest rank {spec.name or 'the base model'} allows "
@@ -301,7 +304,7 @@ def make_adapter_set(
     count: int,
     ranks: Sequence[int],
     seed: int,
-    target_modules: Sequence[str] = PROJECTION_MODULES,
+    target_modules: Sequence[str] | None = None,
     alpha: float | None = None,
     dtype: torch.dtype = torch.float32,
     relative_delta: float = DEFAULT_RELATIVE_DELTA,
@@ -309,7 +312,8 @@ def make_adapter_set(
     """Write ``count`` adapters ``adapter-000-r8``, ``adapter-001-r16``, ... under ``out_dir``.
 
     Adapter ``i`` has rank ``ranks[i % len(ranks)]``, ``lora_alpha = alpha`` (default ``2 r``),
-    and seed ``seed * 1_000_003 + i``.
+    and seed ``seed * 1_000_003 + i``, on ``target_modules`` (default: every projection of
+    ``spec``'s family).
 
     Returns:
         The adapter directories, in index order.
@@ -338,15 +342,18 @@ def make_adapter_set(
 # CLI: plora make-adapters
 
 
-def _module_list(text: str) -> list[str]:
+def _module_list(text: str) -> list[str] | None:
+    """``None`` for ``all`` (every projection of the model), else the names (checked against
+    the model in :func:`run`)."""
     out = [t.strip() for t in text.split(",") if t.strip()]
     if text.strip() == "all":
-        return list(PROJECTION_MODULES)
-    bad = [t for t in out if t not in PROJECTION_MODULES]
+        return None
+    bad = [t for t in out if t not in ALL_PROJECTION_MODULES]
     if bad or not out:
         raise argparse.ArgumentTypeError(
             "target modules must be 'all' or a comma-separated subset of "
-            + ",".join(PROJECTION_MODULES)
+            + ",".join(ALL_PROJECTION_MODULES)
+            + " that the model has"
         )
     return out
 
@@ -376,8 +383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-modules",
         type=_module_list,
-        default=list(PROJECTION_MODULES),
-        help="comma-separated projections or 'all' (default all 7)",
+        default=None,
+        help="comma-separated projections or 'all' (default all: the 7 of Llama-like models, "
+        "Phi-3's 4 with the fused qkv_proj and gate_up_proj)",
     )
     parser.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
     parser.add_argument(
@@ -399,8 +407,17 @@ def run(args: argparse.Namespace) -> int:
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     spec = load_model_spec(args.model, cache_dir)
+    targets = list(spec.projections if args.target_modules is None else args.target_modules)
+    missing = [t for t in targets if t not in spec.projections]
+    if missing:
+        print(
+            f"plora make-adapters: --target-modules {','.join(missing)}: {spec.name} has no such "
+            f"projection (its projections: {','.join(spec.projections)})",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        check_ranks(args.ranks, spec, "--ranks", args.target_modules)
+        check_ranks(args.ranks, spec, "--ranks", targets)
     except ConfigError as exc:
         print(f"plora make-adapters: {exc}", file=sys.stderr)
         return 2
@@ -411,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         count=args.count,
         ranks=args.ranks,
         seed=args.seed,
-        target_modules=args.target_modules,
+        target_modules=targets,
         alpha=args.alpha,
         dtype=dtype,
         relative_delta=args.relative_delta,
@@ -436,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "dtype": args.dtype,
         "relative_delta": args.relative_delta,
-        "target_modules": list(args.target_modules),
+        "target_modules": targets,
         "adapters": rows,
     }
     out = Path(args.out)

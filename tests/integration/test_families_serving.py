@@ -5,7 +5,8 @@ shorter than the prompt, soft-capping, Phi-3's fused projections, scaled RoPE), 
 is saved as an HF directory with its word-level tokenizer, a PEFT adapter is made for it
 (Phi-3's on the fused ``qkv_proj`` / ``gate_up_proj``), and a one-worker cluster from
 ``plora up`` registers the adapter through the gateway and answers greedily, with the adapter
-and without: the token ids equal ``transformers`` + PEFT's greedy ``generate``.
+and without: the token ids equal ``transformers`` + PEFT's greedy ``generate``. The demo
+adapter ``plora up`` writes for the family (on its own projections) serves exactly too.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _adapter(family: str, model, out: Path):  # type: ignore[no-untyped-def]
     return pm
 
 
-def _greedy(pm, with_adapter: bool) -> list[int]:  # type: ignore[no-untyped-def]
+def _greedy(pm, with_adapter: bool = True) -> list[int]:  # type: ignore[no-untyped-def]
     x = torch.tensor([PROMPT_IDS])
     ctx = contextlib.nullcontext() if with_adapter else pm.disable_adapter()
     with ctx, torch.no_grad():
@@ -75,7 +76,7 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
     pm = _adapter(family, model, tmp_path / "lora")
     reference = {"base": _greedy(pm, False), "adapter": _greedy(pm, True)}
     assert reference["base"] != reference["adapter"], "the adapter must change the answer"
-    flags = ["--workers", "1", "--demo-adapters", "0", "--pool-bytes", "16MiB"]
+    flags = ["--workers", "1", "--demo-adapters", "1", "--demo-ranks", "4", "--pool-bytes", "16MiB"]
     for state in run_plora_up(tmp_path, tmp_path / "model", flags):
         yield family, state, reference
 
@@ -99,3 +100,9 @@ def test_plora_up_serves_the_family_and_its_adapter_exactly(
     assert info.rank == 8
     assert _generate(stub, "") == reference["base"], family
     assert _generate(stub, ADAPTER_ID) == reference["adapter"], family
+
+    (demo,) = state["adapters"]
+    demo_model = peft.PeftModel.from_pretrained(
+        tiny_models.build(family), str(Path(state["root"]) / "adapters" / demo)
+    )
+    assert _generate(stub, demo) == _greedy(demo_model), family
