@@ -372,8 +372,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="base model: a Hugging Face-style directory or a GGUF file "
-        "(default SmolLM2-135M-Instruct)",
+        help="base model: a Hugging Face directory, a GGUF file or a model id org/name in the "
+        "local Hugging Face cache (default SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--cache-dir",

@@ -68,7 +68,12 @@ PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``plora bench engine``."""
     parser.add_argument("--out", default="bench_engine.json", help="JSON result file")
-    parser.add_argument("--model", default=None, help="base model (default: SmolLM2 GGUF)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="base model: an HF directory, a .gguf file or a cached org/name, any served family "
+        "(default: SmolLM2 GGUF)",
+    )
     parser.add_argument("--cache-dir", default=None, help="converted-model cache directory")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request")

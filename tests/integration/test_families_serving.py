@@ -6,7 +6,9 @@ is saved as an HF directory with its word-level tokenizer, a PEFT adapter is mad
 (Phi-3's on the fused ``qkv_proj`` / ``gate_up_proj``), and a one-worker cluster from
 ``plora up`` registers the adapter through the gateway and answers greedily, with the adapter
 and without: the token ids equal ``transformers`` + PEFT's greedy ``generate``. The demo
-adapter ``plora up`` writes for the family (on its own projections) serves exactly too.
+adapter ``plora up`` writes for the family (on its own projections) serves exactly too. One
+family (:data:`FROM_HUB_CACHE`) is served as ``--model org/name`` from a local Hugging Face
+cache instead of a directory.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ PROMPT_IDS = [5, 9, 17, 33, 60, 100, 7, 250, 31, 12, 44, 90]
 PROMPT = " ".join(f"w{i}" for i in PROMPT_IDS)
 NEW_TOKENS = 8
 ADAPTER_ID = "tiny-lora"
+#: The family whose cluster gets ``--model acme/tiny-<family>`` from ``$HF_HUB_CACHE``.
+FROM_HUB_CACHE = "qwen3"
 
 
 def _adapter(family: str, model, out: Path):  # type: ignore[no-untyped-def]
@@ -72,12 +76,18 @@ def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str
     ``family`` model with the adapter's source at ``<root>/lora``; the reference is
     ``{"base": [...], "adapter": [...]}`` from transformers + PEFT."""
     family = str(request.param)
-    model = tiny_models.save(family, tmp_path / "model")
-    pm = _adapter(family, model, tmp_path / "lora")
+    hf = tiny_models.save(family, tmp_path / "model")
+    pm = _adapter(family, hf, tmp_path / "lora")
     reference = {"base": _greedy(pm, False), "adapter": _greedy(pm, True)}
     assert reference["base"] != reference["adapter"], "the adapter must change the answer"
     flags = ["--workers", "1", "--demo-adapters", "1", "--demo-ranks", "4", "--pool-bytes", "16MiB"]
-    for state in run_plora_up(tmp_path, tmp_path / "model", flags):
+    model: Path | str = tmp_path / "model"
+    env = {}
+    if family == FROM_HUB_CACHE:
+        cache = tmp_path / "hf-hub"
+        tiny_models.put_in_hub_cache(tmp_path / "model", cache, f"acme/tiny-{family}")
+        model, env = f"acme/tiny-{family}", {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    for state in run_plora_up(tmp_path, model, flags, env):  # type: ignore[arg-type]
         yield family, state, reference
 
 
@@ -98,6 +108,9 @@ def test_plora_up_serves_the_family_and_its_adapter_exactly(
         timeout=60,
     ).adapter
     assert info.rank == 8
+    status = stub.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=10)
+    model_name = f"tiny-{family}" if family == FROM_HUB_CACHE else "model"
+    assert status.base_model == model_name  # the Hub cache's snapshot shows as the repo's name
     assert _generate(stub, "") == reference["base"], family
     assert _generate(stub, ADAPTER_ID) == reference["adapter"], family
 
