@@ -276,7 +276,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="base model: smollm2, a .gguf file or an HF Llama directory (default: "
+        help="base model: smollm2, a .gguf file, a Hugging Face directory, or a model id "
+        "org/name[@revision] in the local Hugging Face cache (default: "
         "$PLORA_MODEL, as the workers read it, else smollm2)",
     )
     parser.add_argument(

@@ -144,8 +144,8 @@ def write_peft_adapter(
         spec: Base model shapes.
         rank: Default LoRA rank r.
         alpha: Default ``lora_alpha``.
-        target_modules: Projection names, a subset of ``spec.projections`` (all of them when
-            ``None``).
+        target_modules: Projection names, a subset of ``spec.projections`` (the family's:
+            Phi-3's are fused); ``None`` = all of them.
         seed: Seed of the CPU generator; same arguments + seed -> identical bytes.
         use_rslora: Write ``use_rslora: true`` (scaling ``alpha / sqrt(r)``).
         rank_pattern: PEFT ``rank_pattern`` (pattern -> r).
@@ -158,11 +158,17 @@ def write_peft_adapter(
         ``Path(out_dir)``.
 
     Raises:
-        ValueError: unknown target module, rank < 1, layer out of range.
+        ValueError: a target module the model does not have, rank < 1, layer out of range.
     """
     from safetensors.torch import save_file
 
-    targets = _targets(spec, target_modules)
+    targets = list(spec.projections if target_modules is None else target_modules)
+    bad = [t for t in targets if t not in spec.projections]
+    if bad or not targets:
+        raise ValueError(
+            f"target_modules must be a non-empty subset of {spec.name or 'the model'}'s "
+            f"projections {spec.projections}, got {bad or targets}"
+        )
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     layer_ids = list(range(spec.num_layers)) if layers is None else sorted(set(layers))
@@ -243,31 +249,16 @@ def _atomic_write(path: Path, write: object) -> None:
         raise
 
 
-def _targets(spec: ModelSpec, target_modules: Sequence[str] | None) -> list[str]:
-    """``target_modules`` checked against ``spec``'s projections (all of them for ``None``).
-
-    Raises:
-        ValueError: empty, or a name the base model's layers do not have.
-    """
-    targets = list(spec.projections if target_modules is None else target_modules)
-    bad = [t for t in targets if t not in spec.projections]
-    if bad or not targets:
-        raise ValueError(
-            f"target_modules must be a non-empty subset of {', '.join(spec.projections)} "
-            f"(the projections of {spec.name or 'the base model'}), got {bad or targets}"
-        )
-    return targets
-
-
 def max_rank(spec: ModelSpec, target_modules: Sequence[str] | None = None) -> int:
-    """The largest LoRA rank that means something for ``target_modules`` of ``spec`` (all its
-    projections for ``None``): the smallest ``min(in_features, out_features)`` among them (a
-    rank above it adds parameters but no expressiveness, and its tensors can exhaust memory).
+    """The largest LoRA rank that means something for ``target_modules`` of ``spec`` (default:
+    all its projections): the smallest ``min(in_features, out_features)`` among them (a rank
+    above it adds parameters but no expressiveness, and its tensors can exhaust memory).
 
     Raises:
-        ValueError: a module that ``spec``'s layers do not have.
+        KeyError: a module that is not one of :data:`ALL_PROJECTION_MODULES`.
     """
-    return min(min(spec.module_shape(proj)) for proj in _targets(spec, target_modules))
+    targets = spec.projections if target_modules is None else target_modules
+    return min(min(spec.module_shape(proj)) for proj in targets)
 
 
 def check_ranks(
@@ -283,15 +274,16 @@ def check_ranks(
         ranks: The ranks asked for.
         spec: The base model.
         flag: The flag that gave them (named in the message).
-        target_modules: The projections the adapters adapt (all of ``spec``'s for ``None``).
+        target_modules: The projections the adapters adapt (default: all of ``spec``'s).
 
     Raises:
         ConfigError: a rank is too large, with the largest one ``spec`` allows and why.
     """
-    limit = max_rank(spec, target_modules)
+    targets = spec.projections if target_modules is None else target_modules
+    limit = max_rank(spec, targets)
     too_large = [r for r in ranks if r > limit]
     if too_large:
-        proj = min(_targets(spec, target_modules), key=lambda m: min(spec.module_shape(m)))
+        proj = min(targets, key=lambda m: min(spec.module_shape(m)))
         in_f, out_f = spec.module_shape(proj)
         raise ConfigError(
             f"{flag} {too_large[0]}: the largest rank {spec.name or 'the base model'} allows "
@@ -320,7 +312,8 @@ def make_adapter_set(
     """Write ``count`` adapters ``adapter-000-r8``, ``adapter-001-r16``, ... under ``out_dir``.
 
     Adapter ``i`` has rank ``ranks[i % len(ranks)]``, ``lora_alpha = alpha`` (default ``2 r``),
-    and seed ``seed * 1_000_003 + i``.
+    and seed ``seed * 1_000_003 + i``, on ``target_modules`` (default: every projection of
+    ``spec``'s family).
 
     Returns:
         The adapter directories, in index order.
@@ -350,8 +343,8 @@ def make_adapter_set(
 
 
 def _module_list(text: str) -> list[str] | None:
-    """``all`` -> ``None`` (every projection of the base); else the names, each one some
-    family's projection (the base model's own are checked once it is known)."""
+    """``None`` for ``all`` (every projection of the model), else the names (checked against
+    the model in :func:`run`)."""
     out = [t.strip() for t in text.split(",") if t.strip()]
     if text.strip() == "all":
         return None
@@ -360,6 +353,7 @@ def _module_list(text: str) -> list[str] | None:
         raise argparse.ArgumentTypeError(
             "target modules must be 'all' or a comma-separated subset of "
             + ",".join(ALL_PROJECTION_MODULES)
+            + " that the model has"
         )
     return out
 
@@ -378,8 +372,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="base model: a Hugging Face-style directory or a GGUF file "
-        "(default SmolLM2-135M-Instruct)",
+        help="base model: a Hugging Face directory, a GGUF file or a model id org/name in the "
+        "local Hugging Face cache (default SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
         "--cache-dir",
@@ -390,8 +384,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-modules",
         type=_module_list,
         default=None,
-        help="comma-separated projections or 'all' (default: every projection of the base "
-        "model, e.g. the 7 of a Llama layer or Phi-3's 4 fused ones)",
+        help="comma-separated projections or 'all' (default all: the 7 of Llama-like models, "
+        "Phi-3's 4 with the fused qkv_proj and gate_up_proj)",
     )
     parser.add_argument("--alpha", type=float, default=None, help="lora_alpha (default 2 * rank)")
     parser.add_argument(
@@ -413,9 +407,18 @@ def run(args: argparse.Namespace) -> int:
 
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     spec = load_model_spec(args.model, cache_dir)
+    targets = list(spec.projections if args.target_modules is None else args.target_modules)
+    missing = [t for t in targets if t not in spec.projections]
+    if missing:
+        print(
+            f"plora make-adapters: --target-modules {','.join(missing)}: {spec.name} has no such "
+            f"projection (its projections: {','.join(spec.projections)})",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        check_ranks(args.ranks, spec, "--ranks", args.target_modules)
-    except (ConfigError, ValueError) as exc:
+        check_ranks(args.ranks, spec, "--ranks", targets)
+    except ConfigError as exc:
         print(f"plora make-adapters: {exc}", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
@@ -425,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
         count=args.count,
         ranks=args.ranks,
         seed=args.seed,
-        target_modules=args.target_modules,
+        target_modules=targets,
         alpha=args.alpha,
         dtype=dtype,
         relative_delta=args.relative_delta,
@@ -450,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "dtype": args.dtype,
         "relative_delta": args.relative_delta,
-        "target_modules": _targets(spec, args.target_modules),
+        "target_modules": targets,
         "adapters": rows,
     }
     out = Path(args.out)

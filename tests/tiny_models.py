@@ -130,15 +130,16 @@ def projections(family: str) -> list[str]:
     return FUSED if family == "phi3" else SPLIT
 
 
-def hf_config(family: str):  # type: ignore[no-untyped-def]
-    """transformers' config object of the tiny ``family`` model."""
+def hf_config(family: str, quirks: bool = True):  # type: ignore[no-untyped-def]
+    """transformers' config object of the tiny ``family`` model (its quirks off with
+    ``quirks=False``: the config class's defaults on the shared shape)."""
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    return getattr(transformers, cls_name)(**{**_SHAPE, **extra})
+    return getattr(transformers, cls_name)(**{**_SHAPE, **(extra if quirks else {})})
 
 
-def build(family: str, seed: int = 0):  # type: ignore[no-untyped-def]
+def build(family: str, seed: int = 0, quirks: bool = True):  # type: ignore[no-untyped-def]
     """A random-weight ``*ForCausalLM`` of ``family`` in float32, eval mode.
 
     Every floating parameter is redrawn: matrices ``N(0, 1/fan_in)``-ish, norm weights and
@@ -147,7 +148,7 @@ def build(family: str, seed: int = 0):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(family, quirks), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -184,4 +185,93 @@ def save(family: str, out: Path, seed: int = 0, max_shard_size: str | None = Non
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), **kwargs)
     write_tokenizer(out)
+    return model
+
+
+def put_in_hub_cache(src: Path, cache: Path, repo_id: str, commit: str = "0" * 40) -> Path:
+    """Lay the model directory ``src`` out in a Hugging Face Hub cache at ``cache`` as
+    ``hf download repo_id`` would (``models--org--name/blobs/<sha256>``,
+    ``snapshots/<commit>/<file>`` linking to its blob, ``refs/main`` holding ``commit``) and
+    return the snapshot directory."""
+    import hashlib
+    import os
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = snapshot / f.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+#: Families :func:`save_gguf` writes, by llama.cpp's architecture name.
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def save_gguf(family: str, path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Write the tiny ``family`` model (quirks off: a GGUF states no sliding window or RoPE
+    scaling that transformers' reader takes in) as an all-float32 GGUF file at ``path``, the way
+    llama.cpp's converter lays it out: its tensor names, Llama's q/k rows permuted, the
+    architecture's metadata keys and a byte-level BPE vocabulary ``w0`` .. ``w{VOCAB-1}``.
+    Returns the transformers model it holds."""
+    import gguf
+    import numpy as np
+
+    model = build(family, seed, quirks=False)
+    cfg = model.config
+    arch = GGUF_ARCH[family]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{family}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if family == "llama":
+        writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"w{i}" for i in range(cfg.vocab_size)])
+    writer.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    writer.add_token_scores([0.0] * cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's q/k row order
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
+
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if family == "llama" and name.endswith("q_proj.weight"):
+            data = permute(data, heads)
+        elif family == "llama" and name.endswith("k_proj.weight"):
+            data = permute(data, kv_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return model

@@ -69,8 +69,9 @@ class WorkerConfig:
             (``PLORA_INTERNAL_TOKEN_FILE``; :mod:`services.common.internal_auth`).
         internal_token: The internal token itself (``PLORA_INTERNAL_TOKEN``; the file wins);
             with neither, internal authentication is off. Never logged.
-        model: Base model: ``smollm2`` (the default GGUF), a ``.gguf`` path, or a Hugging Face
-            Llama-family directory (``PLORA_MODEL``).
+        model: Base model: ``smollm2`` (the default GGUF), a ``.gguf`` path, a Hugging Face
+            directory, or a Hub model id ``org/name[@revision]`` already in the local Hugging
+            Face cache (``PLORA_MODEL``); families Llama, Mistral, Qwen 2/3, Gemma 2/3, Phi-3.
         cache_dir: Where converted models are cached (``PLORA_CACHE_DIR``; empty = default).
         device: ``cpu``, ``cuda``, ``cuda:1``... ; ``auto`` = CUDA when present (``PLORA_DEVICE``).
         dtype: Serving dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA (``PLORA_DTYPE``).
@@ -235,8 +236,9 @@ class WorkerConfig:
         )
         parser.add_argument(
             "--model",
-            help="base model: smollm2, a .gguf file or a Hugging Face Llama-family directory "
-            "(env PLORA_MODEL; default smollm2)",
+            help="base model: smollm2, a .gguf file, a Hugging Face directory, or a model id "
+            "org/name[@revision] already in the local Hugging Face cache (never downloaded); "
+            "Llama, Mistral, Qwen 2/3, Gemma 2/3 or Phi-3 (env PLORA_MODEL; default smollm2)",
         )
         parser.add_argument(
             "--cache-dir",

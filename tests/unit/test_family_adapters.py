@@ -8,7 +8,7 @@ import pytest
 
 from plora.make_adapters import check_ranks, write_peft_adapter
 from services.common.adapters import inspect_adapter, load_lora_weights
-from services.common.errors import IncompatibleAdapterError
+from services.common.errors import ConfigError, IncompatibleAdapterError
 from services.common.types import ModelSpec
 from services.worker.model_loader import spec_from_config
 from tests import tiny_models
@@ -73,5 +73,5 @@ def test_fused_shape_mismatch_is_refused(tmp_path: Path) -> None:
 def test_rank_limit_uses_the_family_projections() -> None:
     spec = _spec("phi3")
     check_ranks([64], spec, "--ranks")  # min(in, out) over the fused projections is 64
-    with pytest.raises(ValueError, match="q_proj"):
-        check_ranks([4], spec, "--ranks", ["q_proj"])
+    with pytest.raises(ConfigError, match="is 64"):
+        check_ranks([65], spec, "--ranks")

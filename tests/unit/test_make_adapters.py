@@ -232,3 +232,39 @@ def test_a_rank_above_the_model_s_is_refused_before_anything_is_written(tmp_path
     assert "is 32, min(in_features, out_features) of k_proj (64 x 32)" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "adapters").exists()
+
+
+def test_phi3_adapters_target_its_fused_projections(tmp_path, capsys):
+    """On Phi-3 the adapters go on its own projections (the fused ``qkv_proj`` and
+    ``gate_up_proj``, ``o_proj``, ``down_proj``): PEFT loads them onto the model and they equal
+    our loader's view; a split name it lacks is refused (exit 2) naming its projections."""
+    from peft import PeftModel
+
+    from services.worker.model_loader import spec_from_dir
+    from tests import tiny_models
+
+    base = tiny_models.save("phi3", tmp_path / "phi3")
+    spec = spec_from_dir(tmp_path / "phi3")
+    _, args = _cli(tmp_path, "--model", str(tmp_path / "phi3"), "--count", "1", "--ranks", "8")
+    assert run(args) == 0
+    summary = json.loads((tmp_path / "adapters" / "adapters.json").read_text())
+    assert summary["target_modules"] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    d = tmp_path / "adapters" / "adapter-000-r8"
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 2, 3]])
+    with torch.no_grad():
+        ref = base(ids).logits.clone()
+        peft_model = PeftModel.from_pretrained(base, str(d)).eval()
+        assert not torch.allclose(peft_model(ids).logits, ref, atol=1e-4)
+    deltas = _peft_deltas(peft_model)
+    w = load_lora_weights(d, spec, adapter_id="a", version=1)
+    assert set(deltas) == set(w.modules)
+    assert {proj for _, proj in deltas} == set(summary["target_modules"])
+    for key, ref_delta in deltas.items():
+        m = w.modules[key]
+        torch.testing.assert_close(m.scaling * (m.lora_b @ m.lora_a), ref_delta.float())
+
+    capsys.readouterr()
+    _, args = _cli(tmp_path, "--model", str(tmp_path / "phi3"), "--target-modules", "q_proj")
+    assert run(args) == 2
+    err = capsys.readouterr().err
+    assert "--target-modules q_proj" in err and "qkv_proj,o_proj,gate_up_proj,down_proj" in err
