@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from plora.make_adapters import check_ranks, write_peft_adapter
 from services.common.adapters import inspect_adapter, load_lora_weights
@@ -75,3 +76,39 @@ def test_rank_limit_uses_the_family_projections() -> None:
     check_ranks([64], spec, "--ranks")  # min(in, out) over the fused projections is 64
     with pytest.raises(ConfigError, match="is 64"):
         check_ranks([65], spec, "--ranks")
+
+
+def _hf_dir(tmp_path: Path, config: dict[str, object]) -> Path:
+    import json
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config), "utf-8")
+    save_file({"x": torch.zeros(1)}, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "supported model_type"),
+        (
+            {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+            "gemma3_text",
+        ),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        ({"hidden_act": "relu"}, "activation 'relu'"),
+        ({"layer_types": ["full_attention"]}, "one entry per layer"),
+        ({"layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+    ],
+)
+def test_an_unservable_model_is_refused_at_start_naming_what_is_served(
+    tmp_path: Path, change: dict[str, object], message: str
+) -> None:
+    from services.worker.model_loader import resolve_model
+
+    config = {**tiny_models.hf_config("llama").to_dict(), **change}
+    with pytest.raises(ConfigError, match=message):
+        resolve_model(str(_hf_dir(tmp_path, config)), tmp_path / "cache")
