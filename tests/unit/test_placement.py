@@ -108,12 +108,18 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {},
             ("w1", "least_loaded"),
         ),
-        # not resident anywhere -> placed worker
+        # not resident anywhere -> placed worker, when no more loaded than the least loaded
+        (
+            "a",
+            [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=0)],
+            {"a": ["w1"]},
+            ("w1", "placed"),
+        ),
         (
             "a",
             [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1)],
             {"a": ["w1"]},
-            ("w1", "placed"),
+            ("w0", "least_loaded"),
         ),
         # unknown adapter -> least loaded, ties to the first given (the gateway rotates them)
         (
@@ -213,11 +219,19 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {},
             ("w0", "resident"),
         ),
-        # not resident anywhere: cold on either worker, so the placed one despite its pending
-        # prefill (one copy where the placement and the prefetcher expect it)
+        # not resident anywhere: cold on either worker, and the placement only breaks ties, so
+        # not the placed worker with a prefill pending ...
         (
             "a",
             [WorkerView("w0", queue_length=0), WorkerView("w1", queue_length=1, pending=1)],
+            {"a": ["w1"]},
+            ("w0", "least_loaded"),
+        ),
+        # ... but the placed one among equally loaded workers (one copy where the placement
+        # and the prefetcher expect it)
+        (
+            "a",
+            [WorkerView("w0", queue_length=1), WorkerView("w1", queue_length=1)],
             {"a": ["w1"]},
             ("w1", "placed"),
         ),
