@@ -312,7 +312,9 @@ def cmd_adapters(args: argparse.Namespace) -> int:
                 stub.RegisterAdapter,
                 gateway_pb2.RegisterAdapterRequest(
                     adapter_id=args.adapter_id,
-                    source=str(Path(args.source).resolve()),
+                    source=args.source
+                    if "://" in args.source
+                    else str(Path(args.source).resolve()),
                     tenant_id=args.tenant or "",
                 ),
                 timeout=120,

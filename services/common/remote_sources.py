@@ -34,27 +34,20 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
-import torch
-
-from services.common.adapters import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    AdapterManifest,
-    InspectionLimits,
-    adapter_sha256,
-    check_pool_fit,
-    header_length,
-    manifest_of,
-    parse_config_bytes,
-    parse_safetensors_header,
-    plan_modules,
-    scan_weights,
-)
 from services.common.errors import ConfigError, PLoRAError, quoted
+from services.common.peft_config import CONFIG_NAME, InspectionLimits
 from services.common.sources import SourceRefusedError
-from services.common.types import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.common.adapters import AdapterManifest
+    from services.common.types import ModelSpec
+
+#: The weights file of a PEFT adapter (as :data:`services.common.adapters.WEIGHTS_NAME`).
+WEIGHTS_NAME = "adapter_model.safetensors"
 
 #: Environment variable of the allowed remote source prefixes, comma-separated.
 ADAPTER_SOURCE_ALLOW_ENV = "PLORA_ADAPTER_SOURCE_ALLOW"
@@ -418,7 +411,7 @@ class HubReader:
 
             self._fs = HfFileSystem()
         try:
-            return self._fs.open(self._hub_path(name), "rb")  # type: ignore[no-any-return]
+            return self._fs.open(self._hub_path(name), "rb")
         except FileNotFoundError:
             raise ObjectMissingError(name) from None
         except Exception as exc:  # the Hub client's HTTP errors have no common base
@@ -496,7 +489,7 @@ def _copy(reader: ObjectReader, name: str, size: int, out: BinaryIO) -> str:
 def inspect_remote_adapter(
     remote: RemoteSource,
     spec: ModelSpec,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     *,
     limits: InspectionLimits,
     max_bytes: int | None = None,
@@ -517,7 +510,7 @@ def inspect_remote_adapter(
     Args:
         remote: The source (already admitted by the allow-list).
         spec: Served base model.
-        dtype: Serving dtype.
+        dtype: Serving dtype (None = float32).
         limits: Bounds on the config, the header and the rank.
         max_bytes: Largest ``size_bytes`` any pool could hold; None = no check.
         reader: The store's reader; None = :func:`open_reader`.
@@ -532,6 +525,20 @@ def inspect_remote_adapter(
         InvalidAdapterError / IncompatibleAdapterError / PoolExhaustedError: as
             :func:`~services.common.adapters.inspect_adapter`.
     """
+    import torch  # noqa: PLC0415 - the allow-list alone (configs) needs no torch
+
+    from services.common.adapters import (  # noqa: PLC0415
+        adapter_sha256,
+        check_pool_fit,
+        header_length,
+        manifest_of,
+        parse_config_bytes,
+        parse_safetensors_header,
+        plan_modules,
+        scan_weights,
+    )
+
+    dtype = dtype or torch.float32
     reader = reader or open_reader(remote)
     where = remote.url + WEIGHTS_NAME
     try:
@@ -594,6 +601,8 @@ def download_adapter(
         InvalidAdapterError: beyond ``limits``.
         ChecksumMismatchError: the bytes are not the registered ones.
     """
+    from services.common.adapters import adapter_sha256, header_length  # noqa: PLC0415
+
     config = _config_bytes(reader, limits)
     (dest / CONFIG_NAME).write_bytes(config)
     size = reader.size(WEIGHTS_NAME)

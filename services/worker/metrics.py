@@ -178,6 +178,47 @@ class WorkerMetrics:
             "cannot be opened there (a registry record pointing elsewhere)",
             registry=r,
         )
+        self.download_bytes = Counter(
+            "plora_worker_adapter_download_bytes",
+            "Bytes downloaded from s3:// and hf:// adapter sources into the adapter cache",
+            registry=r,
+        )
+        self.download_seconds = Histogram(
+            "plora_worker_adapter_download_seconds",
+            "Time of one verified download of a remote adapter into the adapter cache "
+            "(both files, sha256 checked)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.download_failures = Counter(
+            "plora_worker_adapter_download_failures",
+            "Remote adapter downloads that failed and were discarded, by reason (missing, "
+            "checksum, too_large, invalid, unreachable, truncated, error)",
+            ["reason"],
+            registry=r,
+        )
+        self.adapter_cache_hits = Counter(
+            "plora_worker_adapter_cache_hits",
+            "Loads of a remote adapter found in the node-local adapter cache",
+            registry=r,
+        )
+        self.adapter_cache_misses = Counter(
+            "plora_worker_adapter_cache_misses",
+            "Loads of a remote adapter not in the adapter cache (downloaded, or waiting for "
+            "the download in flight)",
+            registry=r,
+        )
+        self.adapter_cache_bytes = Gauge(
+            "plora_worker_adapter_cache_bytes",
+            "Bytes of the adapters held in the node-local adapter cache",
+            registry=r,
+        )
+        self.adapter_cache_evictions = Counter(
+            "plora_worker_adapter_cache_evictions",
+            "Adapters removed from the node-local adapter cache to make room (least recently "
+            "used first)",
+            registry=r,
+        )
         self.load_failures = Counter(
             "plora_worker_adapter_load_failures",
             "Adapter loads into the device pool that failed, by error (AdapterSourceError: "
