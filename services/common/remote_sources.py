@@ -294,8 +294,8 @@ class S3Reader:
 
     Args:
         remote: An ``s3://`` source.
-        client: A boto3 S3 client; None = ``boto3.client("s3")`` (one per reader: boto3
-            clients are thread-safe, sessions are not).
+        client: A boto3 S3 client; None = a new session's (credentials and endpoint read
+            from the environment now).
     """
 
     def __init__(self, remote: RemoteSource, client: Any = None) -> None:
@@ -303,12 +303,18 @@ class S3Reader:
         from botocore.config import Config  # noqa: PLC0415
 
         self.remote = remote
-        self.client = client or boto3.client(
+        # A session of its own: boto3's default session caches the credentials it found
+        # first, and a session is not thread-safe.
+        self.client = client or boto3.session.Session().client(
             "s3",
             config=Config(
                 connect_timeout=10,
                 read_timeout=60,
                 retries={"max_attempts": 3, "mode": "standard"},
+                # A store may send the whole object's CRC with a ranged GET, which botocore
+                # would check against the range; the sha256 is what verifies the bytes.
+                response_checksum_validation="when_required",
+                request_checksum_calculation="when_required",
                 s3={"addressing_style": os.environ.get("PLORA_S3_ADDRESSING_STYLE", "auto")},
             ),
         )
