@@ -229,14 +229,14 @@ def add_adapter_source_allow_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def source_allow_or_env(
-    flag_values: Sequence[str] | None, env: Mapping[str, str] | None = None
+    flag_values: Sequence[str] | None, name: str, env: Mapping[str, str] | None = None
 ) -> tuple[str, ...]:
-    """The ``--adapter-source-allow`` flags when given, else ``PLORA_ADAPTER_SOURCE_ALLOW``,
-    else none (the config parses them: :meth:`SourceAllowList.parse
-    <services.common.remote_sources.SourceAllowList.parse>`)."""
+    """The ``--adapter-source-allow`` flags when given, else the variable ``name``
+    (``PLORA_ADAPTER_SOURCE_ALLOW``), else none (the config parses them:
+    :meth:`SourceAllowList.parse <services.common.remote_sources.SourceAllowList.parse>`)."""
     if flag_values:
         return tuple(flag_values)
-    value = env_or("PLORA_ADAPTER_SOURCE_ALLOW", "", env) or ""
+    value = env_or(name, "", env) or ""
     return (value,) if value else ()
 
 

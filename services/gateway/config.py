@@ -396,7 +396,9 @@ class GatewayConfig:
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
-            adapter_source_allow=source_allow_or_env(args.adapter_source_allow),
+            adapter_source_allow=source_allow_or_env(
+                args.adapter_source_allow, "PLORA_ADAPTER_SOURCE_ALLOW"
+            ),
             **inspection_size_limits(args),
             max_lora_rank=int_flag_or_env(
                 args.max_lora_rank, "PLORA_MAX_LORA_RANK", d.max_lora_rank

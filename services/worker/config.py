@@ -361,7 +361,7 @@ class WorkerConfig:
         parser.add_argument(
             "--adapter-cache-dir",
             help="node-local directory of adapters downloaded from s3:// and hf:// sources, "
-            "one worker per directory (env PLORA_ADAPTER_CACHE_DIR; default "
+            "one worker per directory (env PLORA_ADAPTER_CACHE_DIR; default none, which is "
             "<--cache-dir>/adapter-cache/<worker id>)",
         )
         parser.add_argument(
@@ -462,7 +462,9 @@ class WorkerConfig:
                 args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
             ),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
-            adapter_source_allow=source_allow_or_env(args.adapter_source_allow),
+            adapter_source_allow=source_allow_or_env(
+                args.adapter_source_allow, "PLORA_ADAPTER_SOURCE_ALLOW"
+            ),
             adapter_cache_dir=pick(args.adapter_cache_dir, "PLORA_ADAPTER_CACHE_DIR", ""),
             adapter_cache_bytes=size(
                 args.adapter_cache_bytes,
