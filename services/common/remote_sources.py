@@ -27,6 +27,7 @@ node-local cache (:mod:`services.worker.adapter_cache`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -416,34 +417,59 @@ class HubReader:
             from huggingface_hub import HfFileSystem  # noqa: PLC0415
 
             self._fs = HfFileSystem()
-        try:
+        with _hub_errors(name):
             return self._fs.open(self._hub_path(name), "rb")
-        except FileNotFoundError:
-            raise ObjectMissingError(name) from None
-        except Exception as exc:  # the Hub client's HTTP errors have no common base
-            if "401" in str(exc) or "403" in str(exc) or "404" in str(exc):
-                raise ObjectMissingError(name) from None
-            raise ObjectStoreError(
-                f"the Hugging Face Hub could not be read ({type(exc).__name__}); check "
-                "HF_ENDPOINT, HF_TOKEN and the network"
-            ) from None
 
     def size(self, name: str) -> int:
         """See :meth:`ObjectReader.size`."""
-        with self._open(name) as f:
+        with _hub_errors(name), self._open(name) as f:
             return int(f.seek(0, os.SEEK_END))
 
     def read(self, name: str, start: int, length: int) -> bytes:
         """See :meth:`ObjectReader.read`."""
-        with self._open(name) as f:
+        with _hub_errors(name), self._open(name) as f:
             f.seek(start)
             return f.read(max(0, length))
 
     def chunks(self, name: str) -> Iterator[bytes]:
         """See :meth:`ObjectReader.chunks`."""
-        with self._open(name) as f:
+        with _hub_errors(name), self._open(name) as f:
             while block := f.read(CHUNK_BYTES):
                 yield block
+
+
+@contextlib.contextmanager
+def _hub_errors(name: str) -> Iterator[None]:
+    """huggingface_hub's errors as :class:`ObjectMissingError` (no such repository, revision
+    or file; gated or forbidden) or :class:`ObjectStoreError` (anything else)."""
+    from huggingface_hub import errors  # noqa: PLC0415
+
+    try:
+        yield
+    except (ObjectMissingError, ObjectStoreError):
+        raise
+    except (
+        FileNotFoundError,
+        errors.RepositoryNotFoundError,
+        errors.RevisionNotFoundError,
+        errors.EntryNotFoundError,
+        errors.GatedRepoError,
+        errors.DisabledRepoError,
+    ):
+        raise ObjectMissingError(name) from None
+    except errors.HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403, 404):
+            raise ObjectMissingError(name) from None
+        raise ObjectStoreError(
+            f"the Hugging Face Hub answered {status or 'an error'}; check HF_ENDPOINT and HF_TOKEN",
+            reason="error",
+        ) from None
+    except OSError as exc:
+        raise ObjectStoreError(
+            f"the Hugging Face Hub could not be read ({type(exc).__name__}); check "
+            "HF_ENDPOINT and the network"
+        ) from None
 
 
 def open_reader(remote: RemoteSource) -> ObjectReader:

@@ -158,17 +158,21 @@ class AdapterCache:
             self._lock_file.close()
 
     def _scan(self) -> None:
-        """Adopt the complete entries on disk (oldest use first), delete leftovers."""
+        """Adopt the complete entries on disk (oldest use first) and delete the leftovers of
+        interrupted downloads; anything else in the directory is left alone."""
         found: list[tuple[float, str, _Entry]] = []
         for child in self.directory.iterdir():
             name = child.name
-            if name == _LOCK_NAME:
+            if name.startswith(_TMP_PREFIX):  # a download cut short by a crash
+                _remove(child)
                 continue
+            if not _ENTRY_RE.match(name) or child.is_symlink():
+                continue  # not the cache's: left alone
             files = [child / CONFIG_NAME, child / WEIGHTS_NAME]
-            if _ENTRY_RE.match(name) and child.is_dir() and all(f.is_file() for f in files):
+            if child.is_dir() and all(f.is_file() and not f.is_symlink() for f in files):
                 size = sum(f.stat().st_size for f in files)
                 found.append((child.stat().st_mtime, name, _Entry(child, size)))
-            else:  # a crashed download, or something that is no entry
+            else:  # an entry's name but not an entry's content
                 _remove(child)
         for _, name, entry in sorted(found, key=lambda t: t[0]):
             self._entries[name] = entry

@@ -175,7 +175,8 @@ class WorkerMetrics:
             "plora_worker_adapter_source_refused",
             "Adapter source reads refused because the registered source is not under the "
             "worker's adapter roots (--adapter-root), or a file in it resolves outside them or "
-            "cannot be opened there (a registry record pointing elsewhere)",
+            "cannot be opened there, or a remote source is not under --adapter-source-allow (a "
+            "registry record pointing elsewhere)",
             registry=r,
         )
         self.download_bytes = Counter(

@@ -21,7 +21,11 @@ from plora.make_adapters import write_peft_adapter
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.adapters import inspect_adapter
 from services.common.registry import Registry, WorkerRecord, connect
-from services.common.remote_sources import REMOTE_SOURCE_REFUSED, parse_remote
+from services.common.remote_sources import (
+    REMOTE_SOURCE_REFUSED,
+    RemoteSourceRefusedError,
+    parse_remote,
+)
 from services.common.types import ModelSpec
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayService
@@ -36,8 +40,9 @@ WEIGHTS = "adapter_model.safetensors"
 @pytest.fixture()
 def s3_gateway(
     redis_url: str, s3_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[gateway_pb2_grpc.GatewayStub]:
-    """A gateway allowed to read ``s3://plora-adapters/allowed/`` only (and a local root)."""
+) -> Iterator[SimpleNamespace]:
+    """A gateway (``stub``, ``core``) allowed to read ``s3://plora-adapters/allowed/`` only
+    (and a local root)."""
     for name, value in s3_server.env().items():
         monkeypatch.setenv(name, value)
     Registry(connect(redis_url)).heartbeat(
@@ -54,7 +59,7 @@ def s3_gateway(
     )
     service = GatewayService(config).start()
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
-    yield gateway_pb2_grpc.GatewayStub(channel)
+    yield SimpleNamespace(stub=gateway_pb2_grpc.GatewayStub(channel), core=service.core)
     channel.close()
     service.stop(0)
 
@@ -75,7 +80,8 @@ def test_a_gateway_registers_only_allowed_s3_sources_and_refuses_the_rest_alike(
     local = write_peft_adapter(tmp_path / "a", SPEC, rank=4, alpha=8.0, seed=1)
     source = s3_server.put_adapter(local, "allowed/team/a")
     outside = s3_server.put_adapter(local, "private/a")
-    info = _register(s3_gateway, source.rstrip("/")).adapter
+    stub = s3_gateway.stub
+    info = _register(stub, source.rstrip("/")).adapter
     assert info.source == source and info.version == 1
     assert info.sha256 == inspect_adapter(local, SPEC).sha256
     refusals = {}
@@ -88,12 +94,26 @@ def test_a_gateway_registers_only_allowed_s3_sources_and_refuses_the_rest_alike(
         "hf://org/repo",
     ):
         with pytest.raises(grpc.RpcError) as err:
-            _register(s3_gateway, refused, "b")
+            _register(stub, refused, "b")
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused
         refusals[refused] = err.value.details()
     assert set(refusals.values()) == {REMOTE_SOURCE_REFUSED}, refusals
-    listed = s3_gateway.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10)
+    listed = stub.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10)
     assert [a.adapter_id for a in listed.adapters] == ["a"]
+
+
+def test_a_tenant_registers_only_under_its_own_prefix(s3_gateway, s3_server, tmp_path) -> None:
+    """Tenant-confined (what a tenant's key gets): the source must lie under
+    ``PREFIX<tenant>/`` of an allowed prefix; another tenant's is refused like a missing one."""
+    local = write_peft_adapter(tmp_path / "a", SPEC, rank=4, alpha=8.0, seed=2)
+    own = s3_server.put_adapter(local, "allowed/acme/a")
+    theirs = s3_server.put_adapter(local, "allowed/bob/a")
+    core = s3_gateway.core
+    assert core.register_adapter("acme/a", own, "acme", confine_to_tenant=True).source == own
+    for source in (theirs, f"s3://{BUCKET}/allowed/acme/missing/"):
+        with pytest.raises(RemoteSourceRefusedError, match="may read"):
+            core.register_adapter("acme/b", source, "acme", confine_to_tenant=True)
+    assert core.register_adapter("bob/a", theirs, "bob").version == 1  # the operator may
 
 
 # -- a whole cluster: workers that read the adapters from S3 only ----------------------------

@@ -360,12 +360,15 @@ def test_a_partial_download_never_becomes_an_entry(s3, tmp_path) -> None:
     assert counts.failures == ["truncated", "truncated"] and counts.downloads == 0
     assert _disk(tmp_path / "cache") == [] and cut.entries() == []
     cut.close()
-    # a crash mid-download leaves a temporary directory: the next start removes it
+    # a crash mid-download leaves a temporary directory: the next start removes it (and
+    # leaves alone what is not the cache's, should the directory be shared with other files)
     (tmp_path / "cache" / ".tmp-0123-4567").mkdir()
     (tmp_path / "cache" / ".tmp-0123-4567" / WEIGHTS).write_bytes(b"partial")
-    assert _disk(tmp_path / "cache") == [".tmp-0123-4567"]
-    AdapterCache(tmp_path / "cache", 1 << 20, LIMITS).close()
-    assert _disk(tmp_path / "cache") == []
+    (tmp_path / "cache" / "model.gguf").write_bytes(b"not an entry")
+    assert _disk(tmp_path / "cache") == [".tmp-0123-4567", "model.gguf"]
+    restarted = AdapterCache(tmp_path / "cache", 1 << 20, LIMITS)
+    assert _disk(tmp_path / "cache") == ["model.gguf"] and restarted.entries() == []
+    restarted.close()
 
 
 def _worker(tmp_path: Path, allow: str) -> SimpleNamespace:
