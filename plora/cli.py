@@ -312,7 +312,9 @@ def cmd_adapters(args: argparse.Namespace) -> int:
                 stub.RegisterAdapter,
                 gateway_pb2.RegisterAdapterRequest(
                     adapter_id=args.adapter_id,
-                    source=str(Path(args.source).resolve()),
+                    source=args.source
+                    if "://" in args.source
+                    else str(Path(args.source).resolve()),
                     tenant_id=args.tenant or "",
                 ),
                 timeout=120,
@@ -496,9 +498,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     reg.add_argument("adapter_id", help="id to serve the adapter under")
     reg.add_argument(
         "source",
-        type=checked_type(str, lambda v: not validation.blank(v), "a directory"),
+        type=checked_type(str, lambda v: not validation.blank(v), "a directory or URL"),
         help="directory in PEFT layout (adapter_config.json + adapter_model.safetensors), "
-        "readable by the workers; a relative path is stored as an absolute one",
+        "readable by the workers; a relative path is stored as an absolute one. Or "
+        "s3://BUCKET/PREFIX/ or hf://ORG/REPO[@REVISION][/SUBFOLDER] under the servers' "
+        "--adapter-source-allow",
     )
     ad_sub.add_parser("list", parents=[shared], help="list the registered adapters")
     for name, verb_help in (

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +82,21 @@ def own_redis() -> Iterator[OwnRedis]:
     server = OwnRedis()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3-compatible server (``rclone serve s3``, :mod:`tests.s3_server`) for the
+    session, with the bucket ``plora-adapters``; skipped where rclone is not installed."""
+    from tests.s3_server import BUCKET, S3Server
+
+    root = tmp_path_factory.mktemp("s3")
+    server = S3Server(root, root.parent / f"{root.name}.log").start()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture()

@@ -88,7 +88,13 @@ __all__ = [
     "Confinement",
     "InspectionLimits",
     "adapter_sha256",
+    "check_pool_fit",
+    "header_length",
     "LoraAdapterConfig",
+    "manifest_of",
+    "parse_safetensors_header",
+    "plan_modules",
+    "scan_weights",
     "get_pattern_key",
     "inspect_adapter",
     "load_lora_weights",
@@ -852,13 +858,14 @@ def _size_bytes(plans: Mapping[tuple[int, str], _ModulePlan], dtype: torch.dtype
     return sum(p.r * (p.in_features + p.out_features) for p in plans.values()) * itemsize
 
 
-def _manifest(
+def manifest_of(
     cfg: LoraAdapterConfig,
     plans: Mapping[tuple[int, str], _ModulePlan],
     sha: str,
     dtype: torch.dtype,
     projections: tuple[str, ...],
 ) -> AdapterManifest:
+    """The :class:`AdapterManifest` of a parsed config and its module plans."""
     present = {p.projection for p in plans.values()}
     return AdapterManifest(
         rank=max(p.r for p in plans.values()),
@@ -910,13 +917,29 @@ def inspect_adapter(
         IncompatibleAdapterError: does not fit ``spec`` (FAILED_PRECONDITION).
         PoolExhaustedError: ``size_bytes`` above ``max_bytes`` (RESOURCE_EXHAUSTED).
     """
-    from safetensors import SafetensorError, safe_open
-
     path = _adapter_dir(source, confinement)
     config_bytes = read_config_bytes(path, limits, confinement)
     cfg = read_adapter_config(path, limits, confinement, config_bytes)
     weights = _weights_path(path, confinement)
     plans = plan_modules(cfg, _read_header(weights, limits, confinement), spec, str(path))
+    check_pool_fit(plans, dtype, max_bytes)
+    sha = adapter_sha256(
+        hashlib.sha256(config_bytes).hexdigest(), sha256_file(weights, confinement=confinement)
+    )
+    with _pinned(weights, confinement) as name:
+        scan_weights(name, plans, dtype, str(path), str(weights))
+    return manifest_of(cfg, plans, sha, dtype, spec.projections)
+
+
+def check_pool_fit(
+    plans: Mapping[tuple[int, str], _ModulePlan], dtype: torch.dtype, max_bytes: int | None
+) -> None:
+    """Refuse an adapter whose tensors need more than ``max_bytes`` in the serving ``dtype``
+    (None = no check).
+
+    Raises:
+        PoolExhaustedError: above ``max_bytes`` (RESOURCE_EXHAUSTED).
+    """
     size = _size_bytes(plans, dtype)
     if max_bytes is not None and size > max_bytes:
         raise PoolExhaustedError(
@@ -924,18 +947,40 @@ def inspect_adapter(
             f"{str(dtype).removeprefix('torch.')} but the largest worker pool holds "
             f"{max_bytes}; raise --pool-bytes or use a smaller rank"
         )
-    sha = adapter_sha256(
-        hashlib.sha256(config_bytes).hexdigest(), sha256_file(weights, confinement=confinement)
-    )
+
+
+def scan_weights(
+    name: str,
+    plans: Mapping[tuple[int, str], _ModulePlan],
+    dtype: torch.dtype,
+    where: str,
+    label: str = "",
+) -> None:
+    """Scan every planned tensor of the safetensors file ``name`` for NaN/Inf and for values
+    beyond ``dtype`` (one tensor at a time, memory-mapped).
+
+    Args:
+        name: A path safetensors can open.
+        plans: :func:`plan_modules` of the file's header.
+        dtype: Serving dtype.
+        where: The adapter, for messages.
+        label: The file, for messages (default ``name``).
+
+    Raises:
+        InvalidAdapterError: a bad value, or the file cannot be read as safetensors.
+    """
+    from safetensors import SafetensorError, safe_open
+
     try:
-        with _pinned(weights, confinement) as name, safe_open(name, framework="pt") as f:
+        with safe_open(name, framework="pt") as f:
             for key, plan in plans.items():
-                name = canonical_module_name(*key)
-                for tkey, label in ((plan.key_a, "lora_A"), (plan.key_b, "lora_B")):
-                    _check_values(f.get_tensor(tkey), dtype, f"{path}: {name} {label}")
+                module = canonical_module_name(*key)
+                for tkey, kind in ((plan.key_a, "lora_A"), (plan.key_b, "lora_B")):
+                    _check_values(f.get_tensor(tkey), dtype, f"{where}: {module} {kind}")
     except SafetensorError as e:
-        raise InvalidAdapterError(f"{weights} could not be read as safetensors: {e}") from None
-    return _manifest(cfg, plans, sha, dtype, spec.projections)
+        raise InvalidAdapterError(
+            f"{label or name} could not be read as safetensors: {e}"
+        ) from None
 
 
 def _check_values(t: torch.Tensor, dtype: torch.dtype, where: str) -> None:
@@ -1033,7 +1078,7 @@ def load_lora_weights(
             _check_values(src, dtype, f"{path}: {name} {label}")
             pair.append(src.to(device=device, dtype=dtype).contiguous())
         modules[key] = LoRAModuleWeights(lora_a=pair[0], lora_b=pair[1], scaling=plan.scaling)
-    manifest = _manifest(cfg, plans, sha, dtype, spec.projections)
+    manifest = manifest_of(cfg, plans, sha, dtype, spec.projections)
     logger.debug(
         "loaded adapter %s v%d: %d modules, rank %d, %d bytes",
         adapter_id,

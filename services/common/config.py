@@ -213,6 +213,33 @@ def add_adapter_root_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_adapter_source_allow_argument(parser: argparse.ArgumentParser) -> None:
+    """``--adapter-source-allow PREFIXES`` (repeatable, comma-separated, into
+    ``adapter_source_allow``) of the gateway and the workers, falling back to
+    ``PLORA_ADAPTER_SOURCE_ALLOW`` (:func:`source_allow_or_env`)."""
+    parser.add_argument(
+        "--adapter-source-allow",
+        dest="adapter_source_allow",
+        action="append",
+        metavar="PREFIXES",
+        help="remote adapter sources this server may read, comma-separated prefixes such as "
+        "s3://bucket/prefix/,hf://org/ ; repeatable; none = every s3:// and hf:// source "
+        "refused (env PLORA_ADAPTER_SOURCE_ALLOW; default none)",
+    )
+
+
+def source_allow_or_env(
+    flag_values: Sequence[str] | None, name: str, env: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """The ``--adapter-source-allow`` flags when given, else the variable ``name``
+    (``PLORA_ADAPTER_SOURCE_ALLOW``), else none (the config parses them:
+    :meth:`SourceAllowList.parse <services.common.remote_sources.SourceAllowList.parse>`)."""
+    if flag_values:
+        return tuple(flag_values)
+    value = env_or(name, "", env) or ""
+    return (value,) if value else ()
+
+
 def adapter_roots_or_env(
     flag_values: Sequence[str] | None, name: str, env: Mapping[str, str] | None = None
 ) -> tuple[str, ...]:

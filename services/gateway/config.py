@@ -10,6 +10,7 @@ from services.common.config import (
     DEFAULT_REDIS_URL,
     adapter_roots_or_env,
     add_adapter_root_argument,
+    add_adapter_source_allow_argument,
     add_server_arguments,
     bytes_flag_or_env,
     choice_or_env,
@@ -23,6 +24,7 @@ from services.common.config import (
     require_inspection_sizes,
     require_seconds,
     require_server_ports,
+    source_allow_or_env,
 )
 from services.common.errors import ConfigError
 from services.common.peft_config import (
@@ -31,6 +33,7 @@ from services.common.peft_config import (
     MAX_LORA_RANK,
     InspectionLimits,
 )
+from services.common.remote_sources import SourceAllowList
 from services.common.sources import resolve_roots
 
 ROUTING_POLICIES = ("rank_aware", "round_robin")
@@ -75,6 +78,10 @@ class GatewayConfig:
         adapter_roots: Directories adapter sources must lie under, every symlink followed
             (``--adapter-root``, repeatable; ``PLORA_ADAPTER_ROOTS``, ``os.pathsep``-separated);
             resolved to real paths; empty = sources are read wherever they are.
+        adapter_source_allow: Prefixes of the remote sources (``s3://``, ``hf://``)
+            RegisterAdapter may read (``--adapter-source-allow``, comma-separated and
+            repeatable; ``PLORA_ADAPTER_SOURCE_ALLOW``), normalized; empty = every remote
+            source refused (:class:`~services.common.remote_sources.SourceAllowList`).
         max_adapter_config_bytes: Largest ``adapter_config.json`` RegisterAdapter reads
             (``PLORA_MAX_ADAPTER_CONFIG_BYTES``).
         max_safetensors_header_bytes: Largest safetensors header it reads
@@ -124,6 +131,7 @@ class GatewayConfig:
     registry_stale_s: float = 300.0
     max_stop_strings: int = 16
     adapter_roots: tuple[str, ...] = ()
+    adapter_source_allow: tuple[str, ...] = ()
     max_adapter_config_bytes: int = MAX_CONFIG_BYTES
     max_safetensors_header_bytes: int = MAX_HEADER_BYTES
     max_lora_rank: int = MAX_LORA_RANK
@@ -139,6 +147,11 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
+        object.__setattr__(
+            self,
+            "adapter_source_allow",
+            SourceAllowList.parse(self.adapter_source_allow).prefixes,
+        )
         require_server_ports("gateway", self.port, self.metrics_port)
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(
@@ -272,6 +285,7 @@ class GatewayConfig:
             "(env PLORA_DEFAULT_MAX_NEW_TOKENS; default 64, or the limit if lower)",
         )
         add_adapter_root_argument(parser)
+        add_adapter_source_allow_argument(parser)
         parser.add_argument(
             "--max-adapter-config-bytes",
             help="largest adapter_config.json RegisterAdapter reads, e.g. 1MiB "
@@ -382,6 +396,9 @@ class GatewayConfig:
             request_timeout_s=env_float("PLORA_REQUEST_TIMEOUT_S", d.request_timeout_s),
             registry_stale_s=env_float("PLORA_REGISTRY_STALE_S", d.registry_stale_s),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
+            adapter_source_allow=source_allow_or_env(
+                args.adapter_source_allow, "PLORA_ADAPTER_SOURCE_ALLOW"
+            ),
             **inspection_size_limits(args),
             max_lora_rank=int_flag_or_env(
                 args.max_lora_rank, "PLORA_MAX_LORA_RANK", d.max_lora_rank

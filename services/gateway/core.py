@@ -39,6 +39,12 @@ from services.common.errors import (
 from services.common.grpc_util import ended_by_client, log_request_failure, remaining_or, status_for
 from services.common.internal_auth import resolve_token
 from services.common.registry import AdapterRecord, Registry, RegistryUnavailableError, WorkerRecord
+from services.common.remote_sources import (
+    RemoteSource,
+    SourceAllowList,
+    inspect_remote_adapter,
+    is_remote,
+)
 from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
 from services.common.sources import Confinement
 from services.gateway.admission import (
@@ -482,9 +488,15 @@ class GatewayCore:
         key), under ``ROOT/<tenant_id>/`` of some root - and with no roots configured a
         tenant-confined registration is refused, since no directory is the tenant's.
 
+        A remote source (``s3://BUCKET/PREFIX/``, ``hf://ORG/REPO[@REV][/SUB]``) must lie
+        under a prefix of ``--adapter-source-allow`` (a tenant's under ``PREFIX<tenant_id>/``)
+        and is read by ranged reads, then streamed once for its sha256
+        (:func:`~services.common.remote_sources.inspect_remote_adapter`); the record keeps
+        its canonical URL.
+
         Args:
             adapter_id: Registry id.
-            source: The adapter directory as the client gave it.
+            source: The adapter directory, or a remote source, as the client gave it.
             tenant_id: Owner ("" = shared).
             confine_to_tenant: Require the source under ``ROOT/<tenant_id>/``.
 
@@ -492,7 +504,10 @@ class GatewayCore:
             InvalidRequestError: A malformed id, tenant id or source path.
             SourceRefusedError: The source is outside the roots (or the tenant's directory),
                 or not an adapter directory there: one message for every cause
-                (INVALID_ARGUMENT).
+                (INVALID_ARGUMENT). For a remote source,
+                :class:`~services.common.remote_sources.RemoteSourceRefusedError` likewise:
+                not allowed, malformed, or its objects missing or forbidden.
+            ObjectStoreError: The object store could not be read (UNAVAILABLE).
             NoHealthyWorkerError: No worker has published the base model yet.
             PoolExhaustedError: The adapter is larger than every worker's pool.
             AdapterPermissionError: The id belongs to another tenant.
@@ -502,11 +517,18 @@ class GatewayCore:
         """
         check_adapter_id(adapter_id)
         check_tenant_id(tenant_id)
-        confinement = self._confinement(tenant_id if confine_to_tenant else None)
-        path = adapter_source(source, confinement)
+        remote: RemoteSource | None = None
+        confinement: Confinement | None = None
+        if is_remote(source):
+            allow = SourceAllowList(self.config.adapter_source_allow)
+            remote = allow.check(source, tenant_id if confine_to_tenant else None)
+            path = remote.url
+        else:
+            confinement = self._confinement(tenant_id if confine_to_tenant else None)
+            path = adapter_source(source, confinement)
         with self.catalog.direct(), self._registration():
             self._check_adapter_quota(adapter_id, tenant_id)
-            return self._register(adapter_id, path, tenant_id, confinement)
+            return self._register(adapter_id, path, tenant_id, confinement, remote)
 
     @contextlib.contextmanager
     def _registration(self) -> Iterator[None]:
@@ -552,7 +574,12 @@ class GatewayCore:
         return Confinement(self.config.adapter_roots, tenant)
 
     def _register(
-        self, adapter_id: str, source: str, tenant_id: str, confinement: Confinement | None
+        self,
+        adapter_id: str,
+        source: str,
+        tenant_id: str,
+        confinement: Confinement | None,
+        remote: RemoteSource | None = None,
     ) -> AdapterRecord:
         published = self.registry.get_model_spec()
         if published is None:
@@ -567,14 +594,23 @@ class GatewayCore:
         pools = [int(w.pool.get("pool_bytes", 0)) for w in self.catalog.workers() if w.healthy]
         largest = max(pools, default=0)
         try:  # pool fit is checked from the header, before the weights are hashed or scanned
-            manifest = inspect_adapter(
-                source,
-                spec,
-                dtype=getattr(torch, dtype_name),
-                limits=self.config.inspection_limits,
-                max_bytes=largest or None,
-                confinement=confinement,
-            )
+            if remote is not None:
+                manifest = inspect_remote_adapter(
+                    remote,
+                    spec,
+                    dtype=getattr(torch, dtype_name),
+                    limits=self.config.inspection_limits,
+                    max_bytes=largest or None,
+                )
+            else:
+                manifest = inspect_adapter(
+                    source,
+                    spec,
+                    dtype=getattr(torch, dtype_name),
+                    limits=self.config.inspection_limits,
+                    max_bytes=largest or None,
+                    confinement=confinement,
+                )
         except PoolExhaustedError as exc:
             raise PoolExhaustedError(f"adapter {quoted(adapter_id)}: {exc}") from None
         previous = None

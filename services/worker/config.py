@@ -12,6 +12,7 @@ from services.common.config import (
     DEFAULT_REDIS_URL,
     adapter_roots_or_env,
     add_adapter_root_argument,
+    add_adapter_source_allow_argument,
     add_server_arguments,
     choice_or_env,
     env_or,
@@ -23,9 +24,11 @@ from services.common.config import (
     require_inspection_sizes,
     require_seconds,
     require_server_ports,
+    source_allow_or_env,
 )
 from services.common.errors import ConfigError
 from services.common.peft_config import MAX_CONFIG_BYTES, MAX_HEADER_BYTES, InspectionLimits
+from services.common.remote_sources import SourceAllowList
 from services.common.sources import resolve_roots
 
 ALLOCATORS = ("paged", "contiguous")
@@ -104,6 +107,14 @@ class WorkerConfig:
         adapter_roots: Directories adapter sources must lie under, every symlink followed
             (``--adapter-root``, repeatable; ``PLORA_ADAPTER_ROOTS``, ``os.pathsep``-separated);
             resolved to real paths; empty = sources are read wherever they are.
+        adapter_source_allow: Prefixes of the remote sources (``s3://``, ``hf://``) this
+            worker downloads (``--adapter-source-allow``; ``PLORA_ADAPTER_SOURCE_ALLOW``; keep
+            it at the gateway's); empty = every remote source refused.
+        adapter_cache_dir: Node-local directory of downloaded remote adapters
+            (``PLORA_ADAPTER_CACHE_DIR``; empty = ``<cache_dir>/adapter-cache/<worker_id>``);
+            one worker per directory (:mod:`services.worker.adapter_cache`).
+        adapter_cache_bytes: Bound of that cache, least recently used out first
+            (``PLORA_ADAPTER_CACHE_BYTES``, e.g. ``20GiB``).
         max_adapter_config_bytes: Largest ``adapter_config.json`` a load reads
             (``PLORA_MAX_ADAPTER_CONFIG_BYTES``, as the gateway's).
         max_safetensors_header_bytes: Largest safetensors header a load reads
@@ -140,6 +151,9 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     adapter_roots: tuple[str, ...] = ()
+    adapter_source_allow: tuple[str, ...] = ()
+    adapter_cache_dir: str = ""
+    adapter_cache_bytes: int = 8 << 30
     max_adapter_config_bytes: int = MAX_CONFIG_BYTES
     max_safetensors_header_bytes: int = MAX_HEADER_BYTES
     ready_file: str = ""
@@ -148,6 +162,14 @@ class WorkerConfig:
         if not self.worker_id:
             object.__setattr__(self, "worker_id", default_worker_id())
         object.__setattr__(self, "adapter_roots", resolve_roots(self.adapter_roots))
+        object.__setattr__(
+            self,
+            "adapter_source_allow",
+            SourceAllowList.parse(self.adapter_source_allow).prefixes,
+        )
+        require_at_least_one(
+            self.adapter_cache_bytes, "--adapter-cache-bytes", "PLORA_ADAPTER_CACHE_BYTES"
+        )
         require_server_ports("worker", self.port, self.metrics_port)
         require_inspection_sizes(self.max_adapter_config_bytes, self.max_safetensors_header_bytes)
         if self.allocator not in ALLOCATORS:
@@ -337,6 +359,18 @@ class WorkerConfig:
             "never (env PLORA_STALL_TIMEOUT_S; default 60)",
         )
         add_adapter_root_argument(parser)
+        add_adapter_source_allow_argument(parser)
+        parser.add_argument(
+            "--adapter-cache-dir",
+            help="node-local directory of adapters downloaded from s3:// and hf:// sources, "
+            "one worker per directory (env PLORA_ADAPTER_CACHE_DIR; default none, which is "
+            "<--cache-dir>/adapter-cache/<worker id>)",
+        )
+        parser.add_argument(
+            "--adapter-cache-bytes",
+            help="bound of that cache, least recently used adapters out first, e.g. 20GiB "
+            "(env PLORA_ADAPTER_CACHE_BYTES; default 8GiB)",
+        )
         parser.add_argument(
             "--max-adapter-config-bytes",
             help="largest adapter_config.json a load reads, e.g. 1MiB; keep it at the "
@@ -430,6 +464,16 @@ class WorkerConfig:
                 args.stall_timeout_s, "PLORA_STALL_TIMEOUT_S", d.stall_timeout_s
             ),
             adapter_roots=adapter_roots_or_env(args.adapter_roots, "PLORA_ADAPTER_ROOTS"),
+            adapter_source_allow=source_allow_or_env(
+                args.adapter_source_allow, "PLORA_ADAPTER_SOURCE_ALLOW"
+            ),
+            adapter_cache_dir=pick(args.adapter_cache_dir, "PLORA_ADAPTER_CACHE_DIR", ""),
+            adapter_cache_bytes=size(
+                args.adapter_cache_bytes,
+                "--adapter-cache-bytes",
+                "PLORA_ADAPTER_CACHE_BYTES",
+                d.adapter_cache_bytes,
+            ),
             **inspection_size_limits(args),
             ready_file=args.ready_file or "",
         )

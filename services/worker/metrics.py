@@ -175,7 +175,49 @@ class WorkerMetrics:
             "plora_worker_adapter_source_refused",
             "Adapter source reads refused because the registered source is not under the "
             "worker's adapter roots (--adapter-root), or a file in it resolves outside them or "
-            "cannot be opened there (a registry record pointing elsewhere)",
+            "cannot be opened there, or a remote source is not under --adapter-source-allow (a "
+            "registry record pointing elsewhere)",
+            registry=r,
+        )
+        self.download_bytes = Counter(
+            "plora_worker_adapter_download_bytes",
+            "Bytes downloaded from s3:// and hf:// adapter sources into the adapter cache",
+            registry=r,
+        )
+        self.download_seconds = Histogram(
+            "plora_worker_adapter_download_seconds",
+            "Time of one verified download of a remote adapter into the adapter cache "
+            "(both files, sha256 checked)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.download_failures = Counter(
+            "plora_worker_adapter_download_failures",
+            "Remote adapter downloads that failed and were discarded, by reason (missing, "
+            "checksum, too_large, invalid, unreachable, truncated, error)",
+            ["reason"],
+            registry=r,
+        )
+        self.adapter_cache_hits = Counter(
+            "plora_worker_adapter_cache_hits",
+            "Loads of a remote adapter found in the node-local adapter cache",
+            registry=r,
+        )
+        self.adapter_cache_misses = Counter(
+            "plora_worker_adapter_cache_misses",
+            "Loads of a remote adapter not in the adapter cache (downloaded, or waiting for "
+            "the download in flight)",
+            registry=r,
+        )
+        self.adapter_cache_bytes = Gauge(
+            "plora_worker_adapter_cache_bytes",
+            "Bytes of the adapters held in the node-local adapter cache",
+            registry=r,
+        )
+        self.adapter_cache_evictions = Counter(
+            "plora_worker_adapter_cache_evictions",
+            "Adapters removed from the node-local adapter cache to make room (least recently "
+            "used first)",
             registry=r,
         )
         self.load_failures = Counter(

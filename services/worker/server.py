@@ -47,9 +47,11 @@ from services.common.registry import (
     WorkerRecord,
     connect,
 )
+from services.common.remote_sources import SourceAllowList, is_remote
 from services.common.sources import Confinement, SourceRefusedError, redact
 from services.common.types import LoRAWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef
+from services.worker.adapter_cache import AdapterCache, CacheMetrics, DownloadError
 from services.worker.config import WorkerConfig
 from services.worker.core import GenerateParams, WorkerCore, pool_stats_dict, resident_ids
 from services.worker.engine import Engine, EngineConfig, TokenEvent
@@ -215,6 +217,9 @@ class WorkerService:
         self.metrics = WorkerMetrics()
         #: Adapter roots every source read must lie under; None = none configured.
         self.confinement = Confinement(config.adapter_roots) if config.adapter_roots else None
+        #: Remote sources (s3://, hf://) this worker downloads.
+        self.source_allow = SourceAllowList(config.adapter_source_allow)
+        self.adapter_cache: AdapterCache | None = None
         self.registry = Registry(connect(config.redis_url))
         self.lease = self._claim_id()
         try:
@@ -263,6 +268,8 @@ class WorkerService:
 
     def _build(self, config: WorkerConfig, internal_token: str) -> None:
         """Load the model and build the store, the engine, the servers and the heartbeat."""
+        if config.adapter_source_allow:
+            self.adapter_cache = self._open_adapter_cache(config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
@@ -336,6 +343,32 @@ class WorkerService:
         self._last_reconcile = -RECONCILE_INTERVAL_S
         self._published = False  # a heartbeat has reached the registry
 
+    def _open_adapter_cache(self, config: WorkerConfig) -> AdapterCache:
+        """The node-local cache of remote adapters, its events wired to the metrics.
+
+        Raises:
+            ConfigError: the directory cannot be used or another worker holds it.
+        """
+        m = self.metrics
+        hooks = CacheMetrics()
+        hooks.on_hit = m.adapter_cache_hits.inc
+        hooks.on_miss = m.adapter_cache_misses.inc
+        hooks.on_bytes = m.download_bytes.inc
+        hooks.on_download = m.download_seconds.observe
+        hooks.on_failure = lambda reason: m.download_failures.labels(reason).inc()
+        hooks.on_size = m.adapter_cache_bytes.set
+        hooks.on_evict = m.adapter_cache_evictions.inc
+        base = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        directory = config.adapter_cache_dir or str(base / "adapter-cache" / config.worker_id)
+        cache = AdapterCache(directory, config.adapter_cache_bytes, config.inspection_limits, hooks)
+        logger.info(
+            "adapter cache %s: %d bytes held of %d",
+            directory,
+            cache.size_bytes,
+            config.adapter_cache_bytes,
+        )
+        return cache
+
     def _on_store_event(self, event: StoreEvent) -> None:
         """Store events -> Prometheus (called under the store lock: counters only)."""
         m = self.metrics
@@ -374,6 +407,8 @@ class WorkerService:
             IncompatibleAdapterError: the files do not fit the served model.
         """
         what = f"registered adapter {ref.adapter_id!r} (v{ref.version}) can no longer be loaded"
+        if is_remote(ref.source):
+            return self._load_remote(ref, what)
         try:
             return load_lora_weights(
                 ref.source,
@@ -416,6 +451,57 @@ class WorkerService:
                 f"{what}: its files cannot be read ({exc.strerror or type(exc).__name__}); "
                 "restore them or register it again"
             ) from exc
+
+    def _load_remote(self, ref: AdapterRef, what: str) -> LoRAWeights:
+        """Load a registered ``s3://`` / ``hf://`` adapter through the node-local cache: a
+        verified download (shared by concurrent loads), then the local loader on the entry.
+
+        Raises:
+            AdapterSourceError: the source is not allowed here (counted in
+                ``plora_worker_adapter_source_refused_total``), its objects are gone, changed
+                since registration (sha256), or could not be downloaded; nothing is cached
+                then (FAILED_PRECONDITION).
+            IncompatibleAdapterError: the files do not fit the served model.
+        """
+        try:
+            remote = self.source_allow.check(ref.source)
+        except SourceRefusedError as exc:
+            self.metrics.source_refused.inc()
+            logger.warning(
+                "adapter %s v%d: remote source %r refused (not under --adapter-source-allow %s)",
+                ref.adapter_id,
+                ref.version,
+                ref.source,
+                list(self.config.adapter_source_allow),
+            )
+            raise AdapterSourceError(
+                f"{what}: its source is not one this worker may read; allow it with "
+                "--adapter-source-allow on every worker, as on the gateway"
+            ) from exc
+        assert self.adapter_cache is not None  # allowed sources imply a cache
+        try:
+            with self.adapter_cache.pinned(remote, ref.sha256) as path:
+                try:
+                    return load_lora_weights(
+                        path,
+                        self.spec,
+                        adapter_id=ref.adapter_id,
+                        version=ref.version,
+                        dtype=self.dtype,
+                        expected_sha256=ref.sha256 or None,
+                        limits=self.config.inspection_limits,
+                    )
+                except IncompatibleAdapterError as exc:
+                    raise IncompatibleAdapterError(f"{what}: {redact(str(exc), path)}") from exc
+                except (InvalidAdapterError, OSError) as exc:
+                    raise AdapterSourceError(
+                        f"{what}: {redact(str(exc), path)}; register it again"
+                    ) from exc
+        except DownloadError as exc:
+            logger.warning(
+                "adapter %s v%d from %s: %s", ref.adapter_id, ref.version, ref.source, exc
+            )
+            raise AdapterSourceError(f"{what}: {exc}") from exc
 
     @property
     def address(self) -> str:
@@ -602,6 +688,8 @@ class WorkerService:
         self.server.stop(grace).wait()
         self.engine.stop()
         self.store.close()
+        if self.adapter_cache is not None:
+            self.adapter_cache.close()
         self.metrics_server.shutdown()
         self.lease.release()  # last: a successor may claim the id at once
 

@@ -171,4 +171,4 @@ def test_cli_register_refuses_an_empty_source(source: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["adapters", "register", "x", source, "--gateway", "127.0.0.1:1"])
     assert exit_.value.code == 2
-    assert "argument source: expected a directory, got" in capsys.readouterr().err
+    assert "argument source: expected a directory or URL, got" in capsys.readouterr().err

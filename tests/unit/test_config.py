@@ -283,6 +283,8 @@ def _other_value(action: argparse.Action, default: Any) -> tuple[str, object]:
         return str(default / 2), default / 2
     if isinstance(default, (int, float)):
         return str(default + 1), default + 1
+    if action.dest == "adapter_source_allow":  # remote source prefixes
+        return "s3://bucket/a,hf://org", ("s3://bucket/a/", "hf://org/")
     if isinstance(default, tuple):  # a list of directories (adapter roots)
         dirs = [REPO / "docs", REPO / "tests"]
         return os.pathsep.join(map(str, dirs)), tuple(os.path.realpath(d) for d in dirs)
