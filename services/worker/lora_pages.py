@@ -47,7 +47,10 @@ _MODULE_INDEX = {name: i for i, name in enumerate(LORA_MODULES)}
 
 def triton_available() -> bool:
     """Whether the ``triton`` package can be imported here."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # an import blocked in sys.modules
+        return False
 
 
 def triton_interpreting() -> bool:
@@ -76,7 +79,9 @@ def resolve_lora_kernel(kernel: str, device: torch.device | str) -> str:
         return "triton" if on_cuda and triton_available() else "torch"
     if kernel == "triton":
         if not triton_available():
-            raise ValueError("the triton lora kernel needs the triton package (pip install triton)")
+            raise ValueError(
+                "the triton lora kernel needs the triton package (pip install 'plora[gpu]')"
+            )
         if not on_cuda and not triton_interpreting():
             raise ValueError(
                 "the triton lora kernel runs on CUDA, or on the CPU only through Triton's "

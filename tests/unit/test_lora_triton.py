@@ -20,8 +20,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from services.common.types import LoRAModuleWeights, LoRAWeights  # noqa: E402
+from services.worker.adapter_api import AdapterRef  # noqa: E402
 from services.worker.allocators import PagedAllocator  # noqa: E402
 from services.worker.device_pool import DevicePool  # noqa: E402
+from services.worker.engine import Engine, EngineConfig, EngineRequest, running_engine  # noqa: E402
 from services.worker.lora_ops import NO_ADAPTER, LoRABatch  # noqa: E402
 from services.worker.lora_pages import (  # noqa: E402
     LORA_MODULES,
@@ -33,6 +35,9 @@ from services.worker.lora_pages import (  # noqa: E402
 )
 from services.worker.model import DecoderModel, SeqChunk, StepBatch  # noqa: E402
 from services.worker.packing import module_views, pack_weights, slot_pieces  # noqa: E402
+from services.worker.store import AdapterStore  # noqa: E402
+from services.worker.store_types import StoreConfig  # noqa: E402
+from services.worker.tokenizer import Tokenizer  # noqa: E402
 from tests import tiny_models  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -291,3 +296,50 @@ def test_decoder_forward_triton_equals_torch(tmp_path: Path) -> None:
     for i, a in enumerate(adapters):  # every adapter changes its row; the base row is exact
         same = torch.equal(got[i], base[i])
         assert same == (a == NO_ADAPTER), i
+
+
+@pytest.mark.slow
+def test_engine_with_store_greedy_tokens_same_for_triton_and_torch(tmp_path: Path) -> None:
+    """The engine over the real adapter store: ``lora_kernel="triton"`` (page tables over the
+    store's pool) streams the same greedy tokens as ``"torch"`` for a mixed batch."""
+    tiny_models.save("llama", tmp_path / "model")
+    model = DecoderModel.from_dir(tmp_path / "model")
+    tok = Tokenizer(tmp_path / "model")
+    gen = torch.Generator().manual_seed(5)
+    all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    made = {}
+    for name, rank, targets in [("r8", 8, ["q_proj", "v_proj"]), ("r32", 32, all7)]:
+        mods = {}
+        for layer in range(model.spec.num_layers):
+            for mod in targets:
+                din, dout = model.spec.module_shape(mod)
+                a = torch.randn(rank, din, generator=gen) / din**0.5
+                b = torch.randn(dout, rank, generator=gen) * 0.2
+                mods[(layer, mod)] = LoRAModuleWeights(a, b, 16.0 / rank)
+        made[name] = LoRAWeights(name, 1, mods)
+    cfg = StoreConfig(pool_bytes=1 << 20, page_bytes=4096, host_cache_bytes=1 << 20)
+    rows = [("r8", [5, 9, 11, 30, 7]), (None, [40, 41, 42]), ("r32", [8, 8, 9, 10, 77, 3])]
+    out = {}
+    with AdapterStore(cfg, lambda ref: made[ref.adapter_id]) as store:
+        for kernel in ("torch", "triton"):
+            cfg_e = EngineConfig(max_batch_size=4, max_model_len=32, lora_kernel=kernel)
+            with running_engine(Engine(model, tok, store, cfg_e)) as engine:
+                streams = [
+                    engine.submit(
+                        EngineRequest(
+                            f"{kernel}{i}",
+                            p,
+                            max_new_tokens=4,
+                            adapter=AdapterRef(a, 1, "") if a else None,
+                        )
+                    )
+                    for i, (a, p) in enumerate(rows)
+                ]
+                events = [list(s) for s in streams]
+                # the triton engine ran the kernels (no fall back to torch)
+                assert (engine._page_tables is not None) == (kernel == "triton")
+                assert not engine._paged_fallback_logged
+            assert all(ev[-1].error is None for ev in events)
+            out[kernel] = [[t for ev in evs for t in ev.token_ids] for evs in events]
+    assert out["triton"] == out["torch"]
+    assert all(len(t) == 4 for t in out["torch"])
