@@ -804,7 +804,11 @@ class Engine:
         except ValueError as exc:
             if not self._paged_fallback_logged:
                 self._paged_fallback_logged = True
-                logger.warning("triton lora kernel not usable for this provider (%s); torch", exc)
+                logger.warning(
+                    "the triton lora kernel cannot read this provider's adapters (%s); "
+                    "using the torch kernel",
+                    exc,
+                )
             return None
 
     def _stacked_for(

@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from services.common.errors import ConfigError  # noqa: E402
 from services.common.types import LoRAModuleWeights, LoRAWeights  # noqa: E402
 from services.worker.adapter_api import AdapterRef  # noqa: E402
 from services.worker.allocators import PagedAllocator  # noqa: E402
@@ -247,6 +248,10 @@ def test_resolve_lora_kernel(kernel: str, device: str, want: str) -> None:
 def test_resolve_lora_kernel_rejects_unknown() -> None:
     with pytest.raises(ValueError, match="not one of"):
         resolve_lora_kernel("cutlass", "cpu")
+    with pytest.raises(ConfigError, match="not one of"):
+        EngineConfig(lora_kernel="cutlass")
+    assert EngineConfig().resolved_lora_kernel == "torch"  # auto on the CPU
+    assert EngineConfig(lora_kernel="triton").resolved_lora_kernel == "triton"  # interpreted
 
 
 @pytest.mark.slow
