@@ -9,8 +9,11 @@ where Triton is not installed.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -348,3 +351,23 @@ def test_engine_with_store_greedy_tokens_same_for_triton_and_torch(tmp_path: Pat
             out[kernel] = [[t for ev in evs for t in ev.token_ids] for evs in events]
     assert out["triton"] == out["torch"]
     assert all(len(t) == 4 for t in out["torch"])
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_cuda_gpu_without_one() -> None:
+    """Triton's CUDA pipeline (PTX, then ptxas) compiles both kernels for sm_90 in every dtype
+    (16-bit tiles on the tensor cores), in a process without the interpreter."""
+    code = (
+        "import json; from services.worker.kernels.lora_triton import compile_ptx; "
+        "print(json.dumps({k: 'mma.sync' in v or 'wgmma' in v for k, v in compile_ptx().items()}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tensor_cores = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tensor_cores == {
+        f"{k}/{d}": d != "fp32" for d in ("bf16", "fp16", "fp32") for k in ("shrink", "expand")
+    }

@@ -247,3 +247,46 @@ def lora_expand(
         BLOCK_R=BLOCK_R,
         UPCAST=_upcast(y.dtype, y.device),
     )
+
+
+def compile_ptx(arch: int = 90) -> dict[str, str]:
+    """Compile both kernels ahead of time for a CUDA ``sm_<arch>`` GPU, without one.
+
+    For every dtype (``bf16``, ``fp16``, ``fp32``) and kernel, Triton's full CUDA pipeline
+    runs (TTIR, TTGIR, LLVM IR, PTX, and ``ptxas`` to a cubin); a kernel that would not compile
+    on a GPU fails here. Run it in a process where ``TRITON_INTERPRET`` is unset.
+
+    Returns:
+        ``"<kernel>/<dtype>" -> PTX text``.
+
+    Raises:
+        triton.compiler.CompilationError: a kernel does not compile.
+        RuntimeError: Triton runs in interpreter mode (kernels are not compilable then).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(_shrink_kernel, JITFunction):
+        raise RuntimeError("Triton is in interpreter mode (TRITON_INTERPRET=1): nothing to compile")
+    target = GPUTarget("cuda", arch, 32)
+    ints = ("entry", "num_entries")
+    out: dict[str, str] = {}
+    for dt in ("bf16", "fp16", "fp32"):
+        up = dt == "fp32"
+        segs = {"seg_start_ptr": "*i32", "seg_len_ptr": "*i32", "seg_adapter_ptr": "*i32"}
+        shrink = {"x_ptr": f"*{dt}", "pool_ptr": f"*{dt}", "t_ptr": "*fp32", "table_ptr": "*i64"}
+        shrink |= segs | dict.fromkeys((*ints, "K", "stride_xm", "stride_xk", "stride_tm"), "i32")
+        shrink_const = {"BLOCK_M": BLOCK_M, "BLOCK_R": BLOCK_R, "BLOCK_K": BLOCK_K, "UPCAST": up}
+        expand = {"t_ptr": "*fp32", "pool_ptr": f"*{dt}", "y_ptr": f"*{dt}", "table_ptr": "*i64"}
+        expand |= {"scale_ptr": "*fp32"} | segs
+        expand |= dict.fromkeys((*ints, "N", "stride_tm", "stride_ym", "stride_yn"), "i32")
+        expand_const = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_R": BLOCK_R, "UPCAST": up}
+        for name, fn, sig, const in (
+            ("shrink", _shrink_kernel, shrink, shrink_const),
+            ("expand", _expand_kernel, expand, expand_const),
+        ):
+            sig = sig | dict.fromkeys(const, "constexpr")
+            compiled = triton.compile(ASTSource(fn, sig, constexprs=const), target=target)
+            out[f"{name}/{dt}"] = compiled.asm["ptx"]
+    return out
