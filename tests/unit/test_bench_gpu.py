@@ -48,6 +48,7 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     assert "decode step b2" in proc.stdout and f"wrote {out}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_gpu_refuses_cuda_without_cuda(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
