@@ -2,8 +2,8 @@
 
 Verbs (docs/api.md): ``up``, ``serve {gateway,worker,predictor}``, ``generate``,
 ``adapters {register,list,get,delete}``, ``status``, ``make-adapters``,
-``bench {engine,pool,http,replay}``, ``eval predictor``, ``simulate``. Heavy modules are imported
-only by the verb that needs them, so client verbs start fast.
+``bench {engine,pool,gpu,http,replay}``, ``eval predictor``, ``simulate``. Heavy modules are
+imported only by the verb that needs them, so client verbs start fast.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ _DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
         "engine throughput vs transformers and PEFT",
     ),
     ("bench", "pool"): ("plora.bench.pool", "paged vs contiguous adapter pool"),
+    ("bench", "gpu"): (
+        "plora.bench.gpu",
+        "one-command check and measurement on a CUDA GPU (--device cpu: dry run)",
+    ),
     ("bench", "http"): (
         "plora.bench.http",
         "TTFT and tokens/s through the OpenAI HTTP door vs gRPC, on a running cluster",

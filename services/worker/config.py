@@ -34,6 +34,8 @@ from services.common.sources import resolve_roots
 ALLOCATORS = ("paged", "contiguous")
 EVICTIONS = ("lru", "predictive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Multi-LoRA implementations (:func:`services.worker.lora_pages.resolve_lora_kernel`).
+LORA_KERNELS = ("auto", "torch", "triton")
 
 
 def default_worker_id(hostname: str | None = None) -> str:
@@ -78,6 +80,9 @@ class WorkerConfig:
         cache_dir: Where converted models are cached (``PLORA_CACHE_DIR``; empty = default).
         device: ``cpu``, ``cuda``, ``cuda:1``... ; ``auto`` = CUDA when present (``PLORA_DEVICE``).
         dtype: Serving dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA (``PLORA_DTYPE``).
+        lora_kernel: Multi-LoRA implementation: ``torch`` (per-segment matmuls), ``triton``
+            (kernels that read the paged pool), ``auto`` = triton on CUDA where Triton is
+            installed, else torch (``PLORA_LORA_KERNEL``).
         max_batch_size: Most sequences in the running batch.
         max_queue: Requests waiting for a batch slot (or their adapter) at most; one more is
             refused with RESOURCE_EXHAUSTED (``PLORA_MAX_QUEUE``). The gRPC server has a thread
@@ -134,6 +139,7 @@ class WorkerConfig:
     cache_dir: str = ""
     device: str = "auto"
     dtype: str = "auto"
+    lora_kernel: str = "auto"
     max_batch_size: int = 32
     max_queue: int = 256
     max_num_batched_tokens: int = 512
@@ -178,6 +184,10 @@ class WorkerConfig:
             raise ConfigError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.lora_kernel not in LORA_KERNELS:
+            raise ConfigError(
+                f"lora_kernel must be one of {LORA_KERNELS}, got {self.lora_kernel!r}"
+            )
         if self.page_bytes <= 0:
             raise ConfigError(
                 f"--page-bytes / PLORA_PAGE_BYTES must be positive, got {self.page_bytes}"
@@ -277,6 +287,12 @@ class WorkerConfig:
             choices=DTYPES,
             help="serving dtype: auto = float32 on CPU, bfloat16 on CUDA "
             "(env PLORA_DTYPE; default auto)",
+        )
+        parser.add_argument(
+            "--lora-kernel",
+            choices=LORA_KERNELS,
+            help="multi-LoRA implementation: torch, or triton kernels reading the paged pool; "
+            "auto = triton on CUDA when installed (env PLORA_LORA_KERNEL; default auto)",
         )
         parser.add_argument(
             "--max-batch-size",
@@ -425,6 +441,9 @@ class WorkerConfig:
             cache_dir=pick(args.cache_dir, "PLORA_CACHE_DIR", ""),
             device=pick(args.device, "PLORA_DEVICE", d.device),
             dtype=choice_or_env(args.dtype, "--dtype", "PLORA_DTYPE", d.dtype, DTYPES),
+            lora_kernel=choice_or_env(
+                args.lora_kernel, "--lora-kernel", "PLORA_LORA_KERNEL", d.lora_kernel, LORA_KERNELS
+            ),
             max_batch_size=int_flag_or_env(
                 args.max_batch_size, "PLORA_MAX_BATCH_SIZE", d.max_batch_size
             ),

@@ -52,6 +52,7 @@ from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
 from services.worker.estimates import ServiceEstimates
 from services.worker.lora_ops import LoRABatch, StackedLoRA
+from services.worker.lora_pages import PagedLoRA, PageTableCache, resolve_lora_kernel
 from services.worker.model import DecoderModel, KVCache
 from services.worker.sampling import SamplingParams, StopMatcher, make_generator, sample_batch
 from services.worker.step_plan import StepPlan, build_step_batch, schedule_step
@@ -87,6 +88,11 @@ class EngineConfig:
             whatever the number of adapters); larger steps use the per-segment loop. 0 = never.
         lora_stack_min_steps: Consecutive steps with the same adapter set before it is stacked.
         lora_stack_max_bytes: Largest adapter set (bytes) that is stacked (it is a copy).
+        lora_kernel: Multi-LoRA implementation (:func:`~services.worker.lora_pages.
+            resolve_lora_kernel`): ``torch`` (segments, or stacked for decode steps), ``triton``
+            (:class:`~services.worker.lora_pages.PagedLoRA`, kernels that read the adapters in
+            the paged pool; steps whose adapters are not pool views, e.g. a provider of plain
+            tensors, use torch), ``auto`` = triton on CUDA where Triton is installed, else torch.
     """
 
     device: str = "cpu"
@@ -100,6 +106,7 @@ class EngineConfig:
     lora_stack_max_rows: int = 64
     lora_stack_min_steps: int = 2
     lora_stack_max_bytes: int = 1 << 30
+    lora_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype not in _DTYPES.values():
@@ -116,6 +123,15 @@ class EngineConfig:
             raise ConfigError("adapter_wait_timeout_s must be > 0")
         if self.lora_stack_max_rows < 0 or self.lora_stack_min_steps < 1:
             raise ConfigError("lora_stack_max_rows must be >= 0 and lora_stack_min_steps >= 1")
+        try:
+            resolve_lora_kernel(self.lora_kernel, self.device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    @property
+    def resolved_lora_kernel(self) -> str:
+        """``"torch"`` or ``"triton"``: what :attr:`lora_kernel` means on :attr:`device`."""
+        return resolve_lora_kernel(self.lora_kernel, self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -302,6 +318,10 @@ class Engine:
         self._stack_key: tuple[tuple[str, int], ...] = ()
         self._stack_streak = 0
         self._stacked: StackedLoRA | None = None
+        self._page_tables: PageTableCache | None = None
+        if self.config.resolved_lora_kernel == "triton":
+            self._page_tables = PageTableCache(model.spec.num_layers)
+        self._paged_fallback_logged = False
         self.estimates = ServiceEstimates()
 
     # ------------------------------------------------------------------ public API
@@ -711,8 +731,11 @@ class Engine:
                 return None  # the next step is rebuilt without them
             lora = None
             if plan.adapter_keys:
-                stacked = self._stacked_for(plan.adapter_keys, weights, plan.num_rows)
-                lora = LoRABatch(plan.row_adapter, weights, stacked)
+                paged = self._paged_for(plan.adapter_keys, plan.row_adapter, weights)
+                stacked = None
+                if paged is None:
+                    stacked = self._stacked_for(plan.adapter_keys, weights, plan.num_rows)
+                lora = LoRABatch(plan.row_adapter, weights, stacked, paged)
             logits = self.model.forward(plan.step_batch(lora), self.kv)
         self.steps += 1
         for s, n in plan.work:
@@ -764,6 +787,29 @@ class Engine:
         now = time.monotonic()
         for s, tok in zip(samplers, next_ids, strict=True):
             self._emit(s, tok, now)
+
+    def _paged_for(
+        self,
+        keys: tuple[tuple[str, int], ...],
+        row_adapter: list[int],
+        weights: list[dict[tuple[int, str], LoRAModuleWeights]],
+    ) -> PagedLoRA | None:
+        """The Triton form of this step's LoRA when the engine runs the ``triton`` kernel and
+        the adapters are views of one pool (else None: the torch path runs)."""
+        if self._page_tables is None:
+            return None
+        try:
+            tables = self._page_tables.tables(keys, weights)
+            return PagedLoRA(row_adapter, tables, self.model.device)
+        except ValueError as exc:
+            if not self._paged_fallback_logged:
+                self._paged_fallback_logged = True
+                logger.warning(
+                    "the triton lora kernel cannot read this provider's adapters (%s); "
+                    "using the torch kernel",
+                    exc,
+                )
+            return None
 
     def _stacked_for(
         self,

@@ -13,18 +13,23 @@ touched, and the work is one pair of matmuls per *segment*, never a Python loop 
 The engine sorts the rows of a step by adapter, so each adapter is one segment. The mapping
 is rebuilt every step from the leases' current weights (views into the device pool).
 
-This is the pure-torch path; it runs on any device (a CUDA build can swap in a grouped-GEMM
-kernel behind :meth:`LoRABatch.apply` without changing callers).
+This is the pure-torch path, the reference; it runs on any device. :class:`LoRABatch` can
+instead carry a :class:`~services.worker.lora_pages.PagedLoRA`, the Triton kernels that read the
+adapters straight from the paged pool, behind the same :meth:`LoRABatch.apply`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.common.types import LoRAModuleWeights
+
+if TYPE_CHECKING:
+    from services.worker.lora_pages import PagedLoRA
 
 #: Row adapter id meaning "base model only".
 NO_ADAPTER = -1
@@ -182,6 +187,9 @@ class LoRABatch:
             :class:`LoRAModuleWeights` (read from the lease this step).
         stacked: Optional :class:`StackedLoRA` of the same adapter list; when given, every
             projection uses the stacked three-call form instead of the segment loop.
+        paged: Optional :class:`~services.worker.lora_pages.PagedLoRA` of the same rows and
+            adapter list; when given, every projection runs the Triton kernels over the pool
+            (it takes precedence over ``stacked``).
     """
 
     def __init__(
@@ -189,7 +197,9 @@ class LoRABatch:
         row_adapter_ids: Sequence[int],
         adapter_weights: Sequence[Mapping[tuple[int, str], LoRAModuleWeights]],
         stacked: StackedLoRA | None = None,
+        paged: PagedLoRA | None = None,
     ) -> None:
+        self.paged = paged
         self.segments = [s for s in build_segments(row_adapter_ids) if s.adapter != NO_ADAPTER]
         self.adapter_weights = list(adapter_weights)
         for s in self.segments:
@@ -215,6 +225,9 @@ class LoRABatch:
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """``y += LoRA(x)`` for ``(layer, module)`` over every segment (see module doc)."""
         if not self.segments:
+            return
+        if self.paged is not None:
+            self.paged.apply(layer, module, x, y)
             return
         if self.stacked is not None:
             entry = self.stacked.modules.get((layer, module))

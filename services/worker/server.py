@@ -311,6 +311,7 @@ class WorkerService:
                 max_new_tokens_limit=config.max_new_tokens_limit,
                 max_queue=config.max_queue,
                 adapter_wait_timeout_s=config.load_wait_timeout_s,
+                lora_kernel=config.lora_kernel,
             ),
         )
         self.core = WorkerCore(config, self.engine, self.tokenizer, self.store, self.metrics)

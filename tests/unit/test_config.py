@@ -153,6 +153,7 @@ def test_predictor_prefetch_is_on_or_off(monkeypatch: pytest.MonkeyPatch) -> Non
     ("config", "variable", "flag"),
     [
         (WorkerConfig, "PLORA_DTYPE", "--dtype"),
+        (WorkerConfig, "PLORA_LORA_KERNEL", "--lora-kernel"),
         (WorkerConfig, "PLORA_ALLOCATOR", "--allocator"),
         (WorkerConfig, "PLORA_EVICTION", "--eviction"),
         (WorkerConfig, "PLORA_HOST_STAGING", "--host-staging"),

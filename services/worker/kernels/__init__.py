@@ -1,0 +1,1 @@
+"""Device kernels of the worker (Triton), imported only where Triton is installed."""

@@ -1,0 +1,65 @@
+"""``plora bench gpu --device cpu``: the GPU command's dry run, in its own process (the Triton
+kernels run through Triton's interpreter there), on the tiny shape."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("peft is not installed (the test extra)")
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "plora.cli", "bench", "gpu", "--device", "cpu"]
+    proc = subprocess.run(
+        [*cmd, "--batch-sizes", "2", "--out", str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    triton = importlib.util.find_spec("triton") is not None
+    assert r["ok"] and r["settings"]["dry_run"] and r["settings"]["shape"] == "tiny"
+    assert r["environment"]["kernels"] == (["torch", "triton"] if triton else ["torch"])
+    if triton:
+        assert {k: v["ok"] for k, v in r["kernels"].items()} == {"float32": True, "bfloat16": True}
+        assert r["kernels"]["float32"]["max_rel_diff"] <= 1e-5
+    assert r["exactness"]["float32"]["max_rel_logit_diff"] <= 1e-4
+    assert r["exactness"]["bfloat16"]["ok"]
+    kinds = {"base", "peft_mixed"} | {f"mixed_{k}" for k in r["environment"]["kernels"]}
+    assert set(r["tok_s"]) == kinds and all(v["2"] > 0 for v in r["tok_s"].values())
+    assert set(r["decode_step_s"]) == {"base"} | {f"mixed_{k}" for k in r["environment"]["kernels"]}
+    assert r["base_read_s"] > 0 and r["bandwidth_bytes_s"] > 0
+    assert "mixed_over_peft_b2" in r["ratios"]["torch"]
+    assert "decode step b2" in proc.stdout and f"wrote {out}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_gpu_refuses_cuda_without_cuda(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "plora.cli", "bench", "gpu", "--out", str(tmp_path / "x")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "CUDA is not available" in proc.stderr
+    assert not (tmp_path / "x").exists()
