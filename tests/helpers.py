@@ -5,6 +5,7 @@ of a cluster's worker that carries the cluster's internal token."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 import torch
@@ -172,3 +173,69 @@ def worker_stub(cluster: dict, address: str) -> Any:
     from services.common.internal_auth import internal_channel  # noqa: PLC0415
 
     return worker_pb2_grpc.WorkerStub(internal_channel(address, cluster["internal_token"]))
+
+
+def randomize_lora(pm: Any, seed: int, b_std: float) -> None:
+    """Redraw every LoRA factor of the PEFT model ``pm`` in place: ``A ~ N(0, 1/in)`` and
+    ``B ~ N(0, b_std^2)`` (PEFT starts B at zero, which would make every adapter a no-op)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+            elif "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+
+
+def peft_reference(
+    pm: Any, adapter: str | None, ids: list[int], new_tokens: int, **generate: Any
+) -> tuple[torch.Tensor, list[int]]:
+    """transformers + PEFT with ``adapter`` alone (``None``: the base, adapters disabled):
+    float32 last-position logits of ``ids`` and the greedy continuation of ``new_tokens``
+    tokens (``generate`` adds ``eos_token_id`` / ``pad_token_id``)."""
+    x = torch.tensor([ids])
+    ctx = pm.disable_adapter() if adapter is None else contextlib.nullcontext()
+    if adapter is not None:
+        pm.set_adapter(adapter)
+    with ctx, torch.no_grad():
+        logits = pm(input_ids=x).logits[0, -1].float()
+        out = pm.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            **generate,
+        )
+    return logits, out[0, len(ids) :].tolist()
+
+
+def mixed_prefill_logits(
+    model: Any, rows: list[tuple[str | None, list[int]]], adapters: dict[str, Any]
+) -> torch.Tensor:
+    """One prefill step of every row in ONE flat batch through ``model`` (a
+    :class:`~services.worker.model.DecoderModel`), rows in the order given (adapters
+    interleaved, base rows among them): ``[len(rows), vocab]`` last-position logits.
+
+    Args:
+        model: The decoder.
+        rows: ``(adapter name or None, prompt ids)`` per sequence.
+        adapters: ``name -> (layer, projection) -> LoRAModuleWeights``.
+    """
+    from services.worker.lora_ops import NO_ADAPTER, LoRABatch
+    from services.worker.model import SeqChunk, StepBatch
+
+    names = list(adapters)
+    kv = model.new_kv_cache(len(rows), max(len(p) for _, p in rows) + 1)
+    ids: list[int] = []
+    pos: list[int] = []
+    row_adapter: list[int] = []
+    chunks, last = [], []
+    for slot, (a, p) in enumerate(rows):
+        chunks.append(SeqChunk(slot=slot, row=len(ids), num_tokens=len(p), start_pos=0))
+        ids += p
+        pos += range(len(p))
+        row_adapter += [NO_ADAPTER if a is None else names.index(a)] * len(p)
+        last.append(len(ids) - 1)
+    lora = LoRABatch(row_adapter, [adapters[n] for n in names])
+    batch = StepBatch(torch.tensor(ids), torch.tensor(pos), chunks, last, lora)
+    return model.forward(batch, kv)

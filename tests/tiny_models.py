@@ -9,7 +9,6 @@ beside the weights so the directory also serves through ``plora up --model DIR``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -163,18 +162,11 @@ def build(family: str, seed: int = 0, quirks: bool = True):  # type: ignore[no-u
 
 
 def write_tokenizer(out: Path, vocab: int = VOCAB) -> None:
-    """A word-level ``tokenizer.json`` (``w0`` .. ``w{vocab-1}``, whitespace split) and its
-    ``tokenizer_config.json`` with ``w2`` as EOS, matching the tiny models' ``eos_token_id``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A word-level ``tokenizer.json`` (``w0`` .. ``w{vocab-1}``) with ``w2`` as EOS, matching
+    the tiny models' ``eos_token_id`` (:func:`plora.bench.gpu.write_word_tokenizer`)."""
+    from plora.bench.gpu import write_word_tokenizer
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w3"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "w1", "eos_token": "w2", "unk_token": "w3", "pad_token": "w0"}),
-        "utf-8",
-    )
+    write_word_tokenizer(out, vocab)
 
 
 def save(family: str, out: Path, seed: int = 0, max_shard_size: str | None = None):  # type: ignore[no-untyped-def]

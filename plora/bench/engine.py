@@ -102,10 +102,16 @@ def _chat_ids(tok: Tokenizer, n: int) -> list[list[int]]:
     return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
-def _engine_run(
+def engine_run(
     engine: Engine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
 ) -> tuple[float, float]:
-    """(tokens per wall second, tokens per step-thread CPU second) for one batch (EOS ignored)."""
+    """(tokens per wall second, tokens per step-thread CPU second) of one batch through
+    ``engine``: request ``i`` is ``prompts[i]`` with ``adapters[i]`` (``None`` = base), each
+    generating ``new_tokens`` tokens with EOS ignored.
+
+    Raises:
+        Exception: the first error a request's stream reports.
+    """
     c0 = engine.step_cpu_seconds
     t0 = time.perf_counter()
     streams = [
@@ -284,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     )
     engine.start()
     try:
-        _engine_run(engine, prompts[:2], [None, names[0]], 2)  # warm-up
+        engine_run(engine, prompts[:2], [None, names[0]], 2)  # warm-up
         eng_base: dict[str, float] = {}
         eng_mixed: dict[str, float] = {}
         eng_base_cpu: dict[str, float] = {}
@@ -294,8 +300,8 @@ def run(args: argparse.Namespace) -> int:
             mixed_adapters = [names[i % len(names)] for i in range(b)]
             base_runs, mixed_runs = [], []
             for _ in range(reps):  # interleaved, so load drift hits both alike
-                base_runs.append(_engine_run(engine, prompts[:b], [None] * b, new_tokens))
-                mixed_runs.append(_engine_run(engine, prompts[:b], mixed_adapters, new_tokens))
+                base_runs.append(engine_run(engine, prompts[:b], [None] * b, new_tokens))
+                mixed_runs.append(engine_run(engine, prompts[:b], mixed_adapters, new_tokens))
             eng_base[str(b)] = max(r[0] for r in base_runs)
             eng_mixed[str(b)] = max(r[0] for r in mixed_runs)
             eng_base_cpu[str(b)] = max(r[1] for r in base_runs)

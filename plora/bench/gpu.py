@@ -386,13 +386,15 @@ def _decode_step_s(model: Any, lora: Any, rows: int, reps: int) -> float:
     return best
 
 
-def _tokenizer_dir(vocab: int, out: Path) -> Path:
-    """A word-level tokenizer of ``vocab`` tokens (``w2`` = EOS) for the random model."""
+def write_word_tokenizer(out: Path, vocab: int) -> Path:
+    """Write a word-level ``tokenizer.json`` (``w0`` .. ``w{vocab-1}``, whitespace split; ``w2``
+    is EOS) and its ``tokenizer_config.json`` into ``out``, for a random-weight model that has
+    no tokenizer of its own. Returns ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w3"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "w1", "eos_token": "w2", "unk_token": "w3", "pad_token": "w0"}),
@@ -404,29 +406,9 @@ def _tokenizer_dir(vocab: int, out: Path) -> Path:
 def _engine_tok_s(
     engine: Any, prompts: list[list[int]], adapters: Sequence[str | None], n: int
 ) -> float:
-    from services.worker.adapter_api import AdapterRef
-    from services.worker.engine import EngineRequest
+    from plora.bench.engine import engine_run
 
-    t0 = time.perf_counter()
-    streams = [
-        engine.submit(
-            EngineRequest(
-                f"gpu-{time.monotonic_ns()}-{i}",
-                p,
-                max_new_tokens=n,
-                ignore_eos=True,
-                adapter=AdapterRef(a, 1, "") if a else None,
-            )
-        )
-        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
-    ]
-    total = 0
-    for s in streams:
-        for ev in s:
-            if ev.error is not None:
-                raise ev.error
-            total += len(ev.token_ids)
-    return total / (time.perf_counter() - t0)
+    return engine_run(engine, prompts, list(adapters), n)[0]
 
 
 def _peft_tok_s(pm: Any, prompts: list[list[int]], names: list[str], n: int) -> float:
@@ -504,7 +486,7 @@ def measure(s: dict[str, Any], kernels: list[str]) -> dict[str, Any]:
         n = s["new_tokens"]
         tok_s: dict[str, dict[str, float]] = {}
         with tempfile.TemporaryDirectory() as tmp:
-            tok = Tokenizer(_tokenizer_dir(vocab, Path(tmp)))
+            tok = Tokenizer(write_word_tokenizer(Path(tmp), vocab))
             for k in kernels:
                 cfg = EngineConfig(
                     device=device,

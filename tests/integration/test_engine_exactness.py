@@ -12,7 +12,6 @@ ONE mixed batch through our model and engine. For every row:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from collections.abc import Iterator
 
@@ -22,10 +21,10 @@ import torch
 from services.common.types import ModelSpec
 from services.worker.adapter_api import AdapterRef, ResidentAdapters
 from services.worker.engine import Engine, EngineConfig, EngineRequest
-from services.worker.lora_ops import NO_ADAPTER, LoRABatch
-from services.worker.model import DecoderModel, SeqChunk, StepBatch
+from services.worker.model import DecoderModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
+from tests.helpers import mixed_prefill_logits, peft_reference, randomize_lora
 
 pytestmark = pytest.mark.slow
 
@@ -110,13 +109,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
     pm = peft.get_peft_model(hf, peft.LoraConfig(**ADAPTERS[names[0]]), adapter_name=names[0])
     for n in names[1:]:
         pm.add_adapter(n, peft.LoraConfig(**ADAPTERS[n]))
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for pname, p in pm.named_parameters():
-            if "lora_B" in pname:  # PEFT inits B to zero: make every adapter matter
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            elif "lora_A" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    randomize_lora(pm, seed=1234, b_std=0.02)
     out = tmp_path_factory.mktemp("peft_adapters")
     pm.save_pretrained(str(out))
 
@@ -138,46 +131,23 @@ def _rows() -> list[tuple[str | None, str]]:
     return [(n, PROMPTS[i]) for i, n in enumerate(names)]
 
 
-def _peft_ref(pm, adapter: str | None, ids: list[int]) -> tuple[torch.Tensor, list[int]]:  # type: ignore[no-untyped-def]
-    x = torch.tensor([ids])
-    ctx = pm.disable_adapter() if adapter is None else contextlib.nullcontext()
-    if adapter is not None:
-        pm.set_adapter(adapter)
-    with ctx, torch.no_grad():
-        logits = pm(input_ids=x).logits[0, -1].float()
-        gen = pm.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=2,
-        )
-    return logits, gen[0, len(ids) :].tolist()
-
-
 def test_mixed_batch_logits_and_greedy_tokens_match_peft(setup) -> None:  # type: ignore[no-untyped-def]
     pm, model, tok, weights = setup
     rows = _rows()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for _, p in rows]
-    refs = [_peft_ref(pm, a, ids) for (a, _), ids in zip(rows, prompts, strict=True)]
+    refs = [
+        peft_reference(pm, a, ids, NEW_TOKENS, pad_token_id=2)
+        for (a, _), ids in zip(rows, prompts, strict=True)
+    ]
 
     # 1) One prefill step of all ten sequences in one flat batch, rows interleaved by adapter
     #    (unsorted, several base rows) -> last-position logits per sequence.
     names = list(ADAPTERS)
-    kv = model.new_kv_cache(len(rows), 256)
-    ids: list[int] = []
-    pos: list[int] = []
-    row_adapter: list[int] = []
-    chunks, last = [], []
-    for slot, ((a, _), p) in enumerate(zip(rows, prompts, strict=True)):
-        chunks.append(SeqChunk(slot=slot, row=len(ids), num_tokens=len(p), start_pos=0))
-        ids += p
-        pos += range(len(p))
-        row_adapter += [NO_ADAPTER if a is None else names.index(a)] * len(p)
-        last.append(len(ids) - 1)
-    lora = LoRABatch(row_adapter, [weights[n].modules for n in names])
-    batch = StepBatch(torch.tensor(ids), torch.tensor(pos), chunks, last, lora)
-    logits = model.forward(batch, kv)
+    logits = mixed_prefill_logits(
+        model,
+        [(a, p) for (a, _), p in zip(rows, prompts, strict=True)],
+        {n: weights[n].modules for n in names},
+    )
     for i, (ref_logits, _) in enumerate(refs):
         diff = (logits[i] - ref_logits).abs().max().item()
         assert diff < 1e-4, f"row {i} ({rows[i][0]}): max |logit diff| {diff:.2e}"

@@ -15,7 +15,6 @@ shorter than the prompts, soft-capping, fused projections, scaled RoPE: see
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,10 @@ import torch
 from services.common.adapters import load_lora_weights
 from services.worker.adapter_api import AdapterRef, ResidentAdapters
 from services.worker.engine import Engine, EngineConfig, EngineRequest
-from services.worker.lora_ops import NO_ADAPTER, LoRABatch
 from services.worker.model import DecoderModel, SeqChunk, StepBatch
 from services.worker.tokenizer import Tokenizer
 from tests import tiny_models
+from tests.helpers import mixed_prefill_logits, peft_reference, randomize_lora
 
 peft = pytest.importorskip("peft")
 
@@ -69,13 +68,7 @@ def family_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     pm = peft.get_peft_model(hf, peft.LoraConfig(**configs[names[0]]), adapter_name=names[0])
     for n in names[1:]:
         pm.add_adapter(n, peft.LoraConfig(**configs[n]))
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for pname, p in pm.named_parameters():
-            if "lora_B" in pname:  # PEFT starts B at zero: make every adapter matter
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            elif "lora_A" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    randomize_lora(pm, seed=7, b_std=0.1)
     pm.save_pretrained(str(root / "adapters"))
     model = DecoderModel.from_dir(root / "model")
     assert model.spec.family == family
@@ -99,44 +92,17 @@ def _rows() -> list[tuple[str | None, list[int]]]:
     return list(zip(names, _prompts(), strict=True))
 
 
-def _peft_ref(pm, adapter: str | None, ids: list[int]) -> tuple[torch.Tensor, list[int]]:  # type: ignore[no-untyped-def]
-    x = torch.tensor([ids])
-    ctx = pm.disable_adapter() if adapter is None else contextlib.nullcontext()
-    if adapter is not None:
-        pm.set_adapter(adapter)
-    with ctx, torch.no_grad():
-        logits = pm(input_ids=x).logits[0, -1].float()
-        out = pm.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=tiny_models.EOS,
-            pad_token_id=0,
-        )
-    return logits, out[0, len(ids) :].tolist()
-
-
 def test_mixed_batch_logits_and_greedy_tokens_match_transformers_peft(family_setup) -> None:  # type: ignore[no-untyped-def]
     family, pm, model, tok, weights = family_setup
     rows = _rows()
-    refs = [_peft_ref(pm, a, ids) for a, ids in rows]
+    refs = [
+        peft_reference(pm, a, ids, NEW_TOKENS, eos_token_id=tiny_models.EOS, pad_token_id=0)
+        for a, ids in rows
+    ]
     names = list(weights)
 
     # One prefill step of every row in one flat batch, rows interleaved by adapter.
-    kv = model.new_kv_cache(len(rows), 64)
-    ids: list[int] = []
-    pos: list[int] = []
-    row_adapter: list[int] = []
-    chunks, last = [], []
-    for slot, (a, p) in enumerate(rows):
-        chunks.append(SeqChunk(slot=slot, row=len(ids), num_tokens=len(p), start_pos=0))
-        ids += p
-        pos += range(len(p))
-        row_adapter += [NO_ADAPTER if a is None else names.index(a)] * len(p)
-        last.append(len(ids) - 1)
-    lora = LoRABatch(row_adapter, [weights[n].modules for n in names])
-    logits = model.forward(StepBatch(torch.tensor(ids), torch.tensor(pos), chunks, last, lora), kv)
+    logits = mixed_prefill_logits(model, rows, {n: weights[n].modules for n in names})
     for i, (ref_logits, _) in enumerate(refs):
         diff = (logits[i] - ref_logits).abs().max().item()
         assert diff < 1e-4, f"{family} row {i} ({rows[i][0]}): max |logit diff| {diff:.2e}"
