@@ -34,8 +34,8 @@ AdapterSource = Callable[[Path], str]
 
 class AofRedis:
     """``redis-server`` on loopback with its append-only file (``appendfsync always``) in
-    ``workdir``: :meth:`restart` stops it with SIGTERM and starts it again on the same port and
-    directory, where it reloads every write it acknowledged."""
+    ``workdir``: stopped (:meth:`stop`, SIGTERM) and started again, it listens on the same port
+    and reloads every write it acknowledged from the same directory."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
@@ -89,14 +89,6 @@ class AofRedis:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-
-    def restart(self) -> float:
-        """Stop it and start it again on the same port and directory; returns the seconds it
-        was not answering."""
-        down = time.monotonic()
-        self.stop()
-        self.start()
-        return time.monotonic() - down
 
 
 class Service:
@@ -202,12 +194,18 @@ class Service:
 
 
 def worker(
-    root: Path, name: str, redis_url: str, model_dir: Path, token: str, *flags: str
+    root: Path,
+    name: str,
+    redis_url: str,
+    model_dir: Path,
+    token: str,
+    *flags: str,
+    worker_id: str = "",
 ) -> Service:
-    """A worker ``name`` (also its id) on the real model: one thread, a 128 MiB pool, no host
-    staging, one request at a time (so each stream's tokens are those of the request alone,
-    and the others wait for their first token in its queue)."""
-    base = ["--worker-id", name, "--redis-url", redis_url, "--model", str(model_dir)]
+    """A worker ``name`` (its id too unless ``worker_id`` is given) on the real model: one
+    thread, a 128 MiB pool, no host staging, one request at a time (so each stream's tokens are
+    those of the request alone, and the others wait for their first token in its queue)."""
+    base = ["--worker-id", worker_id or name, "--redis-url", redis_url, "--model", str(model_dir)]
     base += ["--threads", "1", "--pool-bytes", "128MiB", "--host-staging", "off"]
     base += ["--max-batch-size", "1", "--max-num-batched-tokens", "512"]
     return Service(root, name, "worker", [*base, *flags], token)

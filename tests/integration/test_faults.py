@@ -253,3 +253,153 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
         f"{rejoin_s:.1f} s (cold {cold.ended - cold.started:.2f} s, warm "
         f"{warm.ended - warm.started:.2f} s)"
     )
+
+
+def test_frozen_workers_are_routed_around_and_come_back_as_their_ids_allow(
+    faults: FaultCluster,
+) -> None:
+    """w1 (streaming a long request) and w2 (idle) frozen with SIGSTOP at once. New requests
+    all succeed on w0: a call sent to a
+    frozen worker fails UNAVAILABLE before its first token within the keepalive bound (20 s)
+    and is retried there. The stream on w1 ends UNAVAILABLE within that bound; both leave the
+    registry's healthy workers within the heartbeat TTL (5 s), after which requests go to w0
+    without waiting. A replacement claims w1's expired id; continued, the old w1 finds its id
+    taken and exits 69, while w2, whose id nobody took, claims it again, heartbeats and is
+    routed to, as is the replacement."""
+    c = faults
+    wait_for("three healthy workers", lambda: len(c.healthy()) == 3, 15)
+    for i in range(9, 20):
+        c.register(f"f{i}", c.adapters[i])
+    retried_before = c.gateway.log.read_text().count("failed before the first token")
+    address = c.gateway.address
+    frozen, idle = c.workers["w1"], c.workers["w2"]
+    c.registry.set_placement({"f9": ["w1"]})
+    long = Stream(0, "f9", story(0), 64).run(address)
+    wait_for("the stream on w1", lambda: len(long.tokens) >= 3, 60)
+    # the gauge is set at each heartbeat (every second)
+    wait_for("w1 running it", lambda: frozen.metric("plora_worker_running_requests") == 1, 3)
+    c.registry.set_placement({})
+    frozen.signal(signal.SIGSTOP)
+    idle.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+
+    # new adapters: the frozen workers look the least loaded to some of them
+    new = [Stream(i, f"f{i}", "Hi", 8).run(address) for i in range(10, 18)]
+    gone_s = wait_for(
+        "the frozen workers out of the healthy ones",
+        lambda: not c.healthy() & {"w1", "w2"},
+        HEARTBEAT_TTL_S + 5,
+    )
+    time.sleep(0.5)  # the gateway's worker list is re-read every 0.25 s (worker_cache_s)
+    after = generate(address, "f10", "Hello", 8)
+    for s in [*new, long]:
+        s.join(KEEPALIVE_BOUND_S + 60)
+    assert [(s.code, s.worker) for s in new] == [(grpc.StatusCode.OK, "w0")] * len(new)
+    assert (after.code, after.worker) == (grpc.StatusCode.OK, "w0")
+    assert after.ended - after.started < 10, "a request waited on a frozen worker"
+    slowest = max(s.ended - t0 for s in new)
+    assert slowest < KEEPALIVE_BOUND_S + 10
+    assert long.code is grpc.StatusCode.UNAVAILABLE, (long.code, long.details)
+    stream_s = long.ended - t0
+    assert stream_s < KEEPALIVE_BOUND_S + 2
+    assert gone_s < HEARTBEAT_TTL_S + 1.5
+    retried = c.gateway.log.read_text().count("failed before the first token") - retried_before
+    assert retried >= 1
+
+    # a replacement with w1's id (its supervisor started it elsewhere): the id is free
+    replacement = worker(
+        c.root, "w1-replacement", c.redis.url, c.model_dir, c.token, worker_id="w1"
+    )
+    c.workers["w1"] = replacement
+    replacement.start().wait_ready()
+    lease = c.registry.get_worker_lease("w1")
+    assert lease is not None and lease.holder.pid == replacement.pid
+    frozen.signal(signal.SIGCONT)
+    idle.signal(signal.SIGCONT)
+    woke = time.monotonic()
+    assert frozen.proc is not None and frozen.proc.wait(timeout=30) == 69
+    exit_s = time.monotonic() - woke
+    assert "was taken over by pid" in frozen.log.read_text()
+    back_s = wait_for("w2 healthy again", lambda: "w2" in c.healthy(), 10)
+    assert "its lease was gone (expired or lost by Redis) and is claimed again" in (
+        idle.log.read_text()
+    )
+    lease = c.registry.get_worker_lease("w2")
+    assert lease is not None and lease.holder.pid == idle.pid
+    # the old w1 may have heartbeated once on waking, before its lease renewal failed: the
+    # replacement's next heartbeat (every second) writes its own record again
+    wait_for(
+        "w1's record naming the replacement",
+        lambda: (
+            {(w.worker_id, w.address) for w in c.registry.list_workers() if w.healthy}
+            == {("w0", c.workers["w0"].address), ("w1", replacement.address), ("w2", idle.address)}
+        ),
+        2,
+    )
+
+    c.registry.set_placement({"f18": ["w2"], "f19": ["w1"]})
+    on_w2, on_w1 = generate(address, "f18", "Hi", 4), generate(address, "f19", "Hi", 4)
+    c.registry.set_placement({})
+    assert (on_w2.code, on_w2.worker) == (grpc.StatusCode.OK, "w2")
+    assert (on_w1.code, on_w1.worker) == (grpc.StatusCode.OK, "w1")
+    print(
+        f"\nSIGSTOP: out of the healthy workers after {gone_s:.1f} s (TTL {HEARTBEAT_TTL_S:g} s); "
+        f"the frozen stream ended UNAVAILABLE after {stream_s:.1f} s (keepalive bound "
+        f"{KEEPALIVE_BOUND_S:g} s); {len(new)} new requests all served by w0, the slowest "
+        f"done {slowest:.1f} s after the freeze ({retried} calls to the frozen workers retried); "
+        f"after that a request took {after.ended - after.started:.2f} s. Continued: the "
+        f"taken-over worker exited 69 after {exit_s:.1f} s, the other was healthy again after "
+        f"{back_s:.1f} s"
+    )
+
+
+def test_redis_restarted_with_its_append_only_file_keeps_every_registration(
+    faults: FaultCluster,
+) -> None:
+    """Redis stopped (SIGTERM) for 3 s and started again on its append-only file under the
+    running services: a request meanwhile is served from the gateway's records; every adapter
+    is still registered with its version, the workers heartbeat to it again without a restart
+    (and do not take it for a registry that lost their records), every adapter serves, and a
+    registration after it gets the next version."""
+    c = faults
+    wait_for("three healthy workers", lambda: len(c.healthy()) == 3, 15)
+    for i in range(20, 24):
+        c.register(f"r{i}", c.adapters[i])
+    address = c.gateway.address
+    gw = stub(address)
+    before = {a.adapter_id: a.version for a in c.registry.list_adapters()}
+    assert set(before) == set(c.registered)
+    assert generate(address, "r20", "Hi", 4).code is grpc.StatusCode.OK
+
+    c.redis.stop()
+    down = time.monotonic()
+    # meanwhile the gateway serves from the records it read before
+    during = generate(address, "r20", "Hello", 4)
+    time.sleep(max(0.0, 3.0 - (time.monotonic() - down)))  # a restart of some seconds
+    c.redis.start()
+    down_s = time.monotonic() - down
+    restarted = time.time()
+    assert (during.code, during.details) == (grpc.StatusCode.OK, "")
+    assert {a.adapter_id: a.version for a in c.registry.list_adapters()} == before
+    back_s = wait_for(
+        "every worker heartbeating to the restarted Redis",
+        lambda: all(w.heartbeat_unix > restarted and w.healthy for w in c.registry.list_workers()),
+        10,
+    )
+    listed = gw.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters
+    assert {a.adapter_id for a in listed} == set(before)
+    served = [generate(address, adapter_id, "Hi", 4) for adapter_id in sorted(before)]
+    assert all(s.code is grpc.StatusCode.OK for s in served), [
+        (s.adapter_id, s.code, s.details) for s in served if s.code is not grpc.StatusCode.OK
+    ]
+    again = gw.RegisterAdapter(
+        gateway_pb2.RegisterAdapterRequest(adapter_id="r20", source=c.source(c.adapters[20])),
+        timeout=60,
+    )
+    assert again.adapter.version == before["r20"] + 1
+    for w in c.workers.values():
+        assert "lost this worker's record" not in w.log.read_text(), w.name
+    print(
+        f"\nRedis restart: down {down_s:.2f} s; {len(before)} adapters kept; every worker "
+        f"heartbeating again {back_s:.2f} s after it was back; {len(served)} adapters served"
+    )
