@@ -201,8 +201,8 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     assert not any(s.code for s in streams)
     victim = c.workers["w0"]
     port = victim.ports["grpc_port"]
-    victim.kill()
     killed = time.monotonic()
+    victim.kill()
     for s in streams:
         s.join(180)
 
@@ -320,7 +320,8 @@ def test_frozen_workers_are_routed_around_and_come_back_as_their_ids_allow(
     assert frozen.proc is not None and frozen.proc.wait(timeout=30) == 69
     exit_s = time.monotonic() - woke
     assert "was taken over by pid" in frozen.log.read_text()
-    back_s = wait_for("w2 healthy again", lambda: "w2" in c.healthy(), 10)
+    wait_for("w2 healthy again", lambda: "w2" in c.healthy(), 10)
+    back_s = time.monotonic() - woke
     assert "its lease was gone (expired or lost by Redis) and is claimed again" in (
         idle.log.read_text()
     )
