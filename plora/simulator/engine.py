@@ -1030,7 +1030,8 @@ class ClusterSimulation:
         self.workers = [SimWorker(w, self) for w in range(config.workers)]
         self.by_name = {w.name: w for w in self.workers}
         # the simulated gateways' routing states; each counts only its own requests
-        self.gateways = [RoutingState(policy.routing) for _ in range(config.gateways)]
+        # (each breaking ties from a turn of its own, as live gateways do)
+        self.gateways = [RoutingState(policy.routing, first_turn=g) for g in range(config.gateways)]
         self.routing = self.gateways[0]
         # with several gateways: [gateway][worker] -> requests it sent there, not yet ended
         self._sent: list[list[list[int]]] = [

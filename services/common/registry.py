@@ -13,6 +13,7 @@ Key layout (prefix ``plora`` by default; every value is JSON unless noted):
   while it lives, released on a clean stop; :meth:`Registry.claim_worker_id`).
 * ``{p}:model`` - the served base model's :class:`~services.common.types.ModelSpec`.
 * ``{p}:placement`` - ``{adapter_id: [worker_id, ...]}`` from the predictor.
+* ``{p}:gateway_starts`` - integer counter: gateways started (:meth:`Registry.next_gateway_index`).
 * ``{p}:forecast`` - ``{"made_unix", "horizon_seconds", "model", "expected": {id: count}}``.
 * ``{p}:predictor_state`` - bytes: the predictor's model and recent counts.
 """
@@ -797,6 +798,13 @@ class Registry:
             return None
         data = json.loads(raw)
         return ModelSpec.from_dict(data), str(data.get("serving_dtype", "float32"))
+
+    @_guarded
+    def next_gateway_index(self) -> int:
+        """A number for a gateway that starts: 0 for the first started on this registry, then
+        1, 2, ... (never reused). Gateways in front of the same workers start their routing's
+        tie-break rotation there (:class:`~services.common.routing.RoutingState`)."""
+        return int(self.client.incr(self._k("gateway_starts"))) - 1
 
     @_guarded
     def set_placement(self, placement: dict[str, list[str]]) -> None:

@@ -298,6 +298,13 @@ class RoutingState:
         grace_s: :data:`ROUTED_GRACE_S`.
         on_pending: Called with a worker id and its new pending count whenever it changes
             (under the state's lock, so calls arrive in order): a gauge.
+        first_turn: Where the rotation of the order ties are broken in starts. Gateways in
+            front of the same workers each count only their own requests, so two that
+            rotated alike would break every tie alike and send their first requests for cold
+            adapters to the same idle worker (herding, kept afterwards by the adapters'
+            residency: max / min requests per worker 1.5 for two live gateways); each starts
+            at its own turn instead (the gateway's start index,
+            :meth:`services.common.registry.Registry.next_gateway_index`).
     """
 
     def __init__(
@@ -306,6 +313,7 @@ class RoutingState:
         *,
         grace_s: float = ROUTED_GRACE_S,
         on_pending: Callable[[str, int], None] | None = None,
+        first_turn: int = 0,
     ) -> None:
         if routing not in (RANK_AWARE, ROUND_ROBIN):
             raise ValueError(f"routing must be {RANK_AWARE!r} or {ROUND_ROBIN!r}, got {routing!r}")
@@ -323,7 +331,8 @@ class RoutingState:
         self._last: tuple[object, list[WorkerView]] | None = None
         # worker id -> its heartbeat time when a call to it failed
         self._failed: dict[str, float] = {}
-        self._turn = 0  # rank-aware decisions made: rotates the order ties are broken in
+        # rank-aware decisions made (from first_turn): rotates the order ties are broken in
+        self._turn = first_turn
         self._round_robin = RoundRobinRouter()
 
     # -- what the gateway counts per request ---------------------------------------------

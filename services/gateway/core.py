@@ -121,6 +121,9 @@ class GatewayCore:
         config: The gateway's settings.
         registry: The Redis registry.
         metrics: The gateway's Prometheus series.
+
+    Raises:
+        RegistryUnavailableError: Redis cannot be reached (it numbers the gateways started).
     """
 
     def __init__(self, config: GatewayConfig, registry: Registry, metrics: GatewayMetrics) -> None:
@@ -128,8 +131,11 @@ class GatewayCore:
         self.registry = registry
         self.metrics = metrics
         self.catalog = Catalog(config, registry, metrics)
+        # each gateway on this registry breaks routing ties starting at its own turn
         self.routing = RoutingState(
-            config.routing, on_pending=lambda w, n: metrics.worker_pending.labels(w).set(n)
+            config.routing,
+            on_pending=lambda w, n: metrics.worker_pending.labels(w).set(n),
+            first_turn=registry.next_gateway_index(),
         )
         # the cluster's internal token, sent on every call to a worker and to the predictor
         internal_token = resolve_token(config.internal_token_file, config.internal_token)

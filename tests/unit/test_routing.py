@@ -182,3 +182,24 @@ def test_worker_view_reads_a_heartbeat() -> None:
     view = worker_view(record)
     assert (view.queue_length, view.free_bytes, view.room_bytes) == (5, 70, 7)
     assert view.resident == {"a"} and set(view.loading) == {"b"}
+
+
+@pytest.mark.parametrize(("turns", "spread"), [((0, 0), [4, 2, 2]), ((0, 1), [3, 3, 2])])
+def test_gateways_starting_at_their_own_turns_spread_their_first_cold_adapters(
+    turns: tuple[int, int], spread: list[int]
+) -> None:
+    """Two gateways, each counting only its own requests, route four requests each for cold
+    adapters over three idle workers (the heartbeats show none of them yet). Rotating alike,
+    both send their first and fourth to the same worker (4, 2, 2: the adapters' residency
+    keeps that skew afterwards); starting at their own turns (their start index), they spread
+    them as evenly as eight over three goes (3, 3, 2)."""
+    heartbeats = [(WorkerView(f"w{i}", pool_bytes=1 << 30), 1.0) for i in range(3)]
+    gateways = [RoutingState(first_turn=t) for t in turns]
+    sent: dict[str, int] = {}
+    for n in range(8):
+        chosen, reason = gateways[n % 2].route(
+            f"a{n}", heartbeats, {}, size_bytes=1 << 20, now=1.0 + n / 100
+        )
+        assert reason == "least_loaded"
+        sent[chosen] = sent.get(chosen, 0) + 1
+    assert sorted(sent.values(), reverse=True) == spread
