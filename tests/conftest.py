@@ -19,6 +19,10 @@ from typing import Any
 
 import pytest
 
+# The suite runs the Triton multi-LoRA kernels through Triton's CPU interpreter. Triton reads
+# this when its kernels are first decorated, so it is set before any test module imports them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
