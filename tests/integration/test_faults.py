@@ -304,6 +304,7 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     # the adapter it streamed when killed, resident nowhere now, placed on it
     assert not any(first.adapter_id in w.resident for w in c.registry.list_workers())
     c.registry.set_placement({first.adapter_id: [victim.name]})
+    time.sleep(0.5)  # the gateway re-reads the placement every 0.25 s (worker_cache_s)
     cold = generate(address, first.adapter_id, "Hi", 4)
     rejoin_s = time.monotonic() - restarted
     warm = generate(address, first.adapter_id, "Hi", 4)
@@ -319,6 +320,7 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     c.register("k-new", c.adapters[24])
     assert c.sha256("k-new") not in cached_before
     c.registry.set_placement({"k-new": [victim.name]})
+    time.sleep(0.5)
     fetched = generate(address, "k-new", "Hi", 4)
     assert (fetched.code, fetched.worker) == (grpc.StatusCode.OK, victim.name), fetched
     assert victim.metric("plora_worker_adapter_download_seconds_count") == 1
