@@ -102,14 +102,24 @@ class Service:
         kind: ``worker`` or ``gateway``.
         flags: Its flags beyond ``--port 0 --metrics-port 0 --ready-file``.
         token: The cluster's internal token (``PLORA_INTERNAL_TOKEN``).
+        env: More environment variables (e.g. an object store's endpoint and credentials).
     """
 
-    def __init__(self, root: Path, name: str, kind: str, flags: list[str], token: str) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        kind: str,
+        flags: list[str],
+        token: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.name = name
         self.kind = kind
         self.flags = flags
         self.token = token
+        self.env = dict(env or {})
         self.log = root / f"{name}.log"
         self.ready = root / f"{name}.ready.json"
         self.ports: dict[str, int] = {}
@@ -123,6 +133,7 @@ class Service:
         env["PLORA_INTERNAL_TOKEN"] = self.token
         for name in ("PLORA_REDIS_URL", "PLORA_WORKER_ID", "PLORA_API_KEYS_FILE"):
             env.pop(name, None)
+        env.update(self.env)
         cmd = [sys.executable, "-m", "plora.cli", "serve", self.kind, "--port", str(port)]
         cmd += ["--metrics-port", "0", "--ready-file", str(self.ready), *self.flags]
         self.started = time.monotonic()
@@ -201,21 +212,30 @@ def worker(
     token: str,
     *flags: str,
     worker_id: str = "",
+    env: dict[str, str] | None = None,
 ) -> Service:
     """A worker ``name`` (its id too unless ``worker_id`` is given) on the real model: one
     thread, a 128 MiB pool, no host staging, one request at a time (so each stream's tokens are
-    those of the request alone, and the others wait for their first token in its queue)."""
+    those of the request alone, and the others wait for their first token in its queue);
+    ``env`` added to its environment."""
     base = ["--worker-id", worker_id or name, "--redis-url", redis_url, "--model", str(model_dir)]
     base += ["--threads", "1", "--pool-bytes", "128MiB", "--host-staging", "off"]
     base += ["--max-batch-size", "1", "--max-num-batched-tokens", "512"]
-    return Service(root, name, "worker", [*base, *flags], token)
+    return Service(root, name, "worker", [*base, *flags], token, env)
 
 
-def gateway(root: Path, name: str, redis_url: str, token: str, *flags: str) -> Service:
-    """A gateway ``name`` on loopback (no API keys there), its HTTP door on a free port."""
-    return Service(
-        root, name, "gateway", ["--redis-url", redis_url, "--http-port", "0", *flags], token
-    )
+def gateway(
+    root: Path,
+    name: str,
+    redis_url: str,
+    token: str,
+    *flags: str,
+    env: dict[str, str] | None = None,
+) -> Service:
+    """A gateway ``name`` on loopback (no API keys there), its HTTP door on a free port;
+    ``env`` added to its environment."""
+    flags = ("--redis-url", redis_url, "--http-port", "0", *flags)
+    return Service(root, name, "gateway", list(flags), token, env)
 
 
 def stub(address: str) -> gateway_pb2_grpc.GatewayStub:

@@ -4,9 +4,13 @@ Redis restarted under the running services.
 One cluster for the module, started by hand as a supervisor (Kubernetes, ``plora up``) would:
 a Redis with its append-only file, three ``plora serve worker`` processes (one request at a
 time each, so a queued request has no first token and every stream's tokens are its request's
-alone) and a ``plora serve gateway``. The adapters come from the ``adapter_source`` fixture (a
-local directory here; an object store's URL where one is provided), so the same scenarios run
-whichever store the workers read.
+alone) and a ``plora serve gateway``. The adapters live only in an object store: a real S3
+server (``rclone serve s3``, the ``s3_server`` fixture) to which the ``adapter_source`` fixture
+uploads each adapter's directory, registering it by its ``s3://`` URL. The gateway and the
+workers reach the store through the standard AWS variables, are allowed its bucket
+(``--adapter-source-allow``), and are confined to adapter roots (``--adapter-root``) that do
+not hold the adapters' local directories, so no service could read those even if it tried;
+each worker downloads what it serves into its node-local adapter cache (``--adapter-cache-dir``).
 
 The bounds, from the code:
 
@@ -35,6 +39,7 @@ from plora.make_adapters import make_adapter_set
 from plora.v1 import gateway_pb2
 from services.common.grpc_util import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from services.common.registry import Registry, connect
+from services.gateway.catalog import REGISTRY_PROBE_S
 from services.worker.model_loader import spec_from_dir
 from tests.processes import (
     AdapterSource,
@@ -46,6 +51,7 @@ from tests.processes import (
     wait_for,
     worker,
 )
+from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +59,31 @@ pytestmark = pytest.mark.slow
 KEEPALIVE_BOUND_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000
 #: The workers' liveness TTL (``WorkerConfig.heartbeat_ttl_s``'s default).
 HEARTBEAT_TTL_S = 5.0
+WEIGHTS = "adapter_model.safetensors"
 
 TOPICS = ["a lighthouse", "a dragon", "the sea", "a robot", "a forest", "a city", "the moon"]
 TOPICS += ["a river", "a clock", "a ship", "a garden", "a storm"]
 
 
 @pytest.fixture(scope="module")
-def adapter_source() -> AdapterSource:
-    """Adapters registered by their local directory."""
-    return str
+def adapter_source(s3_server) -> AdapterSource:
+    """Adapters registered by ``s3://``: each local directory uploaded to the S3 server once
+    (under a prefix of its own), its URL returned."""
+    uploaded: dict[Path, str] = {}
+
+    def source(path: Path) -> str:
+        if path not in uploaded:
+            uploaded[path] = s3_server.put_adapter(path, f"faults/{path.name}")
+        return uploaded[path]
+
+    return source
+
+
+@pytest.fixture(scope="module")
+def service_env(s3_server) -> dict[str, str]:
+    """What the gateway and the workers get in their environment: the S3 server's endpoint
+    and credentials (boto3's standard chain) and its bucket allowed."""
+    return {**s3_server.env(), "PLORA_ADAPTER_SOURCE_ALLOW": f"s3://{BUCKET}/"}
 
 
 @dataclasses.dataclass
@@ -76,7 +98,37 @@ class FaultCluster:
     gateway: Service
     adapters: list[Path]
     source: AdapterSource
+    env: dict[str, str]
     registered: list[str] = dataclasses.field(default_factory=list)
+
+    def worker(self, name: str, worker_id: str = "") -> Service:
+        """A worker ``name`` (not started) confined to the workers' adapter root, its adapter
+        cache in ``<root>/node-cache/<name>``, the object store in its environment."""
+        flags = ["--adapter-root", str(self.root / "worker-root")]
+        flags += ["--adapter-cache-dir", str(self.cache_dir(name))]
+        return worker(
+            self.root,
+            name,
+            self.redis.url,
+            self.model_dir,
+            self.token,
+            *flags,
+            worker_id=worker_id,
+            env=self.env,
+        )
+
+    def cache_dir(self, name: str) -> Path:
+        """The node-local adapter cache of the worker ``name``."""
+        return self.root / "node-cache" / name
+
+    def cached(self, name: str) -> set[str]:
+        """The sha256s of the adapters in the worker ``name``'s cache."""
+        cache = self.cache_dir(name)
+        return {p.name for p in cache.iterdir() if not p.name.startswith(".")}
+
+    def sha256(self, adapter_id: str) -> str:
+        """The registered sha256 of ``adapter_id``."""
+        return next(a.sha256 for a in self.registry.list_adapters() if a.adapter_id == adapter_id)
 
     @property
     def registry(self) -> Registry:
@@ -98,25 +150,34 @@ class FaultCluster:
 
 @pytest.fixture(scope="module")
 def faults(
-    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, adapter_source: AdapterSource
+    tmp_path_factory: pytest.TempPathFactory,
+    model_dir: Path,
+    adapter_source: AdapterSource,
+    service_env: dict[str, str],
 ) -> Iterator[FaultCluster]:
-    """Redis (append-only file on), three workers ``w0``..``w2``, a gateway; 24 adapters of
-    rank 8 made for the base model (none registered yet)."""
+    """Redis (append-only file on), three workers ``w0``..``w2``, a gateway; 25 adapters of
+    rank 8 made for the base model in ``<root>/adapters`` (none registered yet), which no
+    service's adapter root holds."""
     root = tmp_path_factory.mktemp("faults")
+    for name in ("worker-root", "gateway-root"):
+        (root / name).mkdir()
     redis_server = AofRedis(root / "redis").start()
     token = secrets.token_urlsafe(32)
     spec = spec_from_dir(model_dir)
-    adapters = make_adapter_set(root / "adapters", spec, count=24, ranks=[8], seed=1)
+    adapters = make_adapter_set(root / "adapters", spec, count=25, ranks=[8], seed=1)
+    gateway_flags = ("--adapter-root", str(root / "gateway-root"))
     cluster = FaultCluster(
         root,
         redis_server,
         token,
         model_dir,
-        {f"w{i}": worker(root, f"w{i}", redis_server.url, model_dir, token) for i in range(3)},
-        gateway(root, "gateway", redis_server.url, token),
+        {},
+        gateway(root, "gateway", redis_server.url, token, *gateway_flags, env=service_env),
         adapters,
         adapter_source,
+        service_env,
     )
+    cluster.workers = {f"w{i}": cluster.worker(f"w{i}") for i in range(3)}
     try:
         for w in cluster.workers.values():
             w.start()
@@ -124,6 +185,13 @@ def faults(
             w.wait_ready()
         cluster.gateway.start().wait_ready()
         wait_for("three healthy workers", lambda: len(cluster.healthy()) == 3, 30)
+        # the adapters' local directories are out of every service's reach
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(cluster.gateway.address).RegisterAdapter(
+                gateway_pb2.RegisterAdapterRequest(adapter_id="local", source=str(adapters[0])),
+                timeout=30,
+            )
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         yield cluster
     finally:
         for s in [cluster.gateway, *cluster.workers.values()]:
@@ -189,7 +257,9 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     request's undisturbed answer; its queued requests are retried on the other workers; every
     other stream completes with the tokens of an undisturbed run. Restarted with its id on its
     port (a container restarted in its pod), the worker takes its id back, heartbeats, is
-    routed to, and loads an adapter it had held cold, then serves it warm."""
+    routed to, and loads an adapter it had held cold (from its node-local adapter cache, which
+    outlived the process: no download), then serves it warm; a new adapter it
+    downloads from the object store into that cache."""
     c = faults
     for i in range(9):
         c.register(f"k{i}", c.adapters[i])
@@ -218,6 +288,11 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     assert retried >= 1 and retries == retried, (retried, retries)
     assert all(s.worker != victim.name for s in streams if s is not first)
 
+    # what it had downloaded (the adapter it streamed, at least) stays on its node's disk
+    cached_before = c.cached(victim.name)
+    first_sha = c.sha256(first.adapter_id)
+    assert first_sha in cached_before
+
     # the restarted worker, as a supervisor restarts it: same id, same port
     restarted = time.monotonic()
     victim.start(port).wait_ready()
@@ -229,6 +304,7 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     # the adapter it streamed when killed, resident nowhere now, placed on it
     assert not any(first.adapter_id in w.resident for w in c.registry.list_workers())
     c.registry.set_placement({first.adapter_id: [victim.name]})
+    time.sleep(0.5)  # the gateway re-reads the placement every 0.25 s (worker_cache_s)
     cold = generate(address, first.adapter_id, "Hi", 4)
     rejoin_s = time.monotonic() - restarted
     warm = generate(address, first.adapter_id, "Hi", 4)
@@ -236,6 +312,22 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
     assert (warm.code, warm.worker) == (grpc.StatusCode.OK, victim.name), warm
     assert victim.metric("plora_worker_cold_starts_total") == 1
     assert victim.metric("plora_worker_requests_total", code="OK") == 2
+    # its node-local cache outlived the process: the cold load read the adapter from there
+    assert first_sha in c.cached(victim.name)
+    assert victim.metric("plora_worker_adapter_cache_hits_total") == 1
+    assert victim.metric("plora_worker_adapter_download_seconds_count") == 0
+    # an adapter no worker has held comes from the object store into its cache
+    c.register("k-new", c.adapters[24])
+    assert c.sha256("k-new") not in cached_before
+    c.registry.set_placement({"k-new": [victim.name]})
+    time.sleep(0.5)
+    fetched = generate(address, "k-new", "Hi", 4)
+    assert (fetched.code, fetched.worker) == (grpc.StatusCode.OK, victim.name), fetched
+    assert victim.metric("plora_worker_adapter_download_seconds_count") == 1
+    downloaded = victim.metric("plora_worker_adapter_download_bytes_total")
+    assert downloaded >= (c.adapters[24] / WEIGHTS).stat().st_size
+    assert c.sha256("k-new") in c.cached(victim.name)
+    assert victim.metric("plora_worker_cold_starts_total") == 2
     c.registry.set_placement({})
 
     # the undisturbed run, one request at a time, now the cluster is whole again
@@ -250,8 +342,9 @@ def test_a_worker_killed_mid_stream(faults: FaultCluster) -> None:
         f"\nSIGKILL mid-stream: UNAVAILABLE after {to_unavailable:.3f} s; {retried} queued "
         f"requests retried elsewhere; restarted worker ready after {ready_s:.1f} s, healthy "
         f"in the registry after {healthy_s:.1f} s, served a request routed to it after "
-        f"{rejoin_s:.1f} s (cold {cold.ended - cold.started:.2f} s, warm "
-        f"{warm.ended - warm.started:.2f} s)"
+        f"{rejoin_s:.1f} s (cold from its disk cache {cold.ended - cold.started:.2f} s, warm "
+        f"{warm.ended - warm.started:.2f} s, cold with a download of {downloaded / 1e6:.2f} MB "
+        f"from S3 {fetched.ended - fetched.started:.2f} s)"
     )
 
 
@@ -307,9 +400,7 @@ def test_frozen_workers_are_routed_around_and_come_back_as_their_ids_allow(
     assert retried >= 1
 
     # a replacement with w1's id (its supervisor started it elsewhere): the id is free
-    replacement = worker(
-        c.root, "w1-replacement", c.redis.url, c.model_dir, c.token, worker_id="w1"
-    )
+    replacement = c.worker("w1-replacement", worker_id="w1")
     c.workers["w1"] = replacement
     replacement.start().wait_ready()
     lease = c.registry.get_worker_lease("w1")
@@ -361,7 +452,8 @@ def test_redis_restarted_with_its_append_only_file_keeps_every_registration(
     running services: a request meanwhile is served from the gateway's records; every adapter
     is still registered with its version, the workers heartbeat to it again without a restart
     (and do not take it for a registry that lost their records), every adapter serves, and a
-    registration after it gets the next version."""
+    registration after it gets the next version (the gateway's admin calls answer UNAVAILABLE
+    until its check, every second, finds Redis back)."""
     c = faults
     wait_for("three healthy workers", lambda: len(c.healthy()) == 3, 15)
     for i in range(20, 24):
@@ -387,8 +479,23 @@ def test_redis_restarted_with_its_append_only_file_keeps_every_registration(
         lambda: all(w.heartbeat_unix > restarted and w.healthy for w in c.registry.list_workers()),
         10,
     )
-    listed = gw.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters
-    assert {a.adapter_id for a in listed} == set(before)
+    # the gateway's admin calls fail at once (UNAVAILABLE) until its background check, every
+    # REGISTRY_PROBE_S, finds Redis back
+    listed: list[set[str]] = []
+
+    def list_adapters() -> bool:
+        try:
+            adapters = gw.ListAdapters(gateway_pb2.ListAdaptersRequest(), timeout=10).adapters
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+            return False
+        listed.append({a.adapter_id for a in adapters})
+        return True
+
+    admin_s = wait_for(
+        "the gateway's admin calls back", list_adapters, REGISTRY_PROBE_S + 2, every=0.1
+    )
+    assert listed == [set(before)]
     served = [generate(address, adapter_id, "Hi", 4) for adapter_id in sorted(before)]
     assert all(s.code is grpc.StatusCode.OK for s in served), [
         (s.adapter_id, s.code, s.details) for s in served if s.code is not grpc.StatusCode.OK
@@ -402,5 +509,6 @@ def test_redis_restarted_with_its_append_only_file_keeps_every_registration(
         assert "lost this worker's record" not in w.log.read_text(), w.name
     print(
         f"\nRedis restart: down {down_s:.2f} s; {len(before)} adapters kept; every worker "
-        f"heartbeating again {back_s:.2f} s after it was back; {len(served)} adapters served"
+        f"heartbeating again {back_s:.2f} s after it was back, the gateway's admin calls a "
+        f"further {admin_s:.2f} s later; {len(served)} adapters served"
     )
