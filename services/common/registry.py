@@ -807,6 +807,23 @@ class Registry:
         return int(self.client.incr(self._k("gateway_starts"))) - 1
 
     @_guarded
+    def note_cold_route(self, adapter_id: str, worker_id: str, ttl_s: float) -> None:
+        """Record that a gateway just sent ``adapter_id``, resident nowhere, to ``worker_id``
+        (so its load starts there), for ``ttl_s`` seconds: until the worker's heartbeats show
+        the load. Other gateways read it with :meth:`cold_route` and join that load instead
+        of starting a second copy elsewhere."""
+        self.client.set(
+            self._k(f"cold_route:{adapter_id}"), worker_id, px=max(1, int(ttl_s * 1000))
+        )
+
+    @_guarded
+    def cold_route(self, adapter_id: str) -> str | None:
+        """The worker a gateway sent ``adapter_id`` to within the last :meth:`note_cold_route`
+        lifetime, or None."""
+        raw = self.client.get(self._k(f"cold_route:{adapter_id}"))
+        return None if raw is None else _text(raw)
+
+    @_guarded
     def set_placement(self, placement: dict[str, list[str]]) -> None:
         """Replace the placement map ``adapter_id -> [worker_id, ...]``."""
         pipe = self.client.pipeline(transaction=True)

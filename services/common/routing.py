@@ -454,6 +454,24 @@ class RoutingState:
                 self._record_locked(chosen, adapter_id, size_bytes, now)
         return chosen, reason
 
+    def note_peer_load(
+        self,
+        heartbeats: Sequence[tuple[WorkerView, float]],
+        worker_id: str,
+        adapter_id: str,
+        size_bytes: int,
+        now: float,
+    ) -> None:
+        """Count ``adapter_id`` as loading on ``worker_id`` because another gateway sent it
+        there (``Registry.cold_route``), as if this gateway had routed it: the next request
+        for it joins that load (``"loading"``) instead of starting a second copy on the
+        worker that looks least loaded from here. Ignored for a worker not in
+        ``heartbeats``."""
+        with self._lock:
+            views = self._views_locked(heartbeats, None, False)
+            if any(v.worker_id == worker_id for v in views):
+                self._record_locked(worker_id, adapter_id, size_bytes, now)
+
     # -- internals (lock held) -----------------------------------------------------------
 
     def _add_pending(self, worker_id: str, delta: int) -> None:

@@ -45,7 +45,13 @@ from services.common.remote_sources import (
     inspect_remote_adapter,
     is_remote,
 )
-from services.common.routing import ROUND_ROBIN, RoutingState, worker_view
+from services.common.routing import (
+    ROUND_ROBIN,
+    ROUTED_GRACE_S,
+    RoutingState,
+    WorkerView,
+    worker_view,
+)
 from services.common.sources import Confinement
 from services.gateway.admission import (
     Admission,
@@ -430,15 +436,49 @@ class GatewayCore:
             )
         by_id = {w.worker_id: w for w in workers}
         rank_aware = adapter is not None and self.config.routing != ROUND_ROBIN
+        beats = [(worker_view(w), w.heartbeat_unix) for w in workers]
+        now = time.time()
+        if rank_aware and adapter is not None:
+            self._join_peer_load(adapter, beats, now)
         chosen, reason = self.routing.route(
             adapter.adapter_id if adapter else "",
-            [(worker_view(w), w.heartbeat_unix) for w in workers],
+            beats,
             self.catalog.placement() if rank_aware else {},
             size_bytes=adapter.size_bytes if adapter else 0,
-            now=time.time(),
+            now=now,
         )
+        if rank_aware and adapter is not None and reason in ("least_loaded", "placed"):
+            self._share_cold_route(adapter.adapter_id, chosen)
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
+
+    def _join_peer_load(
+        self, adapter: AdapterRecord, beats: list[tuple[WorkerView, float]], now: float
+    ) -> None:
+        """Rule: an adapter no heartbeat shows resident or loading anywhere may have been sent
+        cold by another gateway within the last heartbeat interval (``Registry.cold_route``);
+        count it as loading there, so this request joins that load. Gateways in front of the
+        same workers otherwise each start their own copy on the worker that looks idle from
+        where they stand (two live gateways: one worker served 1.4-1.7x the requests of
+        another under a uniform load). One Redis read, for would-be cold starts only; an
+        unreachable Redis skips it."""
+        aid = adapter.adapter_id
+        if any(aid in v.resident or aid in v.loading for v, _ in beats):
+            return
+        try:
+            peer = self.registry.cold_route(aid)
+        except RegistryUnavailableError:
+            return
+        if peer is not None:
+            self.routing.note_peer_load(beats, peer, aid, adapter.size_bytes, now)
+
+    def _share_cold_route(self, adapter_id: str, worker_id: str) -> None:
+        """Publish a cold start this gateway began, for the other gateways
+        (:meth:`_join_peer_load`), until the worker's heartbeats show the load."""
+        try:
+            self.registry.note_cold_route(adapter_id, worker_id, 2 * ROUTED_GRACE_S)
+        except RegistryUnavailableError:
+            pass
 
     # -- what may be asked for -------------------------------------------------------------
 

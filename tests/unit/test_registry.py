@@ -168,3 +168,12 @@ def test_a_long_outage_is_logged_again_at_most_every_interval(
         reg.list_workers()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "(still: 4 failed calls in " in lines[1]
+
+
+def test_a_cold_route_is_shared_for_its_lifetime(redis_url: str) -> None:
+    reg = Registry(connect(redis_url))
+    assert reg.cold_route("shared-a") is None
+    reg.note_cold_route("shared-a", "w1", ttl_s=0.3)
+    assert reg.cold_route("shared-a") == "w1"
+    time.sleep(0.5)
+    assert reg.cold_route("shared-a") is None

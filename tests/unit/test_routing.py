@@ -203,3 +203,17 @@ def test_gateways_starting_at_their_own_turns_spread_their_first_cold_adapters(
         assert reason == "least_loaded"
         sent[chosen] = sent.get(chosen, 0) + 1
     assert sorted(sent.values(), reverse=True) == spread
+
+
+def test_a_cold_load_another_gateway_started_is_joined() -> None:
+    """``note_peer_load``: an adapter another gateway just sent cold to w1 counts as loading
+    there, so this gateway's request for it joins that load instead of starting a copy on
+    the idle w0."""
+    state = RoutingState()
+    beats = [(hb("w0"), 100.0), (hb("w1", queue_length=1), 100.0)]
+    assert state.route("a", beats, {}, size_bytes=10 * MB, now=100.1) == ("w0", "least_loaded")
+    other = RoutingState()
+    other.note_peer_load(beats, "w1", "b", 10 * MB, now=100.2)
+    assert other.route("b", beats, {}, size_bytes=10 * MB, now=100.3) == ("w1", "loading")
+    other.note_peer_load(beats, "w9", "c", 10 * MB, now=100.2)  # not a worker here: ignored
+    assert other.route("c", beats, {}, size_bytes=10 * MB, now=100.3)[1] == "least_loaded"
