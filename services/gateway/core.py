@@ -460,13 +460,15 @@ class GatewayCore:
         count it as loading there, so this request joins that load. Gateways in front of the
         same workers otherwise each start their own copy on the worker that looks idle from
         where they stand (two live gateways: one worker served 1.4-1.7x the requests of
-        another under a uniform load). One Redis read, for would-be cold starts only; an
-        unreachable Redis skips it."""
+        another under a uniform load). One Redis read, for would-be cold starts only; while
+        Redis is known to be unreachable it is skipped at once (``GatewayCatalog.direct``),
+        so a hung Redis costs no more requests their timeout than before."""
         aid = adapter.adapter_id
         if any(aid in v.resident or aid in v.loading for v, _ in beats):
             return
         try:
-            peer = self.registry.cold_route(aid)
+            with self.catalog.direct():  # fails at once while Redis is known to be down
+                peer = self.registry.cold_route(aid)
         except RegistryUnavailableError:
             return
         if peer is not None:
@@ -476,7 +478,8 @@ class GatewayCore:
         """Publish a cold start this gateway began, for the other gateways
         (:meth:`_join_peer_load`), until the worker's heartbeats show the load."""
         try:
-            self.registry.note_cold_route(adapter_id, worker_id, 2 * ROUTED_GRACE_S)
+            with self.catalog.direct():
+                self.registry.note_cold_route(adapter_id, worker_id, 2 * ROUTED_GRACE_S)
         except RegistryUnavailableError:
             pass
 
