@@ -239,3 +239,28 @@ def mixed_prefill_logits(
     lora = LoRABatch(row_adapter, [adapters[n] for n in names])
     batch = StepBatch(torch.tensor(ids), torch.tensor(pos), chunks, last, lora)
     return model.forward(batch, kv)
+
+
+def password_redis_up(proc: Any, port: int, password: str) -> Any:
+    """Wait (10 s at most) until the Redis that ``proc`` started on ``port`` answers ``password``;
+    check that it refuses a client without it (``NOAUTH``) and keeps an append-only file.
+    Returns the authenticated ``redis.Redis`` client."""
+    import socket
+    import time
+
+    import redis
+
+    authed = redis.Redis(host="127.0.0.1", port=port, password=password)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert authed.ping()
+            break
+        except redis.ConnectionError:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"PING\r\n")
+        assert s.recv(100).startswith(b"-NOAUTH")
+    assert authed.config_get("appendonly") == {"appendonly": "yes"}
+    return authed

@@ -15,7 +15,6 @@ configuration (what decides every shape, norm, window and RoPE the adapter meets
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from services.worker.model_loader import spec_from_config
 from services.worker.tokenizer import Tokenizer
 from tests import tiny_models
 from tests.conftest import shared_data
+from tests.helpers import peft_reference
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")
@@ -146,22 +146,10 @@ def _serve_and_compare(base_dir: Path, hf, adapters: dict[str, Path], prompt_len
         (a, torch.randint(4, 256, (prompt_len + i,), generator=g).tolist())
         for i, a in enumerate([*names, None])
     ]
-    refs = []
-    for a, ids in rows:
-        x = torch.tensor([ids])
-        ctx = pm.disable_adapter() if a is None else contextlib.nullcontext()
-        if a is not None:
-            pm.set_adapter(a)
-        with ctx, torch.no_grad():
-            out = pm.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        refs.append(out[0, len(ids) :].tolist())
+    refs = [
+        peft_reference(pm, a, ids, NEW_TOKENS, eos_token_id=None, pad_token_id=0)[1]
+        for a, ids in rows
+    ]
     assert len({tuple(r) for r in refs}) > 1  # the adapters change the output
     engine = Engine(
         model,

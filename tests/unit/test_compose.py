@@ -22,7 +22,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -37,6 +36,7 @@ from services.common.redis_server import redis_server_binary
 from services.gateway.config import GatewayConfig
 from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
+from tests.helpers import password_redis_up
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
@@ -617,19 +617,7 @@ def test_redis_script_requires_the_password_and_keeps_it_off_the_command_line(
         ["sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        authed = redis.Redis(host="127.0.0.1", port=port, password=password)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert authed.ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.sendall(b"PING\r\n")
-            assert s.recv(100).startswith(b"-NOAUTH")
-        assert authed.config_get("appendonly") == {"appendonly": "yes"}
+        password_redis_up(proc, port, password)
         # `exec`: the server is the process compose started, with nothing secret in its argv
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert b"redis-server" in cmdline and password.encode() not in cmdline

@@ -28,7 +28,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import redis
 import yaml
 
 from services.common import grpc_util
@@ -40,6 +39,7 @@ from services.predictor.config import PredictorConfig
 from services.worker.config import WorkerConfig
 from services.worker.engine import Engine
 from services.worker.server import WorkerService
+from tests.helpers import password_redis_up
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -543,19 +543,7 @@ def test_redis_script_requires_the_password_and_keeps_it_off_the_command_line(
         stderr=subprocess.DEVNULL,
     )
     try:
-        authed = redis.Redis(host="127.0.0.1", port=port, password=password)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert authed.ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.sendall(b"PING\r\n")
-            assert s.recv(100).startswith(b"-NOAUTH")
-        assert authed.config_get("appendonly") == {"appendonly": "yes"}
+        authed = password_redis_up(proc, port, password)
         authed.set("k", "v")
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert b"redis-server" in cmdline and password.encode() not in cmdline
