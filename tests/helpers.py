@@ -241,6 +241,34 @@ def mixed_prefill_logits(
     return model.forward(batch, kv)
 
 
+def engine_generate(
+    engine: Any,
+    rows: list[tuple[str | None, list[int]]],
+    new_tokens: int,
+    prefix: str = "r",
+    ignore_eos: bool = False,
+) -> list[list[Any]]:
+    """Submit every ``(adapter or None, prompt ids)`` row to a started
+    :class:`~services.worker.engine.Engine` at once (adapter version 1) and return each row's
+    events, in row order."""
+    from services.worker.adapter_api import AdapterRef
+    from services.worker.engine import EngineRequest
+
+    streams = [
+        engine.submit(
+            EngineRequest(
+                f"{prefix}{i}",
+                ids,
+                max_new_tokens=new_tokens,
+                ignore_eos=ignore_eos,
+                adapter=AdapterRef(a, 1, "") if a else None,
+            )
+        )
+        for i, (a, ids) in enumerate(rows)
+    ]
+    return [list(s) for s in streams]
+
+
 def password_redis_up(proc: Any, port: int, password: str) -> Any:
     """Wait (10 s at most) until the Redis that ``proc`` started on ``port`` answers ``password``;
     check that it refuses a client without it (``NOAUTH``) and keeps an append-only file.

@@ -11,7 +11,13 @@ produces exactly ``--new-tokens`` per request):
   (PEFT's mixed-adapter batch inference);
 * ``ttft_prompt256_s``       engine time to first token for one 256-token prompt (idle engine;
   ``ttft_prompt_tokens`` says how long it was: shorter on a model whose context is shorter);
-* ratios ``mixed_over_base_b8``, ``mixed_over_peft_b8``, ``base_over_hf_b8``.
+* ratios ``mixed_over_base_b8``, ``mixed_over_peft_b8``, ``base_over_hf_b8``;
+* ``kv``: KV memory per sequence and the most sequences one KV memory admits, slot cache vs
+  paged cache side by side, for chats of ``--kv-chat-tokens`` tokens (half prompt, half
+  generated) in the memory of ``--kv-slots`` slot-cache sequences of the context length. The
+  slot cache admits one sequence per slot; the paged figure is measured: that many chats and
+  more are submitted to an engine with a paged cache of that memory, and the most that ran
+  at once is reported (``peak_running``).
 
 Throughput is generated tokens / wall seconds from submission to the last token, prefill
 included. With ``--threads 1`` the run also reports ``*_tok_per_cpu_s`` and ``*_b8_cpu``
@@ -85,6 +91,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quick", action="store_true", help="short run: batch sizes 1,8 and 12 new tokens"
+    )
+    parser.add_argument(
+        "--kv-cache",
+        default="paged",
+        choices=["paged", "slot"],
+        help="KV cache of the throughput runs (the admission measurement compares both)",
+    )
+    parser.add_argument(
+        "--kv-chat-tokens",
+        type=int,
+        default=64,
+        help="tokens per chat (prompt + generated) of the KV-cache admission measurement",
+    )
+    parser.add_argument(
+        "--kv-slots",
+        type=int,
+        default=4,
+        help="KV memory of the admission measurement, in slot-cache sequences of the "
+        "context length (--quick: 1)",
     )
     parser.add_argument(
         "--adapter-ranks",
@@ -211,6 +236,86 @@ def _peft_adapters(
     return pm, ours
 
 
+def kv_admission(
+    model: DecoderModel,
+    tok: Tokenizer,
+    device: str,
+    dtype: str,
+    chat_tokens: int,
+    slots: int,
+    max_model_len: int = 2048,
+    block_size: int = 16,
+) -> dict[str, object]:
+    """KV memory per sequence and the most sequences one KV memory admits, slot vs paged.
+
+    The memory is that of a slot cache of ``slots`` sequences of ``max_model_len`` tokens
+    (capped by the model's context). Chats of ``chat_tokens`` tokens (half prompt, the rest
+    generated with EOS ignored) are submitted, 25 % more than the paged cache can hold, to an
+    engine whose paged cache has that memory and no other bound on running sequences; the
+    most that ran at once is measured.
+
+    Returns:
+        ``{"context_tokens", "chat_tokens", "block_size", "memory_bytes", "bytes_per_token",
+        "slot": {"bytes_per_sequence", "sequences"}, "paged": {"bytes_per_sequence",
+        "sequences", "peak_running", "tok_s"}, "paged_over_slot"}``.
+
+    Raises:
+        ValueError: ``chat_tokens`` below 2 or above the context, or ``slots`` below 1.
+    """
+    context = min(max_model_len, model.spec.max_position_embeddings)
+    if not 2 <= chat_tokens <= context or slots < 1:
+        raise ValueError(
+            f"--kv-chat-tokens must be in 2..{context} and --kv-slots >= 1, "
+            f"got {chat_tokens} and {slots}"
+        )
+    prompt_len = chat_tokens // 2
+    new_tokens = chat_tokens - prompt_len
+    memory_tokens = slots * context
+    fits = memory_tokens // (-(-chat_tokens // block_size) * block_size)
+    engine = Engine(
+        model,
+        tok,
+        None,
+        EngineConfig(
+            device=device,
+            dtype=dtype,
+            max_batch_size=fits * 2,
+            max_model_len=context,
+            max_num_batched_tokens=max(2048, fits * 2),
+            kv_cache="paged",
+            kv_block_size=block_size,
+            kv_cache_tokens=memory_tokens,
+        ),
+    )
+    source = " ".join(PROMPTS * (1 + chat_tokens // 8))
+    ids = tok.encode(source)
+    prompts = [ids[i % 7 : i % 7 + prompt_len] for i in range(fits + max(1, fits // 4))]
+    engine.start()
+    try:
+        tok_s, _ = engine_run(engine, prompts, [None] * len(prompts), new_tokens)
+    finally:
+        engine.stop()
+    kv = engine.kv
+    per_token = kv.bytes_per_token
+    slot_seq = context * per_token
+    paged_seq = kv.tokens_reserved(chat_tokens) * per_token
+    return {
+        "context_tokens": context,
+        "chat_tokens": chat_tokens,
+        "block_size": block_size,
+        "memory_bytes": memory_tokens * per_token,
+        "bytes_per_token": per_token,
+        "slot": {"bytes_per_sequence": slot_seq, "sequences": slots},
+        "paged": {
+            "bytes_per_sequence": paged_seq,
+            "sequences": memory_tokens * per_token // paged_seq,
+            "peak_running": engine.peak_running,
+            "tok_s": tok_s,
+        },
+        "paged_over_slot": engine.peak_running / slots,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print a table, write JSON to ``--out``."""
     from transformers import AutoModelForCausalLM
@@ -241,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         "new_tokens": new_tokens,
         "repeats": max(1, int(args.repeats)),
         "batch_sizes": sizes,
+        "kv_cache": args.kv_cache,
         "adapter_ranks": list(ranks),
         "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
     }
@@ -286,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch_size=max(max_b, 8),
             max_model_len=1024,
             max_num_batched_tokens=max(512, max_b),
+            kv_cache=args.kv_cache,
         ),
     )
     engine.start()
@@ -316,8 +423,18 @@ def run(args: argparse.Namespace) -> int:
             ttfts.append(float(evs[0].ttft_seconds or 0.0))
     finally:
         engine.stop()
+    logger.info("KV cache admission, slot vs paged")
+    kv = kv_admission(
+        model,
+        tok,
+        args.device,
+        args.dtype,
+        int(args.kv_chat_tokens),
+        1 if args.quick else int(args.kv_slots),
+    )
 
     result.update(
+        kv=kv,
         engine_base_tok_s=eng_base,
         engine_mixed_tok_s=eng_mixed,
         hf_base_tok_s=hf_base,
@@ -389,6 +506,20 @@ def run(args: argparse.Namespace) -> int:
             f"mixed/PEFT {result['mixed_over_peft_b8_cpu']:.2f}  "
             f"base/HF {result['base_over_hf_b8_cpu']:.2f}"
         )
+    slot_kv = cast(dict[str, int], kv["slot"])
+    paged_kv = cast(dict[str, float], kv["paged"])
+    memory_mb = float(cast(int, kv["memory_bytes"])) / 1e6
+    print(
+        f"KV cache, {kv['chat_tokens']}-token chats in {memory_mb:.0f} MB "
+        f"({slot_kv['sequences']} x {kv['context_tokens']}-token slots):"
+    )
+    print(f"{'cache':>6} {'KB/sequence':>12} {'sequences':>10}")
+    print(f"{'slot':>6} {slot_kv['bytes_per_sequence'] / 1e3:>12.0f} {slot_kv['sequences']:>10}")
+    print(
+        f"{'paged':>6} {paged_kv['bytes_per_sequence'] / 1e3:>12.0f} "
+        f"{paged_kv['peak_running']:>10} (measured; {paged_kv['sequences']} fit)"
+    )
+    print(f"paged/slot sequences: {kv['paged_over_slot']:.1f}x (target >= 8x)")
     print(f"wrote {out}")
     return 0
 

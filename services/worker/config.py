@@ -36,6 +36,8 @@ EVICTIONS = ("lru", "predictive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Multi-LoRA implementations (:func:`services.worker.lora_pages.resolve_lora_kernel`).
 LORA_KERNELS = ("auto", "torch", "triton")
+#: KV cache kinds (:mod:`services.worker.kv_cache`).
+KV_CACHE_KINDS = ("paged", "slot")
 
 
 def default_worker_id(hostname: str | None = None) -> str:
@@ -84,6 +86,13 @@ class WorkerConfig:
             (kernels that read the paged pool), ``auto`` = triton on CUDA where Triton is
             installed, else torch (``PLORA_LORA_KERNEL``).
         max_batch_size: Most sequences in the running batch.
+        kv_cache: ``paged`` (KV blocks through a block table per sequence; admission counts
+            blocks) or ``slot`` (one ``max_model_len`` slot per running sequence)
+            (``PLORA_KV_CACHE``).
+        kv_block_size: Tokens per KV block (``PLORA_KV_BLOCK_SIZE``).
+        kv_cache_tokens: Tokens the paged KV cache holds across all sequences
+            (``PLORA_KV_CACHE_TOKENS``); 0 = ``max_batch_size * max_model_len``, the slot
+            cache's memory.
         max_queue: Requests waiting for a batch slot (or their adapter) at most; one more is
             refused with RESOURCE_EXHAUSTED (``PLORA_MAX_QUEUE``). The gRPC server has a thread
             for each running and each waiting request plus a reserve
@@ -141,6 +150,9 @@ class WorkerConfig:
     dtype: str = "auto"
     lora_kernel: str = "auto"
     max_batch_size: int = 32
+    kv_cache: str = "paged"
+    kv_block_size: int = 16
+    kv_cache_tokens: int = 0
     max_queue: int = 256
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
@@ -229,6 +241,27 @@ class WorkerConfig:
                 f"--max-model-len / PLORA_MAX_MODEL_LEN must be >= 2 (a prompt token and a "
                 f"generated one), got {self.max_model_len}"
             )
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ConfigError(
+                f"--kv-cache / PLORA_KV_CACHE must be one of {list(KV_CACHE_KINDS)}, "
+                f"got {self.kv_cache!r}"
+            )
+        require_at_least_one(self.kv_block_size, "--kv-block-size", "PLORA_KV_BLOCK_SIZE")
+        if self.kv_cache_tokens < 0:
+            raise ConfigError(
+                f"--kv-cache-tokens / PLORA_KV_CACHE_TOKENS must be >= 0 (0 = --max-batch-size "
+                f"x --max-model-len), got {self.kv_cache_tokens}"
+            )
+        if self.kv_cache_tokens and self.kv_cache != "paged":
+            raise ConfigError(
+                "--kv-cache-tokens sizes the paged KV cache; drop it or use --kv-cache paged"
+            )
+        if 0 < self.kv_cache_tokens < self.max_model_len:
+            raise ConfigError(
+                f"--kv-cache-tokens / PLORA_KV_CACHE_TOKENS ({self.kv_cache_tokens}) cannot hold "
+                f"one --max-model-len ({self.max_model_len}) sequence; raise the first or lower "
+                "the second"
+            )
         if self.host_staging not in ("on", "off"):
             raise ConfigError(f"host_staging must be 'on' or 'off', got {self.host_staging!r}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
@@ -298,6 +331,24 @@ class WorkerConfig:
             "--max-batch-size",
             type=int,
             help="most sequences in the running batch (env PLORA_MAX_BATCH_SIZE; default 32)",
+        )
+        parser.add_argument(
+            "--kv-cache",
+            choices=KV_CACHE_KINDS,
+            help="KV cache: paged (blocks through a block table per sequence; admission counts "
+            "blocks) or slot (one --max-model-len slot per sequence) "
+            "(env PLORA_KV_CACHE; default paged)",
+        )
+        parser.add_argument(
+            "--kv-block-size",
+            type=int,
+            help="tokens per KV block (env PLORA_KV_BLOCK_SIZE; default 16)",
+        )
+        parser.add_argument(
+            "--kv-cache-tokens",
+            type=int,
+            help="tokens the paged KV cache holds across all sequences; 0 = --max-batch-size x "
+            "--max-model-len (env PLORA_KV_CACHE_TOKENS; default 0)",
         )
         parser.add_argument(
             "--max-queue",
@@ -446,6 +497,15 @@ class WorkerConfig:
             ),
             max_batch_size=int_flag_or_env(
                 args.max_batch_size, "PLORA_MAX_BATCH_SIZE", d.max_batch_size
+            ),
+            kv_cache=choice_or_env(
+                args.kv_cache, "--kv-cache", "PLORA_KV_CACHE", d.kv_cache, KV_CACHE_KINDS
+            ),
+            kv_block_size=int_flag_or_env(
+                args.kv_block_size, "PLORA_KV_BLOCK_SIZE", d.kv_block_size
+            ),
+            kv_cache_tokens=int_flag_or_env(
+                args.kv_cache_tokens, "PLORA_KV_CACHE_TOKENS", d.kv_cache_tokens
             ),
             max_queue=int_flag_or_env(args.max_queue, "PLORA_MAX_QUEUE", d.max_queue),
             max_num_batched_tokens=int_flag_or_env(

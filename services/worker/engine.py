@@ -51,6 +51,7 @@ from services.common.errors import (
 from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
 from services.worker.estimates import ServiceEstimates
+from services.worker.kv_cache import KV_CACHE_KINDS
 from services.worker.lora_ops import LoRABatch, StackedLoRA
 from services.worker.lora_pages import PagedLoRA, PageTableCache, resolve_lora_kernel
 from services.worker.model import DecoderModel, KVCache
@@ -74,7 +75,7 @@ class EngineConfig:
         device: Torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (or the torch dtype itself); the
             model's weights, activations and KV cache use it.
-        max_batch_size: Running sequences at most (KV slots).
+        max_batch_size: Running sequences at most.
         max_num_batched_tokens: Tokens per step (decode rows + prefill chunks); prompts longer
             than the budget are prefilled in chunks over several steps.
         max_model_len: Prompt + generated tokens per sequence; ``None`` = the model's
@@ -107,6 +108,9 @@ class EngineConfig:
     lora_stack_min_steps: int = 2
     lora_stack_max_bytes: int = 1 << 30
     lora_kernel: str = "auto"
+    kv_cache: str = "paged"
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES and self.dtype not in _DTYPES.values():
@@ -127,6 +131,15 @@ class EngineConfig:
             resolve_lora_kernel(self.lora_kernel, self.device)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.kv_cache not in KV_CACHE_KINDS:
+            raise ConfigError(f"kv_cache {self.kv_cache!r} is not one of {list(KV_CACHE_KINDS)}")
+        if self.kv_block_size < 1:
+            raise ConfigError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.kv_cache_tokens is not None:
+            if self.kv_cache != "paged":
+                raise ConfigError("kv_cache_tokens sizes the paged KV cache; set kv_cache='paged'")
+            if self.kv_cache_tokens < 1:
+                raise ConfigError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
 
     @property
     def resolved_lora_kernel(self) -> str:
@@ -297,7 +310,22 @@ class Engine:
         self.config = config or EngineConfig()
         ctx = model.spec.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or min(ctx, 2048), ctx)
-        self.kv: KVCache = model.new_kv_cache(self.config.max_batch_size, self.max_model_len)
+        cfg = self.config
+        if cfg.kv_cache_tokens is not None and cfg.kv_cache_tokens < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache's {cfg.kv_cache_tokens} tokens (--kv-cache-tokens) cannot hold "
+                f"one {self.max_model_len}-token sequence (--max-model-len); raise the first "
+                "or lower the second"
+            )
+        self.kv: KVCache = model.new_kv_cache(
+            cfg.max_batch_size,
+            self.max_model_len,
+            kind=cfg.kv_cache,
+            num_tokens=cfg.kv_cache_tokens,
+            block_size=cfg.kv_block_size,
+        )
+        #: Most sequences that were running at once (admission, for benchmarks).
+        self.peak_running = 0
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._vocab = model.spec.vocab_size
         self._lock = threading.Lock()
@@ -347,6 +375,7 @@ class Engine:
             pending = list(self._waiting) + list(self._running)
             self._waiting.clear()
         self._running = []
+        self.kv.clear()
         for s in pending:
             s.slot = -1
         err = NoHealthyWorkerError("the worker is shutting down; retry on another worker")
@@ -562,9 +591,12 @@ class Engine:
         not finished ``adapter_wait_timeout_s`` after arrival fails with that error (whatever
         the room); one whose load is still running stays waiting (it never blocks the ones
         behind it); one whose lease is ready records its wait (``wait_s``; a cold one feeds
-        :meth:`ServiceEstimates.observe_cold_wait`). Ready requests take the free slots
-        (``max_batch_size`` minus running) in that order, each appended to the running list
-        (slot = its index); the rest stay waiting for a later step.
+        :meth:`ServiceEstimates.observe_cold_wait`). Ready requests are admitted in that order
+        while fewer than ``max_batch_size`` run and the KV cache can reserve the request's
+        prompt plus its ``max_new_tokens`` (capped by ``max_model_len``); the first ready one
+        the cache cannot hold stops admission for this step (first come, first served: a
+        long request is not overtaken forever by short ones). Each is appended to the running
+        list (slot = its index); the rest stay waiting for a later step.
         """
         with self._lock:
             waiting = list(self._waiting)
@@ -601,8 +633,13 @@ class Engine:
                 if s.cold:
                     self.estimates.observe_cold_wait(s.wait_s)
             if room > 0:
-                admitted.append(s)
-                room -= 1
+                need = self._kv_tokens(s)
+                if self.kv.can_reserve(need):
+                    self.kv.reserve(len(self._running) + len(admitted), need)
+                    admitted.append(s)
+                    room -= 1
+                else:
+                    room = 0
         if admitted or failed:
             gone = {id(s) for s in admitted} | {id(s) for s, _ in failed}
             with self._lock:
@@ -610,14 +647,22 @@ class Engine:
         for s in admitted:
             s.slot = len(self._running)
             self._running.append(s)
+        self.peak_running = max(self.peak_running, len(self._running))
         for s, exc in failed:
             self._finish(s, None, error=exc)
 
+    def _kv_tokens(self, s: _Seq) -> int:
+        """KV positions ``s`` may fill: its prompt plus its ``max_new_tokens``, at most the
+        context."""
+        return min(s.prompt_len + s.req.max_new_tokens, self.max_model_len)
+
     def _free(self, s: _Seq) -> None:
-        """Remove a running sequence, keeping slots compact (last one moves into the hole)."""
+        """Remove a running sequence and return its KV memory, keeping slots compact (the
+        last one moves into the hole)."""
         if s.slot < 0:
             return
         slot = s.slot
+        self.kv.free(slot)
         last = self._running.pop()
         if last is not s:
             self.kv.move(last.slot, slot, last.num_cached)

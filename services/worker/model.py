@@ -1,5 +1,5 @@
-"""Our own decoder forward pass for every served family, with a slot KV cache and batched
-multi-LoRA.
+"""Our own decoder forward pass for every served family, with a paged (or slot) KV cache and
+batched multi-LoRA.
 
 Serving never runs transformers' modeling code: this module implements the decoder (RMSNorm,
 RoPE, grouped-query attention with optional sliding windows and soft-capping, gated MLP, tied
@@ -14,10 +14,9 @@ Every projection adds the batch's LoRA deltas through
 ``gate_up`` matrices (one matmul each); LoRA deltas are added to column views of the fused
 outputs, so per-module semantics are exactly PEFT's.
 
-The KV cache is a preallocated pool of *slots* (one per running sequence) per layer:
-``k[layer]`` is ``[num_slots, num_kv_heads, max_len, head_dim]``. New keys/values are written
-in place (no concatenation); decode attention reads a strided view over a contiguous range of
-slots, which the engine keeps compact (:meth:`KVCache.move`).
+Keys and values live in a :mod:`services.worker.kv_cache` cache: paged (fixed-size blocks
+through a block table per sequence) or slots (one ``max_len`` slot per sequence). New
+keys/values are written in place; attention reads them through the cache's layout.
 """
 
 from __future__ import annotations
@@ -33,110 +32,21 @@ import torch.nn.functional as F
 from services.common.errors import ConfigError
 from services.common.types import ModelSpec
 from services.worker.families import Architecture, describe
+from services.worker.kv_cache import (
+    DecodeLayout,
+    KVCache,
+    PagedKVCache,
+    SeqChunk,
+    SlotKVCache,
+    StepKV,
+)
 from services.worker.lora_ops import LoRABatch
 from services.worker.model_loader import read_config, spec_from_config
 from services.worker.rope import RopeTable, rope_frequencies
 
+__all__ = ["DecoderModel", "KVCache", "PagedKVCache", "SeqChunk", "SlotKVCache", "StepBatch"]
+
 logger = logging.getLogger(__name__)
-
-
-class KVCache:
-    """Preallocated per-layer key/value slots.
-
-    Attributes:
-        k: per layer ``[num_slots, num_kv_heads, max_len, head_dim]``.
-        v: same shape as ``k``.
-
-    Memory is allocated with ``torch.empty``: on CPU, pages never touched are not resident,
-    and :meth:`DecoderModel.forward` touches only the positions a step reads or writes. Decode
-    attention reads a slot up to the longest sequence of the step, past the slot's own length
-    (those positions get zero probability, but ``0 * NaN`` is NaN, so they must hold finite
-    values); :meth:`ensure_finite` zeroes just the never-written part of that range, once.
-    Zeroing whole slots instead costs ``2 * layers * kv_heads * max_len * head_dim`` elements
-    per slot on first use (94 MB and ~0.1 s for SmolLM2-135M at 2,048 tokens, float32), paid
-    on the engine thread exactly when a burst first fills more slots.
-    """
-
-    #: Positions zeroed at a time by :meth:`ensure_finite` (rounded up to a multiple).
-    ZERO_AHEAD = 64
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        num_slots: int,
-        max_len: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> None:
-        shape = (num_slots, spec.num_kv_heads, max_len, spec.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        self.num_slots = num_slots
-        self.max_len = max_len
-        # Positions [0, _finite[slot]) of a slot hold finite values: written by a sequence (a
-        # sequence writes positions 0, 1, ... in order) or zeroed. Never decreases.
-        self._finite = [0] * num_slots
-
-    def ensure_finite(self, slots: range, length: int) -> None:
-        """Make positions ``[0, length)`` of every slot in ``slots`` finite (zero the part
-        never written or zeroed before).
-
-        Raises:
-            IndexError: ``length`` exceeds ``max_len`` or a slot is out of range.
-        """
-        if length > self.max_len:
-            raise IndexError(f"length {length} > the cache's {self.max_len} positions")
-        # Zero up to the next multiple of ZERO_AHEAD positions: the longest sequence grows by
-        # one position a step, and 2 x layers small kernel calls per lagging slot every step
-        # would cost more than the zeroing itself.
-        end = min(self.max_len, -(-length // self.ZERO_AHEAD) * self.ZERO_AHEAD)
-        for slot in slots:
-            lo = self._finite[slot]
-            if lo < length:
-                for kl, vl in zip(self.k, self.v, strict=True):
-                    kl[slot, :, lo:end].zero_()
-                    vl[slot, :, lo:end].zero_()
-                self._finite[slot] = end
-
-    def written(self, slot: int, end: int) -> None:
-        """Record that positions ``[0, end)`` of ``slot`` now hold a sequence's keys/values."""
-        if end > self._finite[slot]:
-            self._finite[slot] = end
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes reserved by the cache (all slots, all layers)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
-        if src == dst or length <= 0:
-            return
-        for kl, vl in zip(self.k, self.v, strict=True):
-            kl[dst, :, :length].copy_(kl[src, :, :length])
-            vl[dst, :, :length].copy_(vl[src, :, :length])
-        self.written(dst, length)
-
-
-@dataclass
-class SeqChunk:
-    """The tokens one sequence contributes to a step.
-
-    Attributes:
-        slot: KV-cache slot of the sequence.
-        row: First row of its tokens in the flat batch.
-        num_tokens: Tokens in this step (1 for decode).
-        start_pos: Position of its first token (= tokens already in the cache).
-        seq_len: The sequence's whole length so far (prompt and generated tokens, >= the
-            chunk's end); 0 means the chunk's end. LongRoPE picks its short or long factors
-            from it, as transformers does from the sequence length.
-    """
-
-    slot: int
-    row: int
-    num_tokens: int
-    start_pos: int
-    seq_len: int = 0
 
 
 @dataclass
@@ -363,10 +273,35 @@ class DecoderModel:
         for table in self._ropes:
             table.ensure(length)
 
-    def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """A KV cache for ``num_slots`` sequences of up to ``max_len`` tokens."""
+    def new_kv_cache(
+        self,
+        num_slots: int,
+        max_len: int,
+        kind: str = "slot",
+        num_tokens: int | None = None,
+        block_size: int = 16,
+    ) -> KVCache:
+        """A KV cache for sequences of up to ``max_len`` tokens.
+
+        Args:
+            num_slots: ``slot``: sequences it holds.
+            max_len: Longest sequence.
+            kind: ``"slot"`` or ``"paged"``.
+            num_tokens: ``paged``: positions it holds in all (rounded up to whole blocks);
+                ``None`` = ``num_slots * max_len``, the slot cache's memory.
+            block_size: ``paged``: tokens per block.
+
+        Raises:
+            ValueError: an unknown ``kind``, or a paged cache smaller than one sequence.
+        """
         self._ensure_rope(max_len)
-        return KVCache(self.spec, num_slots, max_len, self.device, self.dtype)
+        if kind == "slot":
+            return SlotKVCache(self.spec, num_slots, max_len, self.device, self.dtype)
+        if kind == "paged":
+            tokens = num_slots * max_len if num_tokens is None else num_tokens
+            blocks = -(-tokens // block_size)
+            return PagedKVCache(self.spec, blocks, block_size, max_len, self.device, self.dtype)
+        raise ValueError(f"KV cache kind {kind!r} is not 'slot' or 'paged'")
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -420,13 +355,48 @@ class DecoderModel:
         scores = scores.masked_fill(~allow, float("-inf"))
         return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
+    def _decode_attend(
+        self,
+        q: torch.Tensor,
+        kv: KVCache,
+        layer: int,
+        step: StepKV,
+        dec: DecodeLayout,
+        hide: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of the step's decode rows over their cached keys/values.
+
+        Args:
+            q: ``[T, heads, head_dim]`` the step's rotated queries.
+            hide: Boolean mask broadcastable to the scores (True = masked).
+
+        Returns:
+            ``[m, heads, head_dim]`` in the order of ``dec.rows``.
+        """
+        arch, nh, hd = self.arch, self.spec.num_heads, self.spec.head_dim
+        nkv = self.spec.num_kv_heads
+        group = nh // nkv
+        n = dec.n
+        qd = q.index_select(0, dec.q_index).view(n, nkv, group, hd)
+        kd, vd = kv.decode_kv(layer, step)  # [n, nkv, lmax, hd] or [nkv, n, lmax, hd]
+        if dec.heads_first:
+            qd = qd.transpose(0, 1)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(arch.attn_scale)
+        if arch.attn_softcap is not None:
+            scores = _softcap(scores, arch.attn_softcap)
+        scores.masked_fill_(hide, float("-inf"))
+        od = torch.matmul(torch.softmax(scores, dim=-1), vd)
+        if dec.heads_first:
+            od = od.transpose(0, 1)
+        return od.reshape(n, nh, hd).index_select(0, dec.rel)
+
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Run one step; write the step's keys/values into ``kv``.
 
         Args:
             batch: The flat token batch (see :class:`StepBatch`).
-            kv: The slot cache the chunks' ``slot`` fields index.
+            kv: The KV cache the chunks' ``slot`` fields index.
 
         Returns:
             ``[len(batch.logits_rows), vocab]`` float32 next-token logits, in the order of
@@ -436,7 +406,6 @@ class DecoderModel:
         nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qdim, kvdim = nh * hd, nkv * hd
         m = spec.intermediate_size
-        group = nh // nkv
         dev = self.device
         lora = batch.lora if batch.lora is not None and not batch.lora.empty else None
 
@@ -444,18 +413,16 @@ class DecoderModel:
         pos = batch.positions.to(dev)
         T = ids.shape[0]
 
-        # Row -> slot map for the KV writes; row -> sequence length after the step (LongRoPE).
-        slot_rows = torch.empty(T, dtype=torch.long)
+        # Row -> sequence length after the step (LongRoPE).
         seq_end = torch.empty(T, dtype=torch.long) if self._long_rope else None
-        decode: list[SeqChunk] = []
-        prefill: list[SeqChunk] = []
-        for c in batch.chunks:
-            slot_rows[c.row : c.row + c.num_tokens] = c.slot
+        prefill: list[tuple[int, SeqChunk]] = []
+        for ci, c in enumerate(batch.chunks):
             if seq_end is not None:
-                seq_end[c.row : c.row + c.num_tokens] = max(c.seq_len, c.start_pos + c.num_tokens)
-            (decode if c.num_tokens == 1 else prefill).append(c)
-        slot_rows = slot_rows.to(dev)
+                seq_end[c.row : c.row + c.num_tokens] = max(c.seq_len, c.end)
+            if c.num_tokens > 1:
+                prefill.append((ci, c))
         rope_rows = [t.rows(pos, None if seq_end is None else seq_end.to(dev)) for t in self._ropes]
+        step = kv.prepare(batch.chunks, T)
 
         # Prefill masks per window (None = global), built once per step.
         prefill_masks: dict[tuple[int, int | None], torch.Tensor | None] = {}
@@ -463,7 +430,7 @@ class DecoderModel:
         def prefill_mask(ci: int, c: SeqChunk, window: int | None) -> torch.Tensor | None:
             key = (ci, window)
             if key not in prefill_masks:
-                end = c.start_pos + c.num_tokens
+                end = c.end
                 if c.start_pos == 0 and (window is None or window >= end):
                     prefill_masks[key] = None  # plain causal
                 else:
@@ -475,31 +442,20 @@ class DecoderModel:
                     prefill_masks[key] = allow
             return prefill_masks[key]
 
-        # Decode attention over a contiguous slot range [s_lo, s_hi): one strided view.
-        dec_meta = None
+        # Decode masks per window over the cache's decode view.
+        dec = step.decode
         dec_masks: dict[int | None, torch.Tensor] = {}
-        if decode:
-            s_lo = min(c.slot for c in decode)
-            s_hi = max(c.slot for c in decode) + 1
-            n = s_hi - s_lo
-            lmax = max(c.start_pos + 1 for c in decode)
-            lengths = torch.ones(n, dtype=torch.long)
-            q_index = torch.zeros(n, dtype=torch.long)
-            for c in decode:
-                lengths[c.slot - s_lo] = c.start_pos + 1
-                q_index[c.slot - s_lo] = c.row
-            kpos = torch.arange(lmax).unsqueeze(0)
+        if dec is not None:
+            kpos = torch.arange(dec.lmax).unsqueeze(0)
+            lengths = dec.lengths.unsqueeze(1)
             for window in set(arch.layer_windows):
-                hide = kpos >= lengths.unsqueeze(1)  # [n, lmax]
+                hide = kpos >= lengths  # [n, lmax]
                 if window is not None:
-                    hide |= kpos <= lengths.unsqueeze(1) - 1 - window
-                dec_masks[window] = hide.to(dev)[:, None, None, :]
-            dec_rows = torch.tensor([c.row for c in decode], dtype=torch.long, device=dev)
-            dec_slots_rel = torch.tensor(
-                [c.slot - s_lo for c in decode], dtype=torch.long, device=dev
-            )
-            kv.ensure_finite(range(s_lo, s_hi), lmax)
-            dec_meta = (s_lo, s_hi, lmax, q_index.to(dev), dec_rows, dec_slots_rel)
+                    hide |= kpos <= lengths - 1 - window
+                hide = hide.to(dev)
+                dec_masks[window] = (
+                    hide[None, :, None, :] if dec.heads_first else hide[:, None, None, :]
+                )
 
         h = F.embedding(ids, self.embed)  # [T, d]
         if arch.embed_scale is not None:
@@ -520,31 +476,16 @@ class DecoderModel:
                 k = self._rms(k, L.k_norm)
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
-            kc, vc = kv.k[li], kv.v[li]
-            kc[slot_rows, :, pos] = k
-            vc[slot_rows, :, pos] = v
+            kv.write(li, step, k, v)
 
             attn = torch.empty(T, nh, hd, device=dev, dtype=self.dtype)
-            for ci, c in enumerate(prefill):
-                end = c.start_pos + c.num_tokens
+            for ci, c in prefill:
                 qp = q[c.row : c.row + c.num_tokens].transpose(0, 1).unsqueeze(0)  # [1,H,n,hd]
-                kp = kc[c.slot, :, :end].unsqueeze(0)  # [1, nkv, end, hd]
-                vp = vc[c.slot, :, :end].unsqueeze(0)
+                kp, vp = kv.prefill_kv(li, step, ci, c)  # [1, nkv, end, hd]
                 o = self._attend(qp, kp, vp, prefill_mask(ci, c, window), causal=True)
                 attn[c.row : c.row + c.num_tokens] = o[0].transpose(0, 1)
-            if dec_meta is not None:
-                s_lo, s_hi, lmax, q_index, dec_rows, dec_rel = dec_meta
-                n = s_hi - s_lo
-                qd = q.index_select(0, q_index).view(n, nkv, group, hd)
-                kd = kc[s_lo:s_hi, :, :lmax]  # [n, nkv, lmax, hd] strided view
-                vd = vc[s_lo:s_hi, :, :lmax]
-                scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(arch.attn_scale)
-                if arch.attn_softcap is not None:
-                    scores = _softcap(scores, arch.attn_softcap)
-                scores.masked_fill_(dec_masks[window], float("-inf"))
-                probs = torch.softmax(scores, dim=-1)
-                od = torch.matmul(probs, vd).view(n, nh, hd)
-                attn[dec_rows] = od.index_select(0, dec_rel)
+            if dec is not None:
+                attn[dec.rows] = self._decode_attend(q, kv, li, step, dec, dec_masks[window])
 
             a2 = attn.view(T, qdim)
             o = F.linear(a2, L.wo, L.bo)
@@ -567,8 +508,7 @@ class DecoderModel:
                 dn = self._rms(dn, L.post_ffn)
             h = h + dn
 
-        for c in batch.chunks:  # recorded only once every layer has written them
-            kv.written(c.slot, c.start_pos + c.num_tokens)
+        kv.finish(batch.chunks)  # recorded only once every layer has written them
         rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=dev)
         hs = h.index_select(0, rows)
         hl = self._rms(hs, self.norm)

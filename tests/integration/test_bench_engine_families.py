@@ -33,6 +33,7 @@ KEYS = {
     "engine_base_tok_per_cpu_s",
     "engine_mixed_tok_per_cpu_s",
     "mixed_over_base_b8_cpu",
+    "kv",
 }
 
 
@@ -42,7 +43,7 @@ def test_bench_engine_runs_on_the_family(tmp_path: Path, family: str) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "plora.cli", "bench", "engine", "--model"]
     cmd += [str(tmp_path / "model"), "--out", str(out), "--batch-sizes", "1,2"]
-    cmd += ["--new-tokens", "3", "--threads", "1", "--adapter-ranks", "2,4"]
+    cmd += ["--new-tokens", "3", "--threads", "1", "--adapter-ranks", "2,4", "--kv-slots", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -54,3 +55,9 @@ def test_bench_engine_runs_on_the_family(tmp_path: Path, family: str) -> None:
     assert result["ttft_prompt_tokens"] == 255
     assert result["adapter_ranks"] == [2, 4]
     assert 0 < result["mixed_over_base_weight_read_bound"] < 1
+    # KV admission: 2 slots of the 256-token context hold eight 64-token chats when paged
+    kv = result["kv"]
+    assert kv["context_tokens"] == 256 and kv["slot"]["sequences"] == 2
+    assert kv["paged"]["peak_running"] == kv["paged"]["sequences"] == 8
+    assert kv["paged_over_slot"] == 4.0
+    assert kv["slot"]["bytes_per_sequence"] == 4 * kv["paged"]["bytes_per_sequence"]

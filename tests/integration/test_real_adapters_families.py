@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from services.common.adapters import inspect_adapter, load_lora_weights
-from services.worker.adapter_api import AdapterRef, ResidentAdapters
-from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.adapter_api import ResidentAdapters
+from services.worker.engine import Engine, EngineConfig
 from services.worker.model import DecoderModel
 from services.worker.model_loader import spec_from_config
 from services.worker.tokenizer import Tokenizer
 from tests import tiny_models
 from tests.conftest import shared_data
-from tests.helpers import peft_reference
+from tests.helpers import engine_generate, peft_reference
 
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")
@@ -159,19 +159,8 @@ def _serve_and_compare(base_dir: Path, hf, adapters: dict[str, Path], prompt_len
     )
     engine.start()
     try:
-        streams = [
-            engine.submit(
-                EngineRequest(
-                    f"r{i}",
-                    ids,
-                    max_new_tokens=NEW_TOKENS,
-                    ignore_eos=True,
-                    adapter=AdapterRef(a, 1, "") if a else None,
-                )
-            )
-            for i, (a, ids) in enumerate(rows)
-        ]
-        got = [[t for ev in s for t in ev.token_ids] for s in streams]
+        evs = engine_generate(engine, rows, NEW_TOKENS, ignore_eos=True)
+        got = [[t for ev in row for t in ev.token_ids] for row in evs]
     finally:
         engine.stop()
     for (a, _), tokens, ref in zip(rows, got, refs, strict=True):

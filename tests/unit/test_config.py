@@ -88,6 +88,15 @@ _SECONDS = "must be a number of seconds > 0"
             r"--max-batch-size / PLORA_MAX_BATCH_SIZE \(32\)",
         ),
         (WorkerConfig, "PLORA_MAX_MODEL_LEN", "1", "^--max-model-len / PLORA_MAX_MODEL_LEN must"),
+        (WorkerConfig, "PLORA_KV_BLOCK_SIZE", "0", "^--kv-block-size / PLORA_KV_BLOCK_SIZE must"),
+        (WorkerConfig, "PLORA_KV_CACHE_TOKENS", "-1", "^--kv-cache-tokens / PLORA_KV_CACHE_TOK"),
+        (
+            WorkerConfig,
+            "PLORA_KV_CACHE_TOKENS",
+            "1000",
+            r"^--kv-cache-tokens / PLORA_KV_CACHE_TOKENS \(1000\) cannot hold one "
+            r"--max-model-len \(2048\) sequence",
+        ),
     ],
     ids=lambda x: x if isinstance(x, str) and x.startswith("PLORA_") else "",
 )
@@ -282,6 +291,8 @@ def _other_value(action: argparse.Action, default: Any) -> tuple[str, object]:
         return f"{2 * default >> 10}KiB", 2 * default
     if action.dest.endswith("_probability"):
         return str(default / 2), default / 2
+    if action.dest == "kv_cache_tokens":  # 0 = the default size; else one context at least
+        return "65536", 65536
     if isinstance(default, (int, float)):
         return str(default + 1), default + 1
     if action.dest == "adapter_source_allow":  # remote source prefixes

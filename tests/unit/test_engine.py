@@ -26,6 +26,7 @@ from services.common.types import PROJECTION_MODULES, LoRAModuleWeights, ModelSp
 from services.worker.adapter_api import AdapterRef
 from services.worker.engine import Engine, EngineConfig, EngineRequest, TokenEvent
 from services.worker.estimates import ServiceEstimates
+from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DecoderModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
@@ -265,33 +266,58 @@ def test_mixed_adapter_batch_equals_one_at_a_time(
     assert provider.guard_entries > 0
 
 
+GARBAGE_PROMPTS = ["Hi.", "Name three colours of the rainbow, please.", "What is 2+2?"]
+
+
+def _together_equals_alone(e: Engine, tok: Tokenizer, prompts: list[str]) -> None:
+    """The prompts' greedy tokens, all at once and then one at a time, are the same."""
+    streams = [
+        e.submit(EngineRequest(f"g{i}", chat(tok, q), max_new_tokens=6))
+        for i, q in enumerate(prompts)
+    ]
+    together = [collect(s)[1] for s in streams]
+    alone = [
+        collect(e.submit(EngineRequest(f"h{i}", chat(tok, q), max_new_tokens=6)))[1]
+        for i, q in enumerate(prompts)
+    ]
+    assert together == alone
+
+
 def test_kv_cache_garbage_never_reaches_a_row(model: DecoderModel, tok: Tokenizer) -> None:
     """Decode attention reads every slot up to the step's longest sequence; positions past a
     row's own length must not leak into it even when the cache memory holds NaN (what
     ``torch.empty`` may return), and only the positions read are ever touched (no whole-slot
     zeroing on the engine thread)."""
-    e = make_engine(model, tok, max_model_len=512)
+    e = make_engine(model, tok, max_model_len=512, kv_cache="slot")
     try:
         for t in e.kv.k + e.kv.v:
             t.fill_(float("nan"))
-        prompts = ["Hi.", "Name three colours of the rainbow, please.", "What is 2+2?"]
-        streams = [
-            e.submit(EngineRequest(f"g{i}", chat(tok, q), max_new_tokens=6))
-            for i, q in enumerate(prompts)
-        ]
-        together = [collect(s)[1] for s in streams]
-        alone = [
-            collect(e.submit(EngineRequest(f"h{i}", chat(tok, q), max_new_tokens=6)))[1]
-            for i, q in enumerate(prompts)
-        ]
+        _together_equals_alone(e, tok, GARBAGE_PROMPTS)
     finally:
         e.stop()
-    assert together == alone
-    longest = max(len(chat(tok, q)) for q in prompts) + 6
+    longest = max(len(chat(tok, q)) for q in GARBAGE_PROMPTS) + 6
     ahead = -(-longest // e.kv.ZERO_AHEAD) * e.kv.ZERO_AHEAD  # zeroing rounds up to this
     assert ahead < e.kv.max_len
     assert 0 < max(e.kv._finite) <= ahead  # noqa: SLF001 - the touched range is the point
     assert torch.isnan(e.kv.v[0][0, :, ahead:]).all()  # never zeroed past what was read
+
+
+def test_paged_kv_garbage_never_reaches_a_row(model: DecoderModel, tok: Tokenizer) -> None:
+    """The paged cache reads whole blocks, and decode rows read a table padded with the null
+    block: a block's unused tail and the padding must not leak into a row even when the
+    cache memory holds NaN; only blocks handed out are ever zeroed."""
+    e = make_engine(model, tok, max_model_len=512, kv_cache="paged", kv_block_size=8)
+    try:
+        for t in e.kv.k + e.kv.v:
+            t[:, 1:].fill_(float("nan"))  # every block but the null block
+        _together_equals_alone(e, tok, GARBAGE_PROMPTS)
+    finally:
+        e.stop()
+    assert isinstance(e.kv, PagedKVCache) and e.kv.used_blocks == 0  # all returned
+    longest = max(len(chat(tok, q)) for q in GARBAGE_PROMPTS) + 6
+    touched = int((~torch.isnan(e.kv.v[0][0, 1:, 0, 0])).sum())
+    # three sequences at once, then reused (LIFO) one at a time
+    assert 0 < touched <= 3 * -(-longest // 8)
 
 
 def test_request_waiting_for_adapter_does_not_block_others(

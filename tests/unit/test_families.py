@@ -9,8 +9,9 @@ shorter than the prompts, soft-capping, fused projections, scaled RoPE: see
   greedy tokens;
 * three PEFT adapters (ranks 4 to 64, rank and alpha patterns, rsLoRA) and base-only rows in
   ONE mixed prefill batch: each row's logits within 1e-4 of PEFT with that adapter alone;
-* the engine, all rows at once: greedy tokens equal ``PeftModel.generate`` per adapter alone
-  (Phi-3's rows grow past LongRoPE's switch point while they decode).
+* the engine, all rows at once, with the paged KV cache and with the slot one: greedy tokens
+  equal ``PeftModel.generate`` per adapter alone (Phi-3's rows grow past LongRoPE's switch
+  point while they decode).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import pytest
 import torch
 
 from services.common.adapters import load_lora_weights
-from services.worker.adapter_api import AdapterRef, ResidentAdapters
-from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.adapter_api import ResidentAdapters
+from services.worker.engine import Engine, EngineConfig
 from services.worker.model import DecoderModel, SeqChunk, StepBatch
 from services.worker.tokenizer import Tokenizer
 from tests import tiny_models
-from tests.helpers import mixed_prefill_logits, peft_reference, randomize_lora
+from tests.helpers import engine_generate, mixed_prefill_logits, peft_reference, randomize_lora
 
 peft = pytest.importorskip("peft")
 
@@ -112,33 +113,25 @@ def test_mixed_batch_logits_and_greedy_tokens_match_transformers_peft(family_set
                 base = pm(input_ids=torch.tensor([p])).logits[0, -1]
                 assert (refs[i][0] - base).abs().max() > 1e-3, f"{family}: {a} has no effect"
 
-    # The engine, every row concurrently: greedy tokens equal PEFT's per adapter alone.
-    engine = Engine(
-        model,
-        tok,
-        ResidentAdapters({n: w.modules for n, w in weights.items()}),
-        EngineConfig(max_batch_size=8, max_model_len=64),
-    )
-    engine.start()
-    try:
-        streams = [
-            engine.submit(
-                EngineRequest(
-                    f"r{i}",
-                    p,
-                    max_new_tokens=NEW_TOKENS,
-                    adapter=AdapterRef(a, 1, "") if a else None,
-                )
-            )
-            for i, (a, p) in enumerate(rows)
-        ]
-        got = [list(s) for s in streams]
-    finally:
-        engine.stop()
-    for i, (evs, (_, ref_tokens)) in enumerate(zip(got, refs, strict=True)):
-        assert evs[-1].error is None, evs[-1].error
-        tokens = [t for ev in evs for t in ev.token_ids]
-        assert tokens == ref_tokens, f"{family} row {i} ({rows[i][0]}): {tokens} != {ref_tokens}"
+    # The engine, every row concurrently: greedy tokens equal PEFT's per adapter alone, with
+    # the paged KV cache (blocks of 4 tokens, so every row crosses several) and the slot one.
+    for kv_cache in ("paged", "slot"):
+        engine = Engine(
+            model,
+            tok,
+            ResidentAdapters({n: w.modules for n, w in weights.items()}),
+            EngineConfig(max_batch_size=8, max_model_len=64, kv_cache=kv_cache, kv_block_size=4),
+        )
+        engine.start()
+        try:
+            got = engine_generate(engine, rows, NEW_TOKENS)
+        finally:
+            engine.stop()
+        for i, (evs, (_, ref_tokens)) in enumerate(zip(got, refs, strict=True)):
+            assert evs[-1].error is None, evs[-1].error
+            tokens = [t for ev in evs for t in ev.token_ids]
+            where = f"{family} {kv_cache} row {i} ({rows[i][0]})"
+            assert tokens == ref_tokens, f"{where}: {tokens} != {ref_tokens}"
 
 
 def test_long_rope_switch_is_crossed_while_decoding() -> None:
