@@ -51,7 +51,7 @@ from services.common.errors import (
 from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
 from services.worker.estimates import ServiceEstimates
-from services.worker.kv_cache import KV_CACHE_KINDS
+from services.worker.kv_cache import KV_CACHE_KINDS, PagedKVCache
 from services.worker.lora_ops import LoRABatch, StackedLoRA
 from services.worker.lora_pages import PagedLoRA, PageTableCache, resolve_lora_kernel
 from services.worker.model import DecoderModel, KVCache
@@ -466,6 +466,15 @@ class Engine:
     def queue_length(self) -> int:
         """Requests waiting to be admitted (including those waiting for an adapter)."""
         return len(self._waiting)
+
+    @property
+    def kv_tokens(self) -> tuple[int, int]:
+        """``(total, held)`` KV cache positions: held by running sequences are the paged
+        cache's taken and reserved blocks, or the slot cache's whole slots."""
+        kv = self.kv
+        if isinstance(kv, PagedKVCache):
+            return kv.capacity_tokens, kv.capacity_tokens - kv.free_blocks * kv.block_size
+        return kv.capacity_tokens, len(self._running) * kv.max_len
 
     @property
     def running(self) -> int:

@@ -57,6 +57,13 @@ class WorkerMetrics:
         self.running = Gauge(
             "plora_worker_running_requests", "Requests in the running batch", registry=r
         )
+        self.kv_cache_tokens = Gauge(
+            "plora_worker_kv_cache_tokens",
+            "KV cache positions: total, and held by running sequences (paged: blocks taken "
+            "or reserved; slot: whole slots)",
+            ["state"],
+            registry=r,
+        )
         self.cold_starts = Counter(
             "plora_worker_cold_starts",
             "Requests whose adapter was not resident when scheduled, by cause "

@@ -524,7 +524,6 @@ class DecoderModel:
         # A row whose hidden state overflowed (NaN/Inf, or a mean square past float32's range,
         # which the norm turns into zeros: all-equal logits, argmax token 0) gets NaN logits,
         # so the engine fails its request instead of streaming that as an answer.
-        overflowed = ~torch.isfinite(hs.float().pow(2).sum(-1))
-        if bool(overflowed.any()):
-            logits[overflowed] = float("nan")
-        return logits
+        # (A masked fill, not ``if overflowed.any()``: no device sync on the step's path.)
+        overflowed = ~torch.isfinite(hs.float().pow(2).sum(-1, keepdim=True))
+        return logits.masked_fill_(overflowed, float("nan"))

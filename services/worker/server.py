@@ -603,6 +603,9 @@ class WorkerService:
         m = self.metrics
         m.queue_length.set(self.engine.queue_length)
         m.running.set(self.engine.running)
+        total, held = self.engine.kv_tokens
+        m.kv_cache_tokens.labels("total").set(total)
+        m.kv_cache_tokens.labels("held").set(held)
         m.resident.set(resident)
         est = self.engine.estimates
         m.service_estimate.labels("prefill").set(est.prefill_s)

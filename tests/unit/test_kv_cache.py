@@ -175,6 +175,7 @@ def test_paged_engine_admits_by_blocks_and_matches_the_slot_engine(models) -> No
     assert isinstance(paged_engine.kv, PagedKVCache)
     assert paged_engine.kv.nbytes <= slot_engine.kv.nbytes * 17 // 16  # + the null block
     assert paged_engine.kv.used_blocks == 0 and paged_engine.kv.free_blocks == 16
+    assert paged_engine.kv_tokens == (256, 0) and slot_engine.kv_tokens == (256, 0)
 
 
 def test_kv_cache_settings_are_checked(models) -> None:  # type: ignore[no-untyped-def]
