@@ -155,7 +155,7 @@ def _paged_decode_kernel(
             pv = tl.dot(p.to(vt.dtype), vt)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    o = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]  # a row of no keys: 0 / tiny = 0
     tl.store(
         out_ptr + i * stride_on + heads[:, None] * stride_oh + d[None, :] * stride_od,
         o.to(out_ptr.dtype.element_ty),
@@ -337,25 +337,25 @@ def paged_decode_attention_torch(
     longest = int(seq_lens.max()) if n else 0
     nb = min(-(-longest // block_size), block_tables.shape[1])
     length = nb * block_size
-    table = block_tables[:, :nb].long()
-    # [kvh, n, nb, bs, d] -> [n, kvh, nb * bs, d]
-    k = k_cache[:, table].reshape(num_kv_heads, n, length, head_dim).transpose(0, 1).float()
-    v = v_cache[:, table].reshape(num_kv_heads, n, length, head_dim).transpose(0, 1).float()
+    flat = block_tables[:, :nb].reshape(-1).long()
+    # [kvh, n * nb, bs, d] -> [kvh, n, nb * bs, d], contiguous (index_select copies)
+    k = k_cache.index_select(1, flat).view(num_kv_heads, n, length, head_dim).float()
+    v = v_cache.index_select(1, flat).view(num_kv_heads, n, length, head_dim).float()
     pos = torch.arange(length, device=q.device)
     lens = seq_lens.long()[:, None]
     valid = pos[None, :] < lens
     if window is not None:
         valid &= pos[None, :] >= lens - window
-    valid = valid[:, None, None, :]  # [n, 1, 1, L]
-    qg = q.float().reshape(n, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [n, kvh, group, L]
+    # Unread slots may hold anything, NaN included (and NaN * 0 is NaN): v is a copy, zero them.
+    unread = (~valid).reshape(-1).nonzero().squeeze(1)
+    v.view(num_kv_heads, n * length, head_dim).index_fill_(1, unread, 0.0)
+    qg = q.float().reshape(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [kvh, n, g, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [kvh, n, g, L]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~valid, float("-inf"))
+    scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row of no keys -> zeros
-    probs = probs.masked_fill(~valid, 0.0)
-    v = v.masked_fill(~valid[:, :, 0, :, None], 0.0)  # unread slots may hold anything
-    res = torch.matmul(probs, v).reshape(n, num_heads, head_dim).to(q.dtype)
+    res = torch.matmul(probs, v).transpose(0, 1).reshape(n, num_heads, head_dim).to(q.dtype)
     if out is None:
         return res
     out.copy_(res)
