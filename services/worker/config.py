@@ -86,6 +86,9 @@ class WorkerConfig:
             (kernels that read the paged pool), ``auto`` = triton on CUDA where Triton is
             installed, else torch (``PLORA_LORA_KERNEL``).
         max_batch_size: Most sequences in the running batch.
+        attention_kernel: Decode attention over the paged KV cache: ``torch``, ``triton``
+            (the paged kernel), ``auto`` = triton on CUDA where installed, else torch
+            (``PLORA_ATTENTION_KERNEL``).
         kv_cache: ``paged`` (KV blocks through a block table per sequence; admission counts
             blocks) or ``slot`` (one ``max_model_len`` slot per running sequence)
             (``PLORA_KV_CACHE``).
@@ -150,6 +153,7 @@ class WorkerConfig:
     dtype: str = "auto"
     lora_kernel: str = "auto"
     max_batch_size: int = 32
+    attention_kernel: str = "auto"
     kv_cache: str = "paged"
     kv_block_size: int = 16
     kv_cache_tokens: int = 0
@@ -241,6 +245,15 @@ class WorkerConfig:
                 f"--max-model-len / PLORA_MAX_MODEL_LEN must be >= 2 (a prompt token and a "
                 f"generated one), got {self.max_model_len}"
             )
+        if self.attention_kernel not in LORA_KERNELS:
+            raise ConfigError(
+                f"--attention-kernel / PLORA_ATTENTION_KERNEL must be one of "
+                f"{list(LORA_KERNELS)}, got {self.attention_kernel!r}"
+            )
+        if self.attention_kernel == "triton" and self.kv_cache != "paged":
+            raise ConfigError(
+                "--attention-kernel triton reads the paged KV cache; drop --kv-cache slot"
+            )
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ConfigError(
                 f"--kv-cache / PLORA_KV_CACHE must be one of {list(KV_CACHE_KINDS)}, "
@@ -331,6 +344,13 @@ class WorkerConfig:
             "--max-batch-size",
             type=int,
             help="most sequences in the running batch (env PLORA_MAX_BATCH_SIZE; default 32)",
+        )
+        parser.add_argument(
+            "--attention-kernel",
+            choices=LORA_KERNELS,
+            help="decode attention over the paged KV cache: torch, or a triton kernel reading "
+            "the blocks in place; auto = triton on CUDA when installed "
+            "(env PLORA_ATTENTION_KERNEL; default auto)",
         )
         parser.add_argument(
             "--kv-cache",
@@ -497,6 +517,13 @@ class WorkerConfig:
             ),
             max_batch_size=int_flag_or_env(
                 args.max_batch_size, "PLORA_MAX_BATCH_SIZE", d.max_batch_size
+            ),
+            attention_kernel=choice_or_env(
+                args.attention_kernel,
+                "--attention-kernel",
+                "PLORA_ATTENTION_KERNEL",
+                d.attention_kernel,
+                LORA_KERNELS,
             ),
             kv_cache=choice_or_env(
                 args.kv_cache, "--kv-cache", "PLORA_KV_CACHE", d.kv_cache, KV_CACHE_KINDS

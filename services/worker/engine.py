@@ -108,6 +108,7 @@ class EngineConfig:
     lora_stack_min_steps: int = 2
     lora_stack_max_bytes: int = 1 << 30
     lora_kernel: str = "auto"
+    attention_kernel: str = "auto"
     kv_cache: str = "paged"
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None
@@ -135,6 +136,14 @@ class EngineConfig:
             raise ConfigError(f"kv_cache {self.kv_cache!r} is not one of {list(KV_CACHE_KINDS)}")
         if self.kv_block_size < 1:
             raise ConfigError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.kv_cache == "slot" and self.attention_kernel == "triton":
+            raise ConfigError(
+                "the triton attention kernel reads the paged KV cache; use kv_cache='paged'"
+            )
+        try:
+            self.resolved_attention_kernel  # noqa: B018 - validates the setting
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.kv_cache_tokens is not None:
             if self.kv_cache != "paged":
                 raise ConfigError("kv_cache_tokens sizes the paged KV cache; set kv_cache='paged'")
@@ -145,6 +154,14 @@ class EngineConfig:
     def resolved_lora_kernel(self) -> str:
         """``"torch"`` or ``"triton"``: what :attr:`lora_kernel` means on :attr:`device`."""
         return resolve_lora_kernel(self.lora_kernel, self.device)
+
+    @property
+    def resolved_attention_kernel(self) -> str:
+        """``"torch"`` or ``"triton"``: the decode attention :attr:`attention_kernel` means on
+        :attr:`device` (always torch over the slot cache)."""
+        if self.kv_cache == "slot":
+            return "torch"
+        return resolve_lora_kernel(self.attention_kernel, self.device, what="attention")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -323,6 +340,7 @@ class Engine:
             kind=cfg.kv_cache,
             num_tokens=cfg.kv_cache_tokens,
             block_size=cfg.kv_block_size,
+            decode_kernel=cfg.resolved_attention_kernel,
         )
         #: Most sequences that were running at once (admission, for benchmarks).
         self.peak_running = 0

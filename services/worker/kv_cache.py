@@ -352,6 +352,9 @@ class PagedKVCache:
         self.v = list(self._v_all.unbind(0))
         self.bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
         self.bytes_per_token *= self._k_all.element_size()
+        #: Decode attention: ``"torch"`` (gather, then matmuls) or ``"triton"`` (the paged
+        #: kernel reads the blocks in place); set by the engine.
+        self.decode_kernel = "torch"
         self._free_blocks = list(range(num_blocks, 0, -1))  # pop() takes block 1 first
         self._tables: dict[int, list[int]] = {}
         self._reserved: dict[int, int] = {}  # slot -> blocks reserved (taken ones included)

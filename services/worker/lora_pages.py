@@ -63,8 +63,9 @@ def triton_interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-def resolve_lora_kernel(kernel: str, device: torch.device | str) -> str:
-    """The implementation ``kernel`` means on ``device``: ``"torch"`` or ``"triton"``.
+def resolve_lora_kernel(kernel: str, device: torch.device | str, what: str = "lora") -> str:
+    """The implementation ``kernel`` means on ``device``: ``"torch"`` or ``"triton"`` (for the
+    multi-LoRA kernels, or ``what="attention"`` for the paged decode attention kernel).
 
     ``auto`` is ``triton`` on CUDA where Triton is installed, else ``torch``.
 
@@ -73,18 +74,18 @@ def resolve_lora_kernel(kernel: str, device: torch.device | str) -> str:
             package; ``triton`` on a CPU device without Triton's interpreter.
     """
     if kernel not in LORA_KERNELS:
-        raise ValueError(f"lora kernel {kernel!r} is not one of {list(LORA_KERNELS)}")
+        raise ValueError(f"{what} kernel {kernel!r} is not one of {list(LORA_KERNELS)}")
     on_cuda = torch.device(device).type == "cuda"
     if kernel == "auto":
         return "triton" if on_cuda and triton_available() else "torch"
     if kernel == "triton":
         if not triton_available():
             raise ValueError(
-                "the triton lora kernel needs the triton package (pip install 'plora[gpu]')"
+                f"the triton {what} kernel needs the triton package (pip install 'plora[gpu]')"
             )
         if not on_cuda and not triton_interpreting():
             raise ValueError(
-                "the triton lora kernel runs on CUDA, or on the CPU only through Triton's "
+                f"the triton {what} kernel runs on CUDA, or on the CPU only through Triton's "
                 "interpreter (set TRITON_INTERPRET=1); use the torch kernel on the CPU"
             )
     return kernel

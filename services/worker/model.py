@@ -280,6 +280,7 @@ class DecoderModel:
         kind: str = "slot",
         num_tokens: int | None = None,
         block_size: int = 16,
+        decode_kernel: str = "torch",
     ) -> KVCache:
         """A KV cache for sequences of up to ``max_len`` tokens.
 
@@ -290,6 +291,7 @@ class DecoderModel:
             num_tokens: ``paged``: positions it holds in all (rounded up to whole blocks);
                 ``None`` = ``num_slots * max_len``, the slot cache's memory.
             block_size: ``paged``: tokens per block.
+            decode_kernel: ``paged``: ``"torch"`` or ``"triton"`` decode attention.
 
         Raises:
             ValueError: an unknown ``kind``, or a paged cache smaller than one sequence.
@@ -300,7 +302,9 @@ class DecoderModel:
         if kind == "paged":
             tokens = num_slots * max_len if num_tokens is None else num_tokens
             blocks = -(-tokens // block_size)
-            return PagedKVCache(self.spec, blocks, block_size, max_len, self.device, self.dtype)
+            cache = PagedKVCache(self.spec, blocks, block_size, max_len, self.device, self.dtype)
+            cache.decode_kernel = decode_kernel
+            return cache
         raise ValueError(f"KV cache kind {kind!r} is not 'slot' or 'paged'")
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -374,6 +378,20 @@ class DecoderModel:
             ``[m, heads, head_dim]`` in the order of ``dec.rows``.
         """
         arch, nh, hd = self.arch, self.spec.num_heads, self.spec.head_dim
+        if isinstance(kv, PagedKVCache) and kv.decode_kernel == "triton":
+            from services.worker.kernels.attention_triton import paged_decode_attention
+
+            assert dec.block_tables is not None and dec.seq_lens is not None
+            return paged_decode_attention(
+                q.index_select(0, dec.rows),
+                kv.k[layer],
+                kv.v[layer],
+                dec.block_tables,
+                dec.seq_lens,
+                arch.attn_scale,
+                window=arch.layer_windows[layer],
+                softcap=arch.attn_softcap,
+            )
         nkv = self.spec.num_kv_heads
         group = nh // nkv
         n = dec.n

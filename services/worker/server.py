@@ -312,6 +312,7 @@ class WorkerService:
                 max_queue=config.max_queue,
                 adapter_wait_timeout_s=config.load_wait_timeout_s,
                 lora_kernel=config.lora_kernel,
+                attention_kernel=config.attention_kernel,
                 kv_cache=config.kv_cache,
                 kv_block_size=config.kv_block_size,
                 kv_cache_tokens=config.kv_cache_tokens or None,

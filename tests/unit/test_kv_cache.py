@@ -15,6 +15,7 @@ from services.worker.kv_cache import KVCacheFullError, PagedKVCache, SeqChunk
 from services.worker.model import DecoderModel, KVCache, StepBatch
 from services.worker.tokenizer import Tokenizer
 from tests import tiny_models
+from tests.helpers import engine_generate
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +190,36 @@ def test_kv_cache_settings_are_checked(models) -> None:  # type: ignore[no-untyp
         EngineConfig(kv_block_size=0)
     with pytest.raises(ConfigError, match="cannot hold one 128-token sequence"):
         Engine(model, tok, None, EngineConfig(max_model_len=128, kv_cache_tokens=100))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_triton_decode_attention_engine_matches_torch(models, family: str) -> None:  # type: ignore[no-untyped-def]
+    """The engine with the Triton paged-attention kernel (through Triton's interpreter here)
+    gives the torch path's greedy tokens: GQA, sliding windows shorter than the sequences,
+    soft-capping, blocks of 4 tokens."""
+    pytest.importorskip("triton")
+    from services.worker.lora_pages import triton_interpreting
+
+    if not triton_interpreting():
+        pytest.skip("Triton's interpreter is not on (TRITON_INTERPRET=1 before importing it)")
+    model, path = models[family]
+    tok = Tokenizer(path)
+    g = torch.Generator().manual_seed(4)
+    rows: list[tuple[str | None, list[int]]] = [
+        (None, torch.randint(4, tiny_models.VOCAB, (n,), generator=g).tolist()) for n in (9, 14, 3)
+    ]
+    got = {}
+    for kernel in ("torch", "triton"):
+        cfg = EngineConfig(max_model_len=64, kv_block_size=4, attention_kernel=kernel)
+        engine = Engine(model, tok, None, cfg)
+        assert isinstance(engine.kv, PagedKVCache) and engine.kv.decode_kernel == kernel
+        engine.start()
+        try:
+            evs = engine_generate(engine, rows, 8, ignore_eos=True)
+        finally:
+            engine.stop()
+        got[kernel] = [[t for ev in row for t in ev.token_ids] for row in evs]
+    assert got["triton"] == got["torch"]
+    with pytest.raises(ConfigError, match="reads the paged KV cache"):
+        EngineConfig(kv_cache="slot", attention_kernel="triton")
