@@ -5,14 +5,18 @@ Needs torch with CUDA, triton, transformers, peft, safetensors and tokenizers (`
 
 1. ``kernels``: the Triton multi-LoRA kernels against the torch path on a random mixed batch
    (ranks 1 to 128, base-only rows, different target modules) whose adapters the real store
-   placed in its pool: max difference over ``max |y|``, float32 <= 1e-5, bfloat16 <= 2e-2.
+   placed in its pool: max difference over ``max |y|``, float32 <= 1e-5, bfloat16 <= 2e-2;
+   and ``attention``: the Triton paged decode-attention kernel against the torch path over a
+   paged KV cache of shuffled blocks (GQA, lengths across block boundaries, a sliding window,
+   soft-capping), the same tolerances.
 2. ``exactness``: a small random Llama with three PEFT adapters (ranks 4 to 64), PEFT in
    float32 on the CPU as the reference; our decoder on the device through the chosen kernel
    over the store's pool, one mixed prefill step: max ``|logit difference|`` over
    ``max |logit|``, float32 <= 1e-4, bfloat16 <= 5e-2; greedy argmax agreement is reported.
-3. ``decode``: time of one decode step (``--decode-batch`` rows at position 64) of a model of
-   ``--shape`` with random weights: base only, and mixed adapters through each kernel, next to
-   the time to read the base weights once at the measured device-copy bandwidth.
+3. ``decode``: time of one decode step (``--decode-batch`` rows at position 64, paged KV cache,
+   the device's default decode attention) of a model of ``--shape`` with random weights: base
+   only, and mixed adapters through each kernel, next to the time to read the base weights
+   once at the measured device-copy bandwidth.
 4. ``engine``: generated tokens per second of the engine (base alone; mixed adapters through
    each kernel; ``--adapters`` distinct adapters of ``--ranks`` on all seven projections) and
    of PEFT's mixed-adapter ``generate``, per batch size, with ``mixed_over_base`` and
@@ -200,6 +204,46 @@ def check_kernels(device: str, dtype: str) -> dict[str, Any]:
     return out
 
 
+def check_attention(device: str, dtype: str) -> dict[str, Any]:
+    """Part 1b: the Triton paged decode-attention kernel against the torch path."""
+    import torch
+
+    from services.worker.kernels.attention_triton import (
+        paged_decode_attention,
+        paged_decode_attention_torch,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    td = getattr(torch, dtype)
+    kv_heads, group, hd, bs, blocks = 2, 4, 64, 16, 64
+    lens = torch.tensor([1, 16, 17, 100, 250, 64], dtype=torch.int32)
+    width = -(-int(lens.max()) // bs)
+    perm = torch.randperm(blocks - 1, generator=g) + 1  # shuffled, block 0 left as padding
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        k = -(-n // bs)
+        tables[i, :k] = perm[used : used + k].to(torch.int32)
+        used += k
+    shape = (kv_heads, blocks, bs, hd)
+    kc = torch.randn(shape, generator=g).to(device, td)
+    vc = torch.randn(shape, generator=g).to(device, td)
+    q = torch.randn(len(lens), kv_heads * group, hd, generator=g).to(device, td)
+    tables, lens = tables.to(device), lens.to(device)
+    worst = 0.0
+    for window, softcap in ((None, None), (40, None), (None, 20.0), (33, 30.0)):
+        args = (q, kc, vc, tables, lens, hd**-0.5)
+        a = paged_decode_attention_torch(*args, window=window, softcap=softcap).float()
+        b = paged_decode_attention(*args, window=window, softcap=softcap).float()
+        worst = max(worst, (a - b).abs().max().item() / max(a.abs().max().item(), 1e-30))
+    return {
+        "dtype": dtype,
+        "tolerance": KERNEL_TOL[dtype],
+        "max_rel_diff": worst,
+        "ok": worst <= KERNEL_TOL[dtype],
+    }
+
+
 def _hf_config(shape: str) -> Any:
     from transformers import LlamaConfig
 
@@ -363,10 +407,12 @@ def _decode_step_s(model: Any, lora: Any, rows: int, reps: int) -> float:
     """Best wall time of one decode step of ``rows`` sequences at position 64."""
     import torch
 
+    from services.worker.lora_pages import resolve_lora_kernel
     from services.worker.model import SeqChunk, StepBatch
 
     device = model.device
-    kv = model.new_kv_cache(rows, 128)
+    attention = resolve_lora_kernel("auto", device, what="attention")
+    kv = model.new_kv_cache(rows, 128, kind="paged", decode_kernel=attention)
     chunks = [SeqChunk(slot=i, row=i, num_tokens=1, start_pos=64) for i in range(rows)]
     step = StepBatch(
         torch.full((rows,), 5, dtype=torch.long, device=device),
@@ -557,10 +603,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if "triton" in kernels:
         result["kernels"] = {d: check_kernels(s["device"], d) for d in ("float32", "bfloat16")}
+        result["attention"] = {d: check_attention(s["device"], d) for d in ("float32", "bfloat16")}
     result["exactness"] = check_exactness(s["device"], kernels[-1])
     result.update(measure(s, kernels))
     result["wall_s"] = time.perf_counter() - t0
-    ok = result["exactness"]["ok"] and all(v["ok"] for v in result.get("kernels", {}).values())
+    checks = [*result.get("kernels", {}).values(), *result.get("attention", {}).values()]
+    ok = result["exactness"]["ok"] and all(v["ok"] for v in checks)
     result["ok"] = ok
     Path(args.out).write_text(json.dumps(result, indent=2), "utf-8")
     print(_table(result))
@@ -572,6 +620,8 @@ def _table(r: dict[str, Any]) -> str:
     lines = [f"plora bench gpu  {r['environment']}  shape {r['settings']['shape']}"]
     for d, k in r.get("kernels", {}).items():
         lines.append(f"kernels {d}: max rel diff {k['max_rel_diff']:.2e} ok={k['ok']}")
+    for d, k in r.get("attention", {}).items():
+        lines.append(f"attention {d}: max rel diff {k['max_rel_diff']:.2e} ok={k['ok']}")
     e = r["exactness"]
     for d in ("float32", "bfloat16"):
         x = e[d]

@@ -38,6 +38,11 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     if triton:
         assert {k: v["ok"] for k, v in r["kernels"].items()} == {"float32": True, "bfloat16": True}
         assert r["kernels"]["float32"]["max_rel_diff"] <= 1e-5
+        assert {k: v["ok"] for k, v in r["attention"].items()} == {
+            "float32": True,
+            "bfloat16": True,
+        }
+        assert r["attention"]["float32"]["max_rel_diff"] <= 1e-5
     assert r["exactness"]["float32"]["max_rel_logit_diff"] <= 1e-4
     assert r["exactness"]["bfloat16"]["ok"]
     kinds = {"base", "peft_mixed"} | {f"mixed_{k}" for k in r["environment"]["kernels"]}
