@@ -834,18 +834,23 @@ class Engine:
         samplers = list(plan.samplers)
         if not samplers:
             return
-        finite = torch.isfinite(logits.sum(dim=1)).tolist()  # NaN/Inf anywhere in a row
+        # One device-to-host transfer for the step: each row's finiteness (NaN/Inf anywhere)
+        # and its greedy token; only rows that sample draw on their own afterwards.
+        finite_t = torch.isfinite(logits.sum(dim=1)).to(torch.long)
+        flags, greedy = torch.stack([finite_t, torch.argmax(logits, dim=-1)]).tolist()
+        finite = [bool(f) for f in flags]
         if not all(finite):
             for s, ok in zip(samplers, finite, strict=True):
                 if not ok:
                     self._finish(s, None, error=_non_finite_error(s))
             keep = [i for i, ok in enumerate(finite) if ok]
             samplers = [samplers[i] for i in keep]
+            greedy = [greedy[i] for i in keep]
             logits = logits[keep]
             if not samplers:
                 return
         next_ids = sample_batch(
-            logits, [s.params for s in samplers], [s.generator for s in samplers]
+            logits, [s.params for s in samplers], [s.generator for s in samplers], greedy
         )
         elapsed = time.perf_counter() - started
         per_token = elapsed / plan.num_rows

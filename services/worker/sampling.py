@@ -91,6 +91,7 @@ def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    greedy: Sequence[int] | None = None,
 ) -> list[int]:
     """Next token for every row: one batched argmax for greedy rows, own draws for the rest.
 
@@ -98,9 +99,17 @@ def sample_batch(
         logits: ``[N, V]`` float32.
         params: ``N`` sampling parameters.
         generators: ``N`` generators (``None`` allowed for greedy rows).
+        greedy: The rows' argmax tokens when the caller already has them on the host (it
+            fetched them with other per-step figures in one device transfer).
+
+    Raises:
+        ValueError: a sampling row without a generator.
     """
     n = logits.shape[0]
-    out = torch.argmax(logits, dim=-1).tolist() if n else []
+    if greedy is not None:
+        out = list(greedy)
+    else:
+        out = torch.argmax(logits, dim=-1).tolist() if n else []
     for i in range(n):
         p = params[i]
         if not p.greedy:
