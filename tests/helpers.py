@@ -241,6 +241,29 @@ def mixed_prefill_logits(
     return model.forward(batch, kv)
 
 
+def random_lora(
+    spec: Any,
+    name: str,
+    rank: int,
+    targets: list[str],
+    gen: torch.Generator,
+    b_std: float = 0.2,
+) -> Any:
+    """A random :class:`~services.common.types.LoRAWeights` of ``rank`` on ``targets`` in
+    every layer of a model of ``spec`` (A ~ N(0, 1/in), B ~ N(0, b_std^2), scaling
+    16/rank)."""
+    from services.common.types import LoRAModuleWeights, LoRAWeights
+
+    mods = {}
+    for layer in range(spec.num_layers):
+        for mod in targets:
+            din, dout = spec.module_shape(mod)
+            a = torch.randn(rank, din, generator=gen) / din**0.5
+            b = torch.randn(dout, rank, generator=gen) * b_std
+            mods[(layer, mod)] = LoRAModuleWeights(a, b, 16.0 / rank)
+    return LoRAWeights(name, 1, mods)
+
+
 def engine_generate(
     engine: Any,
     rows: list[tuple[str | None, list[int]]],

@@ -51,7 +51,7 @@ import torch
 
 from services.common.types import LoRAModuleWeights, ModelSpec
 from services.worker.adapter_api import AdapterRef, ResidentAdapters
-from services.worker.engine import Engine, EngineConfig, EngineRequest
+from services.worker.engine import Engine, EngineConfig, EngineRequest, RequestStream
 from services.worker.model import DecoderModel
 from services.worker.model_loader import default_cache_dir, resolve_model
 from services.worker.tokenizer import Tokenizer
@@ -127,6 +127,25 @@ def _chat_ids(tok: Tokenizer, n: int) -> list[list[int]]:
     return [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
 
 
+def submit_batch(
+    engine: Engine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
+) -> list[RequestStream]:
+    """Submit request ``i`` = ``prompts[i]`` with ``adapters[i]`` (``None`` = base, version
+    1), ``new_tokens`` tokens with EOS ignored, all at once; their streams in order."""
+    return [
+        engine.submit(
+            EngineRequest(
+                f"bench-{time.monotonic_ns()}-{i}",
+                p,
+                max_new_tokens=new_tokens,
+                ignore_eos=True,
+                adapter=AdapterRef(a, 1, "") if a else None,
+            )
+        )
+        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
+    ]
+
+
 def engine_run(
     engine: Engine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
 ) -> tuple[float, float]:
@@ -139,18 +158,7 @@ def engine_run(
     """
     c0 = engine.step_cpu_seconds
     t0 = time.perf_counter()
-    streams = [
-        engine.submit(
-            EngineRequest(
-                f"bench-{time.monotonic_ns()}-{i}",
-                p,
-                max_new_tokens=new_tokens,
-                ignore_eos=True,
-                adapter=AdapterRef(a, 1, "") if a else None,
-            )
-        )
-        for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))
-    ]
+    streams = submit_batch(engine, prompts, adapters, new_tokens)
     total = 0
     for s in streams:
         for ev in s:

@@ -20,7 +20,9 @@ Needs torch with CUDA, triton, transformers, peft, safetensors and tokenizers (`
 4. ``engine``: generated tokens per second of the engine (base alone; mixed adapters through
    each kernel; ``--adapters`` distinct adapters of ``--ranks`` on all seven projections) and
    of PEFT's mixed-adapter ``generate``, per batch size, with ``mixed_over_base`` and
-   ``mixed_over_peft`` at each size.
+   ``mixed_over_peft`` at each size; with Triton, the same with CUDA graphs
+   (``--cuda-graphs on``: ``base_graphs``, ``mixed_triton_graphs``), whose greedy tokens on a
+   mixed batch of 8 must equal the plain pass's (``graphs_tokens_agree``).
 
 ``--device cpu`` is a dry run of the same code on the ``tiny`` shape with small sizes (the
 Triton kernels run through Triton's interpreter): it checks the command, not the figures.
@@ -457,6 +459,16 @@ def _engine_tok_s(
     return engine_run(engine, prompts, list(adapters), n)[0]
 
 
+def _greedy(
+    engine: Any, prompts: list[list[int]], adapters: Sequence[str | None], n: int
+) -> list[list[int]]:
+    """Each prompt's ``n`` greedy tokens (EOS ignored), all prompts in one batch."""
+    from plora.bench.engine import submit_batch
+
+    streams = submit_batch(engine, prompts, list(adapters), n)
+    return [[t for ev in st for t in ev.token_ids] for st in streams]
+
+
 def _peft_tok_s(pm: Any, prompts: list[list[int]], names: list[str], n: int) -> float:
     import torch
 
@@ -533,7 +545,11 @@ def measure(s: dict[str, Any], kernels: list[str]) -> dict[str, Any]:
         tok_s: dict[str, dict[str, float]] = {}
         with tempfile.TemporaryDirectory() as tmp:
             tok = Tokenizer(write_word_tokenizer(Path(tmp), vocab))
-            for k in kernels:
+            variants = [(k, "off") for k in kernels]
+            if "triton" in kernels:
+                variants.append(("triton", "on"))
+            greedy: dict[str, list[list[int]]] = {}
+            for k, graphs in variants:
                 cfg = EngineConfig(
                     device=device,
                     dtype=td,
@@ -541,20 +557,33 @@ def measure(s: dict[str, Any], kernels: list[str]) -> dict[str, Any]:
                     max_model_len=s["prompt_tokens"] + n + 8,
                     max_num_batched_tokens=max(512, max(sizes)),
                     lora_kernel=k,
+                    cuda_graphs=graphs,
                 )
+                name = f"mixed_{k}" + ("_graphs" if graphs == "on" else "")
                 engine = Engine(model, tok, store, cfg)
                 engine.start()
                 try:
                     _engine_tok_s(engine, prompts[:2], [None, names[0]], 2)  # warm-up
+                    m = min(8, len(prompts))
+                    check = [names[i % len(names)] if i % 4 else None for i in range(m)]
+                    greedy[name] = _greedy(engine, prompts[:m], check, 8)
                     for bs in sizes:
                         mixed = [names[i % len(names)] for i in range(bs)]
-                        if k == kernels[0]:
+                        if graphs == "on":  # capture every bucket before timing
+                            _engine_tok_s(engine, prompts[:bs], mixed, 2)
+                        if k == kernels[0] or graphs == "on":
                             base = _engine_tok_s(engine, prompts[:bs], [None] * bs, n)
-                            tok_s.setdefault("base", {})[str(bs)] = base
+                            key = "base" if graphs == "off" else "base_graphs"
+                            tok_s.setdefault(key, {})[str(bs)] = base
                         got = _engine_tok_s(engine, prompts[:bs], mixed, n)
-                        tok_s.setdefault(f"mixed_{k}", {})[str(bs)] = got
+                        tok_s.setdefault(name, {})[str(bs)] = got
+                    if engine.graphs is not None:
+                        res["graphs_captured"] = engine.graphs.captured
+                        res["graph_steps"] = engine.graphs.steps
                 finally:
                     engine.stop()
+            if "mixed_triton_graphs" in greedy:
+                res["graphs_tokens_agree"] = greedy["mixed_triton_graphs"] == greedy["mixed_triton"]
         if s["peft"]:
             for bs in sizes:
                 mixed = [names[i % len(names)] for i in range(bs)]
@@ -563,10 +592,11 @@ def measure(s: dict[str, Any], kernels: list[str]) -> dict[str, Any]:
                 )
     res["tok_s"] = tok_s
     ratios: dict[str, dict[str, float]] = {}
-    for k in kernels:
+    for k in [*kernels, *(["triton_graphs"] if "mixed_triton_graphs" in tok_s else [])]:
+        base_key = "base_graphs" if k.endswith("_graphs") else "base"
         for bs in map(str, s["batch_sizes"]):
             r = ratios.setdefault(k, {})
-            r[f"mixed_over_base_b{bs}"] = tok_s[f"mixed_{k}"][bs] / tok_s["base"][bs]
+            r[f"mixed_over_base_b{bs}"] = tok_s[f"mixed_{k}"][bs] / tok_s[base_key][bs]
             if "peft_mixed" in tok_s:
                 r[f"mixed_over_peft_b{bs}"] = tok_s[f"mixed_{k}"][bs] / tok_s["peft_mixed"][bs]
     res["ratios"] = ratios
@@ -609,6 +639,7 @@ def run(args: argparse.Namespace) -> int:
     result["wall_s"] = time.perf_counter() - t0
     checks = [*result.get("kernels", {}).values(), *result.get("attention", {}).values()]
     ok = result["exactness"]["ok"] and all(v["ok"] for v in checks)
+    ok = ok and result.get("graphs_tokens_agree", True)
     result["ok"] = ok
     Path(args.out).write_text(json.dumps(result, indent=2), "utf-8")
     print(_table(result))
@@ -644,5 +675,10 @@ def _table(r: dict[str, Any]) -> str:
         lines.append(f"{k:>14} " + " ".join(f"{v[b]:10.1f}" for b in sizes))
     for k, v in r["ratios"].items():
         lines.append(f"{k}: " + "  ".join(f"{n} {x:.2f}" for n, x in v.items()))
+    if "graphs_tokens_agree" in r:
+        lines.append(
+            f"cuda graphs: {r.get('graphs_captured', 0)} captured, {r.get('graph_steps', 0)} "
+            f"steps; greedy tokens equal to the plain pass: {r['graphs_tokens_agree']}"
+        )
     lines.append(f"ok={r['ok']}  wall {r['wall_s']:.0f} s")
     return "\n".join(lines)

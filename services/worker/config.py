@@ -89,6 +89,8 @@ class WorkerConfig:
         attention_kernel: Decode attention over the paged KV cache: ``torch``, ``triton``
             (the paged kernel), ``auto`` = triton on CUDA where installed, else torch
             (``PLORA_ATTENTION_KERNEL``).
+        cuda_graphs: ``on``: decode steps run over static, bucketed buffers captured as CUDA
+            graphs on CUDA (``PLORA_CUDA_GRAPHS``); ``off`` (default).
         kv_cache: ``paged`` (KV blocks through a block table per sequence; admission counts
             blocks) or ``slot`` (one ``max_model_len`` slot per running sequence)
             (``PLORA_KV_CACHE``).
@@ -154,6 +156,7 @@ class WorkerConfig:
     lora_kernel: str = "auto"
     max_batch_size: int = 32
     attention_kernel: str = "auto"
+    cuda_graphs: str = "off"
     kv_cache: str = "paged"
     kv_block_size: int = 16
     kv_cache_tokens: int = 0
@@ -254,6 +257,12 @@ class WorkerConfig:
             raise ConfigError(
                 "--attention-kernel triton reads the paged KV cache; drop --kv-cache slot"
             )
+        if self.cuda_graphs not in ("on", "off"):
+            raise ConfigError(
+                f"--cuda-graphs / PLORA_CUDA_GRAPHS must be 'on' or 'off', got {self.cuda_graphs!r}"
+            )
+        if self.cuda_graphs == "on" and self.kv_cache != "paged":
+            raise ConfigError("--cuda-graphs on runs over the paged KV cache; drop --kv-cache slot")
         if self.kv_cache not in KV_CACHE_KINDS:
             raise ConfigError(
                 f"--kv-cache / PLORA_KV_CACHE must be one of {list(KV_CACHE_KINDS)}, "
@@ -351,6 +360,12 @@ class WorkerConfig:
             help="decode attention over the paged KV cache: torch, or a triton kernel reading "
             "the blocks in place; auto = triton on CUDA when installed "
             "(env PLORA_ATTENTION_KERNEL; default auto)",
+        )
+        parser.add_argument(
+            "--cuda-graphs",
+            choices=("on", "off"),
+            help="on: decode steps of up to 64 rows replay CUDA graphs captured per batch "
+            "bucket (CUDA; checked by plora bench gpu) (env PLORA_CUDA_GRAPHS; default off)",
         )
         parser.add_argument(
             "--kv-cache",
@@ -524,6 +539,9 @@ class WorkerConfig:
                 "PLORA_ATTENTION_KERNEL",
                 d.attention_kernel,
                 LORA_KERNELS,
+            ),
+            cuda_graphs=choice_or_env(
+                args.cuda_graphs, "--cuda-graphs", "PLORA_CUDA_GRAPHS", d.cuda_graphs, ("on", "off")
             ),
             kv_cache=choice_or_env(
                 args.kv_cache, "--kv-cache", "PLORA_KV_CACHE", d.kv_cache, KV_CACHE_KINDS

@@ -50,6 +50,7 @@ from services.common.errors import (
 )
 from services.common.types import LoRAModuleWeights
 from services.worker.adapter_api import AdapterLease, AdapterProvider, AdapterRef, no_guard
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.estimates import ServiceEstimates
 from services.worker.kv_cache import KV_CACHE_KINDS, PagedKVCache
 from services.worker.lora_ops import LoRABatch, StackedLoRA
@@ -109,6 +110,7 @@ class EngineConfig:
     lora_stack_max_bytes: int = 1 << 30
     lora_kernel: str = "auto"
     attention_kernel: str = "auto"
+    cuda_graphs: str = "off"
     kv_cache: str = "paged"
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None
@@ -136,6 +138,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache {self.kv_cache!r} is not one of {list(KV_CACHE_KINDS)}")
         if self.kv_block_size < 1:
             raise ConfigError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.cuda_graphs not in ("on", "off"):
+            raise ConfigError(f"cuda_graphs must be 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.kv_cache != "paged":
+            raise ConfigError("cuda_graphs='on' runs over the paged KV cache; use kv_cache='paged'")
         if self.kv_cache == "slot" and self.attention_kernel == "triton":
             raise ConfigError(
                 "the triton attention kernel reads the paged KV cache; use kv_cache='paged'"
@@ -344,6 +350,16 @@ class Engine:
         )
         #: Most sequences that were running at once (admission, for benchmarks).
         self.peak_running = 0
+        self.graphs: DecodeGraphs | None = None
+        if cfg.cuda_graphs == "on" and isinstance(self.kv, PagedKVCache):
+            if model.long_rope_after is not None:
+                logger.warning(
+                    "cuda graphs are off for LongRoPE models (their rotation depends "
+                    "on each sequence's length)"
+                )
+            else:
+                capture = torch.device(cfg.device).type == "cuda"
+                self.graphs = DecodeGraphs(model, self.kv, capture=capture)
         self._eos = frozenset(tokenizer.eos_token_ids)
         self._vocab = model.spec.vocab_size
         self._lock = threading.Lock()
@@ -801,14 +817,16 @@ class Engine:
                     if s.adapter_key in broken:
                         self._finish(s, None, error=broken[s.adapter_key])
                 return None  # the next step is rebuilt without them
-            lora = None
-            if plan.adapter_keys:
-                paged = self._paged_for(plan.adapter_keys, plan.row_adapter, weights)
-                stacked = None
-                if paged is None:
-                    stacked = self._stacked_for(plan.adapter_keys, weights, plan.num_rows)
-                lora = LoRABatch(plan.row_adapter, weights, stacked, paged)
-            logits = self.model.forward(plan.step_batch(lora), self.kv)
+            logits = self._forward_graphed(plan, weights)
+            if logits is None:
+                lora = None
+                if plan.adapter_keys:
+                    paged = self._paged_for(plan.adapter_keys, plan.row_adapter, weights)
+                    stacked = None
+                    if paged is None:
+                        stacked = self._stacked_for(plan.adapter_keys, weights, plan.num_rows)
+                    lora = LoRABatch(plan.row_adapter, weights, stacked, paged)
+                logits = self.model.forward(plan.step_batch(lora), self.kv)
         self.steps += 1
         for s, n in plan.work:
             s.num_cached += n
@@ -864,6 +882,30 @@ class Engine:
         now = time.monotonic()
         for s, tok in zip(samplers, next_ids, strict=True):
             self._emit(s, tok, now)
+
+    def _forward_graphed(
+        self, plan: StepPlan[_Seq], weights: list[dict[tuple[int, str], LoRAModuleWeights]]
+    ) -> torch.Tensor | None:
+        """Run a decode-only step through :attr:`graphs` (logits in the order of
+        ``plan.logits_rows``), or return None when graphs are off or the step is not eligible
+        (prefill rows, too many rows, adapters the Triton kernels cannot read)."""
+        if self.graphs is None or plan.num_rows != len(plan.work):
+            return None
+        tables = None
+        if plan.adapter_keys:
+            if self._page_tables is None:
+                return None
+            try:
+                tables = self._page_tables.tables(plan.adapter_keys, weights)
+            except ValueError:
+                return None
+        batch = plan.step_batch(None)
+        chunks = sorted(batch.chunks, key=lambda c: c.row)
+        out = self.graphs.run(batch.input_ids, chunks, plan.row_adapter, tables)
+        if out is None:
+            return None
+        rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=out.device)
+        return out.index_select(0, rows)
 
     def _paged_for(
         self,

@@ -284,9 +284,11 @@ class PagedKVCache:
     """Keys and values in fixed-size blocks, addressed through a block table per sequence.
 
     Attributes:
-        k: per layer ``[num_kv_heads, num_blocks + 1, block_size, head_dim]`` (views of one
+        k: per layer ``[num_kv_heads, num_blocks + 2, block_size, head_dim]`` (views of one
             tensor holding every layer); block 0 is the *null block*, all zeros, never handed
-            out, which pads block tables.
+            out, which pads block tables; the last block (:attr:`scratch_block`) takes the
+            writes of padding rows in a fixed-size decode batch
+            (:mod:`services.worker.decode_graphs`) and is never read.
         v: same shape as ``k``.
 
     Rules:
@@ -343,7 +345,9 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_len = max_len
-        shape = (spec.num_layers, spec.num_kv_heads, num_blocks + 1, block_size, spec.head_dim)
+        #: Where padding rows of a fixed-size decode batch write (never handed out or read).
+        self.scratch_block = num_blocks + 1
+        shape = (spec.num_layers, spec.num_kv_heads, num_blocks + 2, block_size, spec.head_dim)
         self._k_all = torch.empty(shape, device=device, dtype=dtype)
         self._v_all = torch.empty(shape, device=device, dtype=dtype)
         self._k_all[:, :, 0].zero_()
@@ -430,7 +434,8 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds (every block, the null block included, all layers)."""
+        """Bytes the cache holds (every block, the null and scratch blocks included, all
+        layers)."""
         return 2 * self._k_all.numel() * self._k_all.element_size()
 
     @property

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -176,6 +176,15 @@ class StackedLoRA:
         return [
             (rows == owner.unsqueeze(0)).to(scale.dtype) * scale for owner, scale in self.layouts
         ]
+
+
+class LoRAApplier(Protocol):
+    """What the forward pass calls per projection: ``y += LoRA(x)`` for ``(layer, module)``
+    (:class:`LoRABatch`, :class:`~services.worker.lora_pages.StaticPagedLoRA`)."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the rows' LoRA deltas of ``(layer, module)`` into ``y`` ``[T, out]``."""
+        ...
 
 
 class LoRABatch:

@@ -263,3 +263,87 @@ class PagedLoRA:
         self._k.lora_expand(
             t, self.pool, y, self.entries, self.scale, self.segments, entry, self.max_rows
         )
+
+
+class StaticPagedLoRA:
+    """Multi-LoRA of a fixed-size decode batch through the Triton kernels, from buffers whose
+    addresses never change (what a CUDA graph captures): row ``i`` is its own one-row
+    segment and reads its own copy of its adapter's page table.
+
+    Same semantics as :class:`PagedLoRA` (``y_i += scale_s * B_s (A_s x_i)``; base-only and
+    padding rows untouched). Every projection launches its two kernels whatever the rows'
+    adapters (a graph replays a fixed launch sequence): the shrink's grid covers ranks up to
+    ``max_rank``, and programs past a row's own rank, or of a row without an adapter, return
+    at once. :meth:`fill` refuses a step whose adapters it cannot serve.
+
+    Args:
+        rows: Rows of the batch (the largest bucket; :meth:`head` gives smaller ones).
+        num_layers: Layers of the model.
+        pool: ``[P]`` the pool tensor every adapter lives in.
+        max_rank: Largest rank served (the shrink's grid and scratch width).
+        device: The pool's device.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        num_layers: int,
+        pool: torch.Tensor,
+        max_rank: int,
+        device: torch.device | str,
+    ) -> None:
+        from services.worker.kernels import lora_triton
+
+        self._k = lora_triton
+        n_entries = num_layers * len(LORA_MODULES)
+        self.num_layers = num_layers
+        self.pool = pool
+        self.max_rank = max_rank
+        self.entries = torch.zeros((rows, n_entries, 3), dtype=torch.int64, device=device)
+        self.scale = torch.zeros((rows, n_entries), dtype=torch.float32, device=device)
+        self.seg_start = torch.arange(rows, dtype=torch.int32, device=device)
+        self.seg_len = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.seg_adapter = torch.arange(rows, dtype=torch.int32, device=device)
+
+    def head(self, rows: int) -> StaticPagedLoRA:
+        """The same buffers' first ``rows`` rows (views: the addresses stay)."""
+        view = object.__new__(StaticPagedLoRA)
+        view.__dict__.update(self.__dict__)
+        view.entries, view.scale = self.entries[:rows], self.scale[:rows]
+        view.seg_start, view.seg_len = self.seg_start[:rows], self.seg_len[:rows]
+        view.seg_adapter = self.seg_adapter[:rows]
+        return view
+
+    def fill(self, row_adapter_ids: Sequence[int], tables: Sequence[AdapterPageTable]) -> bool:
+        """Write the rows' tables into the buffers (rows past ``row_adapter_ids`` are padding:
+        no adapter). Returns False, writing nothing, when an adapter lives in another pool or
+        has a rank above ``max_rank`` (the caller runs the step another way)."""
+        ptr = self.pool.untyped_storage().data_ptr()
+        if any(t.pool.untyped_storage().data_ptr() != ptr for t in tables):
+            return False
+        if any(int(t.entries[..., 2].max()) > self.max_rank for t in tables):
+            return False
+        n, rows = len(row_adapter_ids), self.entries.shape[0]
+        entries = torch.zeros(self.entries.shape, dtype=torch.int64)
+        scale = torch.zeros(self.scale.shape, dtype=torch.float32)
+        lens = torch.zeros(rows, dtype=torch.int32)
+        for i, a in enumerate(row_adapter_ids):
+            if a != NO_ADAPTER:
+                entries[i] = tables[a].entries.view(-1, 3)
+                scale[i] = tables[a].scale.view(-1)
+                lens[i] = 1
+        assert n <= rows
+        self.entries.copy_(entries)
+        self.scale.copy_(scale)
+        self.seg_len.copy_(lens)
+        return True
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """``y += LoRA(x)`` for ``(layer, module)``: ``x [B, in]``, ``y [B, out]``."""
+        mi = _MODULE_INDEX.get(module)
+        if mi is None or layer >= self.num_layers:
+            return
+        entry = layer * len(LORA_MODULES) + mi
+        segments = (self.seg_start, self.seg_len, self.seg_adapter)
+        t = self._k.lora_shrink(x, self.pool, self.entries, segments, entry, self.max_rank, 1)
+        self._k.lora_expand(t, self.pool, y, self.entries, self.scale, segments, entry, 1)

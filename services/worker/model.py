@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from services.worker.kv_cache import (
     SlotKVCache,
     StepKV,
 )
-from services.worker.lora_ops import LoRABatch
+from services.worker.lora_ops import LoRAApplier, LoRABatch
 from services.worker.model_loader import read_config, spec_from_config
 from services.worker.rope import RopeTable, rope_frequencies
 
@@ -420,10 +421,8 @@ class DecoderModel:
             ``[len(batch.logits_rows), vocab]`` float32 next-token logits, in the order of
             ``batch.logits_rows``; all NaN for a row whose final hidden state overflowed.
         """
-        spec, arch = self.spec, self.arch
-        nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qdim, kvdim = nh * hd, nkv * hd
-        m = spec.intermediate_size
+        arch = self.arch
+        nh, hd = self.spec.num_heads, self.spec.head_dim
         dev = self.device
         lora = batch.lora if batch.lora is not None and not batch.lora.empty else None
 
@@ -475,11 +474,102 @@ class DecoderModel:
                     hide[None, :, None, :] if dec.heads_first else hide[:, None, None, :]
                 )
 
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            window = arch.layer_windows[li]
+            attn = torch.empty(T, nh, hd, device=dev, dtype=self.dtype)
+            for ci, c in prefill:
+                qp = q[c.row : c.row + c.num_tokens].transpose(0, 1).unsqueeze(0)  # [1,H,n,hd]
+                kp, vp = kv.prefill_kv(li, step, ci, c)  # [1, nkv, end, hd]
+                o = self._attend(qp, kp, vp, prefill_mask(ci, c, window), causal=True)
+                attn[c.row : c.row + c.num_tokens] = o[0].transpose(0, 1)
+            if dec is not None:
+                attn[dec.rows] = self._decode_attend(q, kv, li, step, dec, dec_masks[window])
+            return attn
+
+        h = self._layers(ids, rope_rows, lora, kv, step, attend)
+        kv.finish(batch.chunks)  # recorded only once every layer has written them
+        rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=dev)
+        return self._logits(h.index_select(0, rows))
+
+    @torch.inference_mode()
+    def forward_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: PagedKVCache,
+        step: StepKV,
+        lora: LoRAApplier | None,
+    ) -> torch.Tensor:
+        """One decode step over static buffers: every row is one sequence's next token.
+
+        Nothing here depends on the rows' values on the host (no Python branch on them, no
+        device-to-host read, no shape that varies with them), so a CUDA graph can capture it
+        and replay it with new contents in the same buffers
+        (:class:`services.worker.decode_graphs.DecodeGraphs`).
+
+        Args:
+            input_ids: ``[B]`` int64 token ids.
+            positions: ``[B]`` int64 positions (= keys cached before the token).
+            kv: The paged cache (its ``decode_kernel`` picks the attention).
+            step: ``write_a``/``write_b`` ``[B]`` (block and offset of each row's write; padding
+                rows write a scratch block) and ``decode`` with ``block_tables`` ``[B, W]``
+                int32 and ``seq_lens`` ``[B]`` int32 (0 for padding rows).
+            lora: The rows' LoRA (a static :class:`~services.worker.lora_pages.PagedLoRA`),
+                or None.
+
+        Returns:
+            ``[B, vocab]`` float32 next-token logits (NaN for an overflowed row).
+        """
+        from services.worker.kernels.attention_triton import (
+            paged_decode_attention,
+            paged_decode_attention_torch,
+        )
+
+        arch = self.arch
+        dec = step.decode
+        assert dec is not None and dec.block_tables is not None and dec.seq_lens is not None
+        tables, lens = dec.block_tables, dec.seq_lens
+        attention = (
+            paged_decode_attention if kv.decode_kernel == "triton" else paged_decode_attention_torch
+        )
+        rope_rows = [t.rows(positions, None) for t in self._ropes]
+
+        def attend(li: int, q: torch.Tensor) -> torch.Tensor:
+            return attention(
+                q,
+                kv.k[li],
+                kv.v[li],
+                tables,
+                lens,
+                arch.attn_scale,
+                window=arch.layer_windows[li],
+                softcap=arch.attn_softcap,
+            )
+
+        h = self._layers(input_ids, rope_rows, lora, kv, step, attend)
+        return self._logits(h)
+
+    def _layers(
+        self,
+        ids: torch.Tensor,
+        rope_rows: list[tuple[torch.Tensor, torch.Tensor]],
+        lora: LoRAApplier | None,
+        kv: KVCache,
+        step: StepKV,
+        attend: Callable[[int, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Embed ``ids`` ``[T]`` and run every layer; ``attend(layer, q)`` turns the rotated
+        queries ``[T, heads, head_dim]`` into attention outputs of the same shape once the
+        step's keys/values are in ``kv``. Returns the hidden states ``[T, d]``."""
+        spec, arch = self.spec, self.arch
+        nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        qdim, kvdim = nh * hd, nkv * hd
+        m = spec.intermediate_size
+        T = ids.shape[0]
         h = F.embedding(ids, self.embed)  # [T, d]
         if arch.embed_scale is not None:
             h = h * torch.tensor(arch.embed_scale, dtype=h.dtype)
         for li, L in enumerate(self.layers):
-            window = arch.layer_windows[li]
             cos, sin = rope_rows[arch.layer_ropes[li]]
             x = self._rms(h, L.ln1)
             qkv = F.linear(x, L.wqkv, L.bqkv)  # [T, q + 2kv]
@@ -496,16 +586,7 @@ class DecoderModel:
             k = self._rotate(k, cos, sin)
             kv.write(li, step, k, v)
 
-            attn = torch.empty(T, nh, hd, device=dev, dtype=self.dtype)
-            for ci, c in prefill:
-                qp = q[c.row : c.row + c.num_tokens].transpose(0, 1).unsqueeze(0)  # [1,H,n,hd]
-                kp, vp = kv.prefill_kv(li, step, ci, c)  # [1, nkv, end, hd]
-                o = self._attend(qp, kp, vp, prefill_mask(ci, c, window), causal=True)
-                attn[c.row : c.row + c.num_tokens] = o[0].transpose(0, 1)
-            if dec is not None:
-                attn[dec.rows] = self._decode_attend(q, kv, li, step, dec, dec_masks[window])
-
-            a2 = attn.view(T, qdim)
+            a2 = attend(li, q).view(T, qdim)
             o = F.linear(a2, L.wo, L.bo)
             if lora is not None:
                 lora.apply(li, "o_proj", a2, o)
@@ -525,10 +606,12 @@ class DecoderModel:
             if L.post_ffn is not None:
                 dn = self._rms(dn, L.post_ffn)
             h = h + dn
+        return h
 
-        kv.finish(batch.chunks)  # recorded only once every layer has written them
-        rows = torch.tensor(batch.logits_rows, dtype=torch.long, device=dev)
-        hs = h.index_select(0, rows)
+    def _logits(self, hs: torch.Tensor) -> torch.Tensor:
+        """``[R, vocab]`` float32 logits of the hidden states ``hs`` ``[R, d]``; NaN rows for
+        states that overflowed."""
+        arch = self.arch
         hl = self._rms(hs, self.norm)
         # ``lm_head @ hl.T`` rather than ``F.linear(hl, lm_head)``: the same float32 products,
         # but with few rows and a vocabulary-wide output (49,152 x 576 for SmolLM2) oneDNN/MKL

@@ -313,6 +313,7 @@ class WorkerService:
                 adapter_wait_timeout_s=config.load_wait_timeout_s,
                 lora_kernel=config.lora_kernel,
                 attention_kernel=config.attention_kernel,
+                cuda_graphs=config.cuda_graphs,
                 kv_cache=config.kv_cache,
                 kv_block_size=config.kv_block_size,
                 kv_cache_tokens=config.kv_cache_tokens or None,

@@ -46,6 +46,10 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     assert r["exactness"]["float32"]["max_rel_logit_diff"] <= 1e-4
     assert r["exactness"]["bfloat16"]["ok"]
     kinds = {"base", "peft_mixed"} | {f"mixed_{k}" for k in r["environment"]["kernels"]}
+    if triton:  # the CUDA-graph variant (on the CPU: its static path without capture)
+        kinds |= {"base_graphs", "mixed_triton_graphs"}
+        assert r["graphs_tokens_agree"] is True and r["graph_steps"] > 0
+        assert "mixed_over_base_b2" in r["ratios"]["triton_graphs"]
     assert set(r["tok_s"]) == kinds and all(v["2"] > 0 for v in r["tok_s"].values())
     assert set(r["decode_step_s"]) == {"base"} | {f"mixed_{k}" for k in r["environment"]["kernels"]}
     assert r["base_read_s"] > 0 and r["bandwidth_bytes_s"] > 0

@@ -43,6 +43,7 @@ from services.worker.store import AdapterStore  # noqa: E402
 from services.worker.store_types import StoreConfig  # noqa: E402
 from services.worker.tokenizer import Tokenizer  # noqa: E402
 from tests import tiny_models  # noqa: E402
+from tests.helpers import random_lora  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not triton_interpreting(), reason="Triton was imported before TRITON_INTERPRET=1 was set"
@@ -269,14 +270,8 @@ def test_decoder_forward_triton_equals_torch(tmp_path: Path) -> None:
     specs = [(4, ["q_proj", "v_proj"]), (64, all7), (16, ["o_proj", "gate_proj", "down_proj"])]
     weights = []
     for i, (rank, targets) in enumerate(specs):
-        mods = {}
-        for layer in range(spec.num_layers):
-            for mod in targets:
-                din, dout = spec.module_shape(mod)
-                a = torch.randn(rank, din, generator=gen) / din**0.5
-                b = torch.randn(dout, rank, generator=gen) * 0.1
-                mods[(layer, mod)] = LoRAModuleWeights(a, b, 16.0 / rank)
-        weights.append(_place(pool, LoRAWeights(f"a{i}", 1, mods))[0])
+        made = random_lora(spec, f"a{i}", rank, targets, gen, b_std=0.1)
+        weights.append(_place(pool, made)[0])
     tables = PageTableCache(spec.num_layers).tables([0, 1, 2], weights)
     prompts = [[5, 9, 11, 30, 7], [40, 41, 42], [8, 8, 9, 10, 77, 3], [12, 13]]
     adapters = [0, NO_ADAPTER, 1, 2]
@@ -315,16 +310,10 @@ def test_engine_with_store_greedy_tokens_same_for_triton_and_torch(tmp_path: Pat
     tok = Tokenizer(tmp_path / "model")
     gen = torch.Generator().manual_seed(5)
     all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    made = {}
-    for name, rank, targets in [("r8", 8, ["q_proj", "v_proj"]), ("r32", 32, all7)]:
-        mods = {}
-        for layer in range(model.spec.num_layers):
-            for mod in targets:
-                din, dout = model.spec.module_shape(mod)
-                a = torch.randn(rank, din, generator=gen) / din**0.5
-                b = torch.randn(dout, rank, generator=gen) * 0.2
-                mods[(layer, mod)] = LoRAModuleWeights(a, b, 16.0 / rank)
-        made[name] = LoRAWeights(name, 1, mods)
+    made = {
+        name: random_lora(model.spec, name, rank, targets, gen)
+        for name, rank, targets in [("r8", 8, ["q_proj", "v_proj"]), ("r32", 32, all7)]
+    }
     cfg = StoreConfig(pool_bytes=1 << 20, page_bytes=4096, host_cache_bytes=1 << 20)
     rows = [("r8", [5, 9, 11, 30, 7]), (None, [40, 41, 42]), ("r32", [8, 8, 9, 10, 77, 3])]
     out = {}
