@@ -107,6 +107,12 @@ class StepKV:
     decode: DecodeLayout | None
 
 
+def _bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:
+    """KV bytes one cached position takes: keys and values of every layer and KV head."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elem
+
+
 class SlotKVCache:
     """Preallocated per-layer key/value slots, one per running sequence.
 
@@ -124,7 +130,6 @@ class SlotKVCache:
     engine thread exactly when a burst first fills more slots.
     """
 
-    kind = "slot"
     #: Positions zeroed at a time by :meth:`ensure_finite` (rounded up to a multiple).
     ZERO_AHEAD = 64
 
@@ -142,8 +147,7 @@ class SlotKVCache:
         self.device = torch.device(device)
         self.num_slots = num_slots
         self.max_len = max_len
-        self.bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-        self.bytes_per_token *= torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = _bytes_per_token(spec, dtype)
         # Positions [0, _finite[slot]) of a slot hold finite values: written by a sequence (a
         # sequence writes positions 0, 1, ... in order) or zeroed. Never decreases.
         self._finite = [0] * num_slots
@@ -319,8 +323,6 @@ class PagedKVCache:
             ``max_len`` sequence needs.
     """
 
-    kind = "paged"
-
     def __init__(
         self,
         spec: ModelSpec,
@@ -354,8 +356,7 @@ class PagedKVCache:
         self._v_all[:, :, 0].zero_()
         self.k = list(self._k_all.unbind(0))
         self.v = list(self._v_all.unbind(0))
-        self.bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-        self.bytes_per_token *= self._k_all.element_size()
+        self.bytes_per_token = _bytes_per_token(spec, dtype)
         #: Decode attention: ``"torch"`` (gather, then matmuls) or ``"triton"`` (the paged
         #: kernel reads the blocks in place); set by the engine.
         self.decode_kernel = "torch"
