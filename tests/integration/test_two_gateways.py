@@ -94,8 +94,8 @@ def test_gateways_spread_a_uniform_load_evenly(
     one gateway or in turn through the two: every worker serves within 25 % of every other's
     count (max / min <= 1.25), read from the workers' own request counters, which agree with
     the workers the answers name; a round over that bound is run once more on fresh adapters
-    (in the whole suite a round reached 1.30 once: a placement race moves a few requests,
-    while herding fails every round). Measured 1.00-1.13 with one gateway and 1.09-1.18 with two
+    (a placement race can move a few requests and reach 1.30 in one round, while herding
+    fails every round). Measured 1.00-1.13 with one gateway and 1.09-1.18 with two
     (three runs each). With 4 requests per adapter (18 adapters) one adapter's placement moves
     4 requests, and the same routing gave 1.09-1.40, so the load is split finer. (Two gateways
     that broke routing ties in the same order gave 1.53 and 1.33: each one's first cold
@@ -105,8 +105,8 @@ def test_gateways_spread_a_uniform_load_evenly(
     gateways, workers = two_gateways
     prefix = ["one", "two"][used - 1]
     ratio, served = _spread(gateways, workers, used, prefix)
-    if ratio > 1.25:  # a second round on fresh adapters: a race moves a few requests once,
-        ratio, served = _spread(gateways, workers, used, f"{prefix}-again")  # herding twice
+    if ratio > 1.25:  # a second round on fresh adapters: a race moves a few requests in one
+        ratio, served = _spread(gateways, workers, used, f"{prefix}-again")  # herding: in both
     assert ratio <= 1.25, served
 
 
