@@ -314,11 +314,75 @@ def gap_closed(
     return (no_predictor - plora) / (no_predictor - oracle)
 
 
+#: Per-policy keys :func:`mean_over_seeds` takes from the first seed's run instead of averaging:
+#: the worker-count search runs for the first seed only, and the forecaster's compute figures
+#: belong to that run.
+FIRST_SEED_KEYS: tuple[str, ...] = ("min_workers_for_slo", "workers_search", "forecast")
+
+#: Figures whose value in every seed's run ``mean_over_seeds`` also lists (``seed_runs``), so
+#: a report shows the spread its means come from.
+SEED_RUN_KEYS: tuple[str, ...] = (
+    "ttft_mean_s",
+    "ttft_p99_s",
+    "cold_start_rate",
+    "cold_start_wait_mean_s",
+    "failed",
+)
+
+
+def _mean_value(values: Sequence[Any]) -> Any:
+    first = values[0]
+    if any(v is None for v in values):
+        return None if all(v is None for v in values) else first
+    if isinstance(first, bool) or not all(isinstance(v, type(first)) for v in values):
+        return first
+    if isinstance(first, int | float):
+        return float(np.mean(values))
+    if isinstance(first, Mapping):
+        keys = [k for k in first if all(isinstance(v, Mapping) and k in v for v in values)]
+        return {k: _mean_value([v[k] for v in values]) for k in keys}
+    if isinstance(first, list) and all(len(v) == len(first) for v in values):
+        if all(isinstance(x, int | float) and not isinstance(x, bool) for v in values for x in v):
+            return [float(x) for x in np.mean(np.asarray(values, dtype=float), axis=0)]
+    return first
+
+
+def mean_over_seeds(runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
+    """One policy's summary averaged over simulations that differ only in their seed.
+
+    Every number (and every number inside a nested block, and lists of numbers of one length,
+    element by element) is the mean of the runs' values, so ``ttft_p99_s`` is the mean of the
+    runs' p99s; a figure that is None in some runs only takes the first run's value, and
+    :data:`FIRST_SEED_KEYS` and non-numbers are the first run's. ``seed_runs`` lists the
+    :data:`SEED_RUN_KEYS` figures of every run, in ``seeds`` order. A single run is returned
+    as it is, with its ``seed_runs``.
+
+    Why: one simulation's TTFT p99 moves by several percent from one seed to the next (the
+    source-latency draws, the forecaster's initial weights), more than the differences between
+    policies a report is read for; the mean over seeds is what a comparison can rely on.
+
+    Raises:
+        ValueError: No runs, or not one seed per run.
+    """
+    if not runs or len(runs) != len(seeds):
+        raise ValueError(f"{len(runs)} runs for {len(seeds)} seeds: give one seed per run")
+    out = {
+        k: runs[0][k] if k in FIRST_SEED_KEYS else _mean_value([r.get(k) for r in runs])
+        for k in runs[0]
+    }
+    out["seed_runs"] = {"seeds": list(seeds)} | {
+        k: [r.get(k) for r in runs] for k in SEED_RUN_KEYS if k in runs[0]
+    }
+    return out
+
+
 def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """report.json's ``comparison``: ``plora`` vs ``baseline`` (:func:`compare_pair`), plus the
     predictor's ablation: ``predictor_ttft_reduction`` (and ``_p99_``, and the cold-start wait)
     of ``plora`` vs ``plora-no-predictor``, and ``predictor_gap_closed`` (:func:`gap_closed`,
-    on TTFT mean) when ``oracle`` ran. None when ``plora`` did not run."""
+    on TTFT mean) when ``oracle`` ran; with several seeds (:func:`mean_over_seeds`), the
+    figures compare the means, and ``predictor_seed_runs`` gives each seed's mean and p99
+    reductions. None when ``plora`` did not run."""
     p = summaries.get("plora")
     if p is None:
         return None
@@ -337,6 +401,18 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
             if o is not None
             else None
         )
+    runs = [s.get("seed_runs") or {} for s in (p, n)] if n is not None else []
+    if runs and all(len(r.get("ttft_mean_s", ())) > 1 for r in runs):
+        out["predictor_seed_runs"] = {
+            "ttft_reduction": [
+                reduction(a, b)
+                for a, b in zip(runs[0]["ttft_mean_s"], runs[1]["ttft_mean_s"], strict=True)
+            ],
+            "ttft_p99_reduction": [
+                reduction(a, b)
+                for a, b in zip(runs[0]["ttft_p99_s"], runs[1]["ttft_p99_s"], strict=True)
+            ],
+        }
     return out or None
 
 
@@ -598,6 +674,13 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f} %"
 
 
+def _seeds_text(settings: Mapping[str, Any]) -> str:
+    seeds = settings.get("seeds") or [settings["seed"]]
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"figures are means over seeds {seeds[0]}..{seeds[-1]} (each run's under `seed_runs`)"
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """report.md of ``plora simulate``: settings, the per-policy table, the papers' figures
     beside the simulated ones, and the live-replay validation when present."""
@@ -609,7 +692,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"Trace `{tr['path']}` ({tr['format']}): {tr['requests']} requests, {tr['keys']} keys, "
         f"{_md(tr['duration_s'], 5)} s (time scale {s['time_scale']}, start {s['start']}, "
         f"duration {s['duration']}); {s['adapters']} adapters; preset `{s['preset']}`, "
-        f"{s['workers']} workers; seed {s['seed']}; TTFT SLO {s['slo_ttft_s']} s; forecaster "
+        f"{s['workers']} workers; {_seeds_text(s)}; TTFT SLO {s['slo_ttft_s']} s; forecaster "
         f"{s['forecaster']}.",
         "",
         "| figure | " + " | ".join(names) + " |",

@@ -44,6 +44,7 @@ from plora.simulator.report import (
     compare_to_replay,
     comparison_block,
     load_replay_report,
+    mean_over_seeds,
     paper_comparison,
     render_markdown,
     search_min_workers,
@@ -86,6 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT SLO, s (default 1)")
     parser.add_argument("--adapters", type=int, default=100, help="adapters K (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="simulate every policy N times, with seeds --seed .. --seed+N-1 for the random "
+        "draws (source latencies, forecaster weights) and the trace slice and adapter mapping "
+        "of --seed, and report the mean of each figure with every run's under seed_runs; the "
+        "worker-count search and the plots use the first seed's runs (default 1)",
+    )
     parser.add_argument(
         "--forecaster",
         default=DEFAULT_FORECASTER,
@@ -146,13 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace, workers: int) -> SimConfig:
+def _config(args: argparse.Namespace, workers: int, seed: int) -> SimConfig:
     preset = get_preset(args.preset)
     lat = preset_source_latencies(preset, args.source_latencies)
     return SimConfig(
         preset=preset,
         workers=workers,
-        seed=args.seed,
+        seed=seed,
         forecaster=args.forecaster,
         train_every=args.train_every,
         view_refresh_s=args.view_refresh,
@@ -446,6 +456,9 @@ def run(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         get_policy(p, simulated=True)  # fail fast on a typo
+    if args.seeds < 1:
+        print(f"plora simulate: --seeds {args.seeds}: give 1 or more", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -459,7 +472,8 @@ def run(args: argparse.Namespace) -> int:
         duration=args.duration,
     )
     load_s = time.perf_counter() - t0
-    config = _config(args, args.workers)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    config = _config(args, args.workers, seeds[0])
     adapters = build_adapter_set(trace, config.preset, args.adapters, args.seed)
     search_trace = search_adapters = None
     if args.search_duration is not None:
@@ -467,28 +481,37 @@ def run(args: argparse.Namespace) -> int:
         search_adapters = build_adapter_set(search_trace, config.preset, args.adapters, args.seed)
     # A progress bar on stderr, only when it is a terminal; log lines print above it.
     with (
-        tqdm(total=len(policies), desc="simulate", unit="policy", disable=None, leave=False) as bar,
+        tqdm(
+            total=len(policies) * len(seeds), desc="simulate", unit="run", disable=None, leave=False
+        ) as bar,
         logging_redirect_tqdm(),
     ):
+        runs: list[dict[str, dict[str, Any]]] = []
+        results: dict[str, SimResult] = {}
+        for seed in seeds:
 
-        def progress(policy: str, stage: str) -> None:
-            if stage == "done":
-                bar.update(1)
-            else:
-                bar.set_postfix_str(f"{policy}: {stage}")
+            def progress(policy: str, stage: str, seed: int = seed) -> None:
+                if stage == "done":
+                    bar.update(1)
+                else:
+                    bar.set_postfix_str(f"{policy} seed {seed}: {stage}")
 
-        results, summaries = run_simulations(
-            trace,
-            adapters,
-            policies,
-            config,
-            args.slo_ttft,
-            args.search_max_workers,
-            search_trace,
-            search_adapters,
-            args.forecast_process,
-            progress,
-        )
+            seed_results, seed_summaries = run_simulations(
+                trace,
+                adapters,
+                policies,
+                SimConfig(**{**config.__dict__, "seed": seed}),
+                args.slo_ttft,
+                args.search_max_workers if seed == seeds[0] else 0,
+                search_trace,
+                search_adapters,
+                args.forecast_process,
+                progress,
+            )
+            if seed == seeds[0]:
+                results = seed_results
+            runs.append(seed_summaries)
+    summaries = {n: mean_over_seeds([r[n] for r in runs], seeds) for n in policies}
     curves = {n: slo_vs_load(r, args.slo_ttft) for n, r in results.items()}
     for n in summaries:
         summaries[n]["slo_vs_load"] = curves[n]
@@ -500,6 +523,7 @@ def run(args: argparse.Namespace) -> int:
             "policies": policies,
             "adapters": args.adapters,
             "seed": args.seed,
+            "seeds": seeds,
             "slo_ttft_s": args.slo_ttft,
             "forecaster": args.forecaster,
             "train_every": args.train_every,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from plora.simulator.oracle import BeladyPolicy, FutureArrivals
-from plora.simulator.report import comparison_block, gap_closed
+from plora.simulator.report import comparison_block, gap_closed, mean_over_seeds
 from services.predictor.calibration import ForecastCalibrator
 from services.predictor.placement import AdapterDemand, PrefetchSelector
 from services.worker.eviction import Candidate
@@ -96,3 +96,40 @@ def test_comparison_block_has_the_predictor_ablation() -> None:
     assert block["predictor_ttft_reduction"] == pytest.approx(0.5)
     assert block["predictor_gap_closed"] == pytest.approx(2 / 3)
     assert comparison_block({"baseline": s(1.0)}) is None
+
+
+def test_figures_over_seeds_are_means_with_every_run_kept() -> None:
+    runs = [
+        {"ttft_mean_s": 1.0, "ttft_p99_s": 4.0, "failed": 0, "cold_causes": {"first_use": 3},
+         "requests_per_worker": [2, 4], "min_workers_for_slo": 3, "name": "a", "ok": True},
+        {"ttft_mean_s": 3.0, "ttft_p99_s": 8.0, "failed": 2, "cold_causes": {"first_use": 5},
+         "requests_per_worker": [4, 2], "min_workers_for_slo": None, "name": "b", "ok": False},
+    ]  # fmt: skip
+    mean = mean_over_seeds(runs, [7, 8])
+    assert mean["ttft_mean_s"] == pytest.approx(2.0)
+    assert mean["ttft_p99_s"] == pytest.approx(6.0)
+    assert mean["failed"] == pytest.approx(1.0)
+    assert mean["cold_causes"] == {"first_use": pytest.approx(4.0)}
+    assert mean["requests_per_worker"] == [pytest.approx(3.0), pytest.approx(3.0)]
+    # the search ran for the first seed only; words and flags are the first run's
+    assert (mean["min_workers_for_slo"], mean["name"], mean["ok"]) == (3, "a", True)
+    assert mean["seed_runs"]["seeds"] == [7, 8]
+    assert mean["seed_runs"]["ttft_p99_s"] == [4.0, 8.0]
+    with pytest.raises(ValueError, match="one seed per run"):
+        mean_over_seeds(runs, [7])
+
+
+def test_comparison_over_seeds_compares_the_means_and_lists_each_seed() -> None:
+    def s(means: list[float]) -> dict:
+        runs = [
+            {"ttft_mean_s": m, "ttft_p99_s": 10 * m, "cold_start_wait_mean_s": m} for m in means
+        ]
+        return mean_over_seeds(runs, [0, 1])
+
+    block = comparison_block({"plora": s([2.0, 4.0]), "plora-no-predictor": s([4.0, 4.0])})
+    assert block is not None
+    assert block["predictor_ttft_reduction"] == pytest.approx(0.25)  # 3 against 4
+    assert block["predictor_seed_runs"]["ttft_reduction"] == [
+        pytest.approx(0.5),
+        pytest.approx(0.0),
+    ]

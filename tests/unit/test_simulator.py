@@ -412,6 +412,48 @@ def test_simulate_without_a_trace_or_a_replay_report_is_a_usage_error(
         assert "give --trace and --format (or --replay-report alone" in capsys.readouterr().err
 
 
+def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: Path) -> None:
+    """``--seed 1 --seeds 2`` runs the simulation's draws of seeds 1 and 2 on the trace slice
+    and adapter mapping of seed 1: the first run is the run ``--seed 1`` alone gives, and the
+    report's figures are the runs' means."""
+    rng = np.random.default_rng(0)
+    rows = ["app,func,end_timestamp,duration"]
+    for f in range(12):
+        for start in np.sort(rng.uniform(0.0, 120.0, 20)).tolist():
+            rows.append(f"app{f % 3},func{f},{start + 0.5:.3f},0.5")
+    trace = tmp_path / "azure2021.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def report(out: str, *flags: str) -> dict:
+        argv = [
+            "--trace", str(trace), "--format", "azure2021", "--preset", "h100-8b",
+            "--workers", "2", "--adapters", "12", "--policies", "plora,plora-no-predictor",
+            "--forecaster", "ewma", "--search-max-workers", "0", "--out", str(tmp_path / out),
+            *flags,
+        ]  # fmt: skip
+        assert run(parser.parse_args(argv)) == 0
+        return json.loads((tmp_path / out / "report.json").read_text())
+
+    both = report("both", "--seed", "1", "--seeds", "2")
+    alone = report("seed1", "--seed", "1")
+    assert both["settings"]["seeds"] == [1, 2]
+    for name in ("plora", "plora-no-predictor"):
+        runs = both[name]["seed_runs"]
+        assert runs["seeds"] == [1, 2]
+        assert runs["ttft_mean_s"][0] == alone[name]["ttft_mean_s"]
+        assert runs["ttft_p99_s"][0] == alone[name]["ttft_p99_s"]
+        assert both[name]["ttft_mean_s"] == pytest.approx(np.mean(runs["ttft_mean_s"]))
+        assert both[name]["ttft_p99_s"] == pytest.approx(np.mean(runs["ttft_p99_s"]))
+        assert runs["ttft_mean_s"][0] != runs["ttft_mean_s"][1]  # the draws differ
+    per_seed = both["comparison"]["predictor_seed_runs"]["ttft_reduction"]
+    assert per_seed[0] == alone["comparison"]["predictor_ttft_reduction"]
+    assert "means over seeds 1..2" in (tmp_path / "both" / "report.md").read_text()
+    assert run(parser.parse_args(["--trace", str(trace), "--format", "azure2021", "--seeds", "0",
+                                  "--out", str(tmp_path / "none")])) == 2  # fmt: skip
+
+
 def test_simulate_cli_end_to_end(tmp_path: Path) -> None:
     if not ALIBABA.exists():
         pytest.skip(f"{ALIBABA} is absent (shared data not checked out)")
