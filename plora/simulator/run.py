@@ -494,7 +494,8 @@ def run(args: argparse.Namespace) -> int:
                 if stage == "done":
                     bar.update(1)
                 else:
-                    bar.set_postfix_str(f"{policy} seed {seed}: {stage}")
+                    run = f"{policy} seed {seed}" if len(seeds) > 1 else policy
+                    bar.set_postfix_str(f"{run}: {stage}")
 
             seed_results, seed_summaries = run_simulations(
                 trace,
