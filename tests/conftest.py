@@ -183,14 +183,16 @@ def run_plora_up(
     state["internal_token"] = credentials["internal_token"]
     state["log"] = str(root / "up.log")
     state["root"] = str(root)
-    yield state
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
-    finally:
-        log.close()
-    for name, pid in state["pids"].items():
-        assert not _pid_alive(pid), f"{name} (pid {pid}) still running after plora up stopped"
+        yield state
+    finally:  # also when the generator is closed early (GeneratorExit at the yield)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            log.close()
+        for name, pid in state["pids"].items():
+            assert not _pid_alive(pid), f"{name} (pid {pid}) still running after plora up stopped"
 
 
 @pytest.fixture(scope="session")

@@ -494,8 +494,8 @@ def run(args: argparse.Namespace) -> int:
                 if stage == "done":
                     bar.update(1)
                 else:
-                    run = f"{policy} seed {seed}" if len(seeds) > 1 else policy
-                    bar.set_postfix_str(f"{run}: {stage}")
+                    label = f"{policy} seed {seed}" if len(seeds) > 1 else policy
+                    bar.set_postfix_str(f"{label}: {stage}")
 
             seed_results, seed_summaries = run_simulations(
                 trace,
