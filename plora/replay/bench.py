@@ -769,7 +769,10 @@ class _Round:
 
 
 def _compare_pair(policies: Sequence[str]) -> tuple[str, str]:
-    """plora vs baseline; without plora, the first other policy vs baseline."""
+    """plora vs baseline; without plora, the first other policy vs baseline; without the
+    baseline, plora vs plora-no-predictor (the predictor's ablation alone)."""
+    if "baseline" not in policies and {"plora", "plora-no-predictor"} <= set(policies):
+        return "plora", "plora-no-predictor"
     others = [p for p in policies if p != "baseline"]
     first = "plora" if "plora" in policies else (others[0] if others else "plora")
     return first, "baseline"

@@ -384,8 +384,10 @@ def build_report(
 ) -> dict[str, Any]:
     """Assemble report.json: ``settings``, ``trace``, ``compulsory_cold_rate``, one block per
     policy (keyed by the policy name; a policy that failed holds ``{"error": ...}``),
-    ``policies`` (their order) and ``comparison`` (``None`` unless both policies of
-    ``compare_pair`` ran without error). Over repeated rounds the policy blocks are
+    ``policies`` (their order) and ``comparison``: ``compare_pair``'s figures when both ran
+    without error, and the predictor's ablation (``predictor_ttft_reduction`` and its p99 and
+    cold-start-wait kin, ``plora`` against ``plora-no-predictor``) when those two did; ``None``
+    when neither holds. Over repeated rounds the policy blocks are
     :func:`mean_of_rounds`, the comparison is taken between those means, and ``repeats``
     (given) holds the rounds' order, their own comparisons and :func:`comparison_spread`."""
     a, b = compare_pair
@@ -408,22 +410,14 @@ def build_report(
         else None
     )
     p, n = summaries.get("plora"), summaries.get("plora-no-predictor")
-    if (
-        report["comparison"] is not None
-        and p is not None
-        and n is not None
-        and "error" not in p
-        and "error" not in n
-    ):
-        report["comparison"]["predictor_ttft_reduction"] = reduction(
-            p.get("ttft_mean_s"), n.get("ttft_mean_s")
-        )
-        report["comparison"]["predictor_ttft_p99_reduction"] = reduction(
-            p.get("ttft_p99_s"), n.get("ttft_p99_s")
-        )
-        report["comparison"]["predictor_cold_start_wait_reduction"] = reduction(
+    if p is not None and n is not None and "error" not in p and "error" not in n:
+        block = report["comparison"] if report["comparison"] is not None else {}
+        block["predictor_ttft_reduction"] = reduction(p.get("ttft_mean_s"), n.get("ttft_mean_s"))
+        block["predictor_ttft_p99_reduction"] = reduction(p.get("ttft_p99_s"), n.get("ttft_p99_s"))
+        block["predictor_cold_start_wait_reduction"] = reduction(
             p.get("cold_start_wait_mean_s"), n.get("cold_start_wait_mean_s")
         )
+        report["comparison"] = block
     if repeats is not None:
         report["repeats"] = dict(repeats)
     return report

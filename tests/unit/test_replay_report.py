@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from plora.replay.bench import auto_pool_bytes, trace_info
+from plora.replay.bench import _compare_pair, auto_pool_bytes, trace_info
 from plora.replay.client import PROMPT_WORDS, build_requests, synth_prompt
 from plora.replay.report import (
     CLIENT_DROPPED,
@@ -357,6 +357,22 @@ def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) 
     assert f"bounds ttft_mean_reduction at {ceiling:.3f}" in md
     failed = build_report(settings, info, {"plora": plora, "baseline": {"error": "boom"}})
     assert failed["comparison"] is None and failed["baseline"] == {"error": "boom"}
+    # the predictor's ablation alone, without the baseline
+    ablation = build_report(settings, info, {"plora": plora, "plora-no-predictor": baseline})
+    assert ablation["comparison"]["predictor_ttft_reduction"] == pytest.approx(
+        1 - plora["ttft_mean_s"] / baseline["ttft_mean_s"]
+    )
+    assert "predictor_ttft_p99_reduction" in ablation["comparison"]
+    assert _compare_pair(["plora", "plora-no-predictor"]) == ("plora", "plora-no-predictor")
+    assert _compare_pair(["plora-no-predictor", "plora", "baseline"]) == ("plora", "baseline")
+    pair = _compare_pair(["plora", "plora-no-predictor"])
+    both = build_report(
+        settings, info, {"plora": plora, "plora-no-predictor": baseline}, compare_pair=pair
+    )
+    assert both["comparison"]["ttft_mean_reduction"] == pytest.approx(
+        both["comparison"]["predictor_ttft_reduction"]
+    )
+    assert "comparison (plora vs plora-no-predictor)" in render_markdown(both)
     paths = write_plots(tmp_path, {"plora": RECORDS}, {"plora": SAMPLES})
     assert [p.name for p in paths] == [
         "ttft_cdf.png",
