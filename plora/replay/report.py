@@ -411,16 +411,26 @@ def build_report(
     )
     p, n = summaries.get("plora"), summaries.get("plora-no-predictor")
     if p is not None and n is not None and "error" not in p and "error" not in n:
-        block = report["comparison"] if report["comparison"] is not None else {}
-        block["predictor_ttft_reduction"] = reduction(p.get("ttft_mean_s"), n.get("ttft_mean_s"))
-        block["predictor_ttft_p99_reduction"] = reduction(p.get("ttft_p99_s"), n.get("ttft_p99_s"))
-        block["predictor_cold_start_wait_reduction"] = reduction(
-            p.get("cold_start_wait_mean_s"), n.get("cold_start_wait_mean_s")
-        )
-        report["comparison"] = block
+        report["comparison"] = (report["comparison"] or {}) | predictor_reductions(p, n)
     if repeats is not None:
         report["repeats"] = dict(repeats)
     return report
+
+
+def predictor_reductions(
+    plora: Mapping[str, Any], no_predictor: Mapping[str, Any]
+) -> dict[str, float | None]:
+    """The predictor's ablation: ``predictor_ttft_reduction``, ``predictor_ttft_p99_reduction``
+    and ``predictor_cold_start_wait_reduction`` (:func:`reduction` of ``plora``'s figure
+    against ``plora-no-predictor``'s; None where either is missing)."""
+    return {
+        f"predictor_{name}": reduction(plora.get(key), no_predictor.get(key))
+        for name, key in (
+            ("ttft_reduction", "ttft_mean_s"),
+            ("ttft_p99_reduction", "ttft_p99_s"),
+            ("cold_start_wait_reduction", "cold_start_wait_mean_s"),
+        )
+    }
 
 
 def mean_of_rounds(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -432,7 +442,8 @@ def mean_of_rounds(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     same requests) and ``ttft_p99_s`` is the mean of the rounds' p99s. Nested figures
     (``requests_by_worker``, ``failed_by_status``, ``service_usage``, ``phase_seconds``) are
     averaged key by key, a key a round lacks counting as 0 there (they are counts and
-    seconds). Other values are the first round's. Adds ``rounds`` (how many were averaged).
+    seconds); lists of numbers of one length element by element. Other values are the first
+    round's. Adds ``rounds`` (how many were averaged).
 
     Raises:
         ValueError: ``summaries`` is empty.
@@ -455,6 +466,10 @@ def _mean_dicts(dicts: Sequence[Mapping[str, Any]], *, missing_is_zero: bool) ->
             n = len(dicts) if missing_is_zero else len(present)
             same = n == len(present) and all(v == present[0] for v in present)
             out[k] = present[0] if same else float(sum(present) / n)
+        elif _number_lists_of_one_length(present):
+            same = all(v == present[0] for v in present)
+            columns = zip(*present, strict=True)
+            out[k] = present[0] if same else [float(sum(c) / len(c)) for c in columns]
         else:
             out[k] = present[0] if present else None
     return out
@@ -462,6 +477,14 @@ def _mean_dicts(dicts: Sequence[Mapping[str, Any]], *, missing_is_zero: bool) ->
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _number_lists_of_one_length(values: Sequence[Any]) -> bool:
+    return (
+        bool(values)
+        and all(isinstance(v, list) and len(v) == len(values[0]) for v in values)
+        and all(_is_number(x) for v in values for x in v)
+    )
 
 
 def comparison_spread(

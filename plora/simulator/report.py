@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from plora.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
-from plora.replay.report import reduction
+from plora.replay.report import mean_of_rounds, predictor_reductions, reduction
 from plora.simulator.engine import SimResult
 from services.worker.cold import COLD_CAUSES
 
@@ -330,32 +330,14 @@ SEED_RUN_KEYS: tuple[str, ...] = (
 )
 
 
-def _mean_value(values: Sequence[Any]) -> Any:
-    first = values[0]
-    if any(v is None for v in values):
-        return None if all(v is None for v in values) else first
-    if isinstance(first, bool) or not all(isinstance(v, type(first)) for v in values):
-        return first
-    if isinstance(first, int | float):
-        return float(np.mean(values))
-    if isinstance(first, Mapping):
-        keys = [k for k in first if all(isinstance(v, Mapping) and k in v for v in values)]
-        return {k: _mean_value([v[k] for v in values]) for k in keys}
-    if isinstance(first, list) and all(len(v) == len(first) for v in values):
-        if all(isinstance(x, int | float) and not isinstance(x, bool) for v in values for x in v):
-            return [float(x) for x in np.mean(np.asarray(values, dtype=float), axis=0)]
-    return first
-
-
 def mean_over_seeds(runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
     """One policy's summary averaged over simulations that differ only in their seed.
 
-    Every number (and every number inside a nested block, and lists of numbers of one length,
-    element by element) is the mean of the runs' values, so ``ttft_p99_s`` is the mean of the
-    runs' p99s; a figure that is None in some runs only takes the first run's value, and
-    :data:`FIRST_SEED_KEYS` and non-numbers are the first run's. ``seed_runs`` lists the
-    :data:`SEED_RUN_KEYS` figures of every run, in ``seeds`` order. A single run is returned
-    as it is, with its ``seed_runs``.
+    Figures are averaged as :func:`plora.replay.report.mean_of_rounds` averages rounds (every
+    number, nested blocks key by key, lists of numbers element by element; a figure every run
+    agrees on keeps its value and type, so a single run is returned as it is), so
+    ``ttft_p99_s`` is the mean of the runs' p99s; :data:`FIRST_SEED_KEYS` are the first run's.
+    ``seed_runs`` lists the :data:`SEED_RUN_KEYS` figures of every run, in ``seeds`` order.
 
     Why: one simulation's TTFT p99 moves by several percent from one seed to the next (the
     source-latency draws, the forecaster's initial weights), more than the differences between
@@ -366,10 +348,9 @@ def mean_over_seeds(runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> 
     """
     if not runs or len(runs) != len(seeds):
         raise ValueError(f"{len(runs)} runs for {len(seeds)} seeds: give one seed per run")
-    out = {
-        k: runs[0][k] if k in FIRST_SEED_KEYS else _mean_value([r.get(k) for r in runs])
-        for k in runs[0]
-    }
+    out = mean_of_rounds(runs)
+    del out["rounds"]
+    out |= {k: runs[0][k] for k in FIRST_SEED_KEYS if k in runs[0]}
     out["seed_runs"] = {"seeds": list(seeds)} | {
         k: [r.get(k) for r in runs] for k in SEED_RUN_KEYS if k in runs[0]
     }
@@ -391,11 +372,7 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
     n = summaries.get("plora-no-predictor")
     o = summaries.get("oracle")
     if n is not None:
-        out["predictor_ttft_reduction"] = reduction(p.get("ttft_mean_s"), n.get("ttft_mean_s"))
-        out["predictor_ttft_p99_reduction"] = reduction(p.get("ttft_p99_s"), n.get("ttft_p99_s"))
-        out["predictor_cold_start_wait_reduction"] = reduction(
-            p.get("cold_start_wait_mean_s"), n.get("cold_start_wait_mean_s")
-        )
+        out |= predictor_reductions(p, n)
         out["predictor_gap_closed"] = (
             gap_closed(p.get("ttft_mean_s"), n.get("ttft_mean_s"), o.get("ttft_mean_s"))
             if o is not None
@@ -404,14 +381,11 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
     runs = [s.get("seed_runs") or {} for s in (p, n)] if n is not None else []
     if runs and all(len(r.get("ttft_mean_s", ())) > 1 for r in runs):
         out["predictor_seed_runs"] = {
-            "ttft_reduction": [
-                reduction(a, b)
-                for a, b in zip(runs[0]["ttft_mean_s"], runs[1]["ttft_mean_s"], strict=True)
-            ],
-            "ttft_p99_reduction": [
-                reduction(a, b)
-                for a, b in zip(runs[0]["ttft_p99_s"], runs[1]["ttft_p99_s"], strict=True)
-            ],
+            name: [reduction(a, b) for a, b in zip(runs[0][key], runs[1][key], strict=True)]
+            for name, key in (
+                ("ttft_reduction", "ttft_mean_s"),
+                ("ttft_p99_reduction", "ttft_p99_s"),
+            )
         }
     return out or None
 
