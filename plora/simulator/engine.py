@@ -338,6 +338,9 @@ class SimWorker:
             else make_policy(sim.policy.eviction)
         )
         self.host = HostCache(p.host_cache_bytes)
+        self.host_puts = 0  # adapters put in the host cache (each put may evict others)
+        self._host_names: frozenset[str] = frozenset()
+        self._host_names_version = 0
         self.rng = np.random.default_rng([sim.config.seed, wid])
         k = len(sim.adapters)
         self.refcount = [0] * k
@@ -357,7 +360,7 @@ class SimWorker:
         # order of staging_key (the worker's passes every HOST_STAGING_INTERVAL_S list the same
         # adapters in the same order, so one queue read once stands for them)
         self.staging: deque[int] = deque(
-            sorted(range(k), key=lambda a: staging_key(sim.adapters.names[a]))
+            sorted(range(k), key=lambda a: staging_key(sim.adapters.names[a], self.name))
             if sim.policy.host_staging
             else ()
         )
@@ -429,6 +432,14 @@ class SimWorker:
             self._view_key = key
         assert self._view is not None
         return self._view
+
+    def host_cached(self) -> frozenset[str]:
+        """Adapters in this worker's host cache (the heartbeat's ``host_cached``,
+        ``AdapterStore.host_cached_adapters``)."""
+        if self._host_names_version != self.host_puts:
+            self._host_names = frozenset(self.host.ids())
+            self._host_names_version = self.host_puts
+        return self._host_names
 
     def loading(self) -> frozenset[str]:
         """Adapters with a load in flight here (demand or prefetch; the heartbeat's
@@ -737,6 +748,7 @@ class SimWorker:
         name = self.sim.adapters.names[a]
         if not self.host.holds(name, 0):
             self.host.put(self.sim.packed(a))
+            self.host_puts += 1
             self.c["host_stages"] += 1
         self.staging_active = False
         self.start_jobs(t)
@@ -747,6 +759,7 @@ class SimWorker:
             return  # a prefetch cancelled for a demand load (_preempt_prefetch)
         if job.tier == "source":
             self.host.put(self.sim.packed(job.a))
+            self.host_puts += 1
         job.read_t = t
         self.try_allocate(job, t)
 
@@ -1125,9 +1138,10 @@ class ClusterSimulation:
             return self._views
         views = []
         for w in self.workers:
-            v = w.view()  # cached while its key is unchanged; these two are not in the key
+            v = w.view()  # cached while its key is unchanged; these three are not in the key
             v.loading = w.loading()
             v.room_bytes = w.room_bytes()
+            v.host_cached = w.host_cached()
             views.append(v)
         if hb > 0:
             self._views = views

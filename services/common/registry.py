@@ -227,6 +227,8 @@ class WorkerRecord:
             those waiting for room).
         room_bytes: Pool bytes a new load could take without waiting for a lease to drop (free
             plus unleased resident adapters); -1 = not reported.
+        host_cached: Adapter ids whose weights are in its host cache (a load reads host
+            memory, not the source).
         pool: Pool statistics (keys of ``plora.v1.PoolStats``).
         prefill_s: Recent mean prefill time per request, seconds
             (``services.worker.engine.ServiceEstimates``; 0 = not measured yet).
@@ -244,6 +246,7 @@ class WorkerRecord:
     resident: list[str] = field(default_factory=list)
     loading: list[str] = field(default_factory=list)
     room_bytes: int = -1
+    host_cached: list[str] = field(default_factory=list)
     pool: dict[str, Any] = field(default_factory=dict)
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0

@@ -5,7 +5,8 @@ Pure code (no I/O, no clock: times are passed in), shared by the gateway
 change of the rule or of what it is fed shows up in both.
 
 * :func:`route_rank_aware` sends a request to a worker that holds the adapter resident with the
-  shortest queue, else to one already loading it, else to a worker the placement assigns it to,
+  shortest queue, else to one already loading it, else to one holding it in host memory, else
+  to a worker the placement assigns it to,
   else to the least-loaded worker, weighing pending prefills against a cold start and sending
   cold starts where the pool has room for the adapter's bytes now;
   :class:`RoundRobinRouter` is the residency- and rank-oblivious baseline.
@@ -56,6 +57,8 @@ class WorkerView:
             Any collection (the routing state adds to a set in place).
         room_bytes: Pool bytes a load could take now without waiting for a lease to drop
             (free plus unleased resident adapters); -1 = unknown (assume room).
+        host_cached: Adapter ids in its host cache: a load of one reads host memory, not the
+            source tier.
         queue_length: Requests queued or running on it.
         pending: Requests sent to it that have not had their first token yet (waiting for an
             adapter, queued, or in prefill): the work a new request's first token waits behind.
@@ -75,6 +78,7 @@ class WorkerView:
     cold_wait_s: float = 0.0
     loading: Collection[str] = field(default_factory=frozenset)
     room_bytes: int = -1
+    host_cached: Collection[str] = field(default_factory=frozenset)
 
 
 def worker_view(record: WorkerRecord) -> WorkerView:
@@ -91,6 +95,7 @@ def worker_view(record: WorkerRecord) -> WorkerView:
         cold_wait_s=record.cold_wait_s,
         loading=frozenset(record.loading),
         room_bytes=record.room_bytes,
+        host_cached=frozenset(record.host_cached),
     )
 
 
@@ -128,8 +133,12 @@ def route_rank_aware(
     loading it (``WorkerView.loading``: the request waits only for the rest of that load, where
     another worker would start a whole second one and hold a second copy; the placement does
     not move a request off a load in flight: on the Alibaba trace in ``plora simulate`` that
-    made one cold request in six a duplicate load); else the least-loaded worker the placement
-    assigns it to; else the least-loaded worker. A resident or loading (or placed)
+    made one cold request in six a duplicate load); else, when some but not all of the
+    candidates hold it in their host cache (``WorkerView.host_cached``), the least-loaded of
+    those (its load reads host memory, where another worker would read the source: seconds
+    from remote storage; workers stage different adapters,
+    :func:`services.worker.store_types.staging_key`); else the least-loaded worker the
+    placement assigns it to; else the least-loaded worker. A resident, loading or host-caching
     worker ``w`` is passed over for the least-loaded worker ``l`` when its queue is more than
     ``queue_slack`` longer, or when the prefills it has pending beyond ``l``'s would delay the
     first token longer than a cold start on ``l``:
@@ -161,8 +170,8 @@ def route_rank_aware(
             ``workers[turn % len(workers)]``.
 
     Returns:
-        ``(worker_id, reason)`` with reason ``"resident"``, ``"loading"``, ``"placed"``,
-        ``"least_loaded"``.
+        ``(worker_id, reason)`` with reason ``"resident"``, ``"loading"``, ``"host"``,
+        ``"placed"``, ``"least_loaded"``.
 
     Raises:
         ValueError: ``workers`` is empty.
@@ -206,6 +215,11 @@ def route_rank_aware(
             best = min(loading, key=_load_key)
             if stay(best, True):
                 return best.worker_id, "loading"
+        hosts = [w for w in roomy if adapter_id in w.host_cached and adapter_id not in w.resident]
+        if hosts and len(hosts) < len(roomy):
+            best = min(hosts, key=_load_key)
+            if stay(best, True):
+                return best.worker_id, "host"
         placed = [w for w in roomy if w.worker_id in placed_ids and adapter_id not in w.resident]
         if placed:
             best = min(placed, key=_load_key)
@@ -535,6 +549,7 @@ class RoutingState:
             hb.cold_wait_s,
             loading,
             room,
+            hb.host_cached,
         )
         self._views[hb.worker_id] = (hb_t, view)
         self._last = None

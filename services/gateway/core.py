@@ -447,7 +447,7 @@ class GatewayCore:
             size_bytes=adapter.size_bytes if adapter else 0,
             now=now,
         )
-        if rank_aware and adapter is not None and reason in ("least_loaded", "placed"):
+        if rank_aware and adapter is not None and reason in ("least_loaded", "host", "placed"):
             self._share_cold_route(adapter.adapter_id, chosen)
         self.metrics.routed.labels(self.config.routing, reason).inc()
         return by_id[chosen]
@@ -802,7 +802,11 @@ class GatewayCore:
             if tenant_id:
                 seen = {r.adapter_id for r in adapters}
                 workers = [
-                    dataclasses.replace(w, resident=[a for a in w.resident if a in seen])
+                    dataclasses.replace(
+                        w,
+                        resident=[a for a in w.resident if a in seen],
+                        host_cached=[a for a in w.host_cached if a in seen],
+                    )
                     for w in workers
                 ]
             return ClusterStatus(

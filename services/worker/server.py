@@ -554,6 +554,7 @@ class WorkerService:
             resident=resident,
             loading=self.store.loading_adapters(),
             room_bytes=room,
+            host_cached=self.store.host_cached_adapters(),
             pool=pool_stats_dict(snapshot, self.config),
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
@@ -597,7 +598,8 @@ class WorkerService:
                 )
             if staging:
                 self._last_staging = now
-                records.sort(key=lambda r: staging_key(r.adapter_id))
+                wid = self.config.worker_id
+                records.sort(key=lambda r: staging_key(r.adapter_id, wid))
                 self.store.stage([AdapterRef.of(r) for r in records])
         self._last_heartbeat = now
 

@@ -635,6 +635,12 @@ class AdapterStore(StoreLoading):
                 }
             )
 
+    def host_cached_adapters(self) -> list[str]:
+        """Sorted ids of the adapters whose packed weights are in the host cache (any
+        version): a load of one reads host memory, not the source tier."""
+        with self._lock:
+            return sorted(self._host.ids())
+
     def room_bytes(self) -> int:
         """Bytes a new load could take now without waiting for a lease to drop: the free pool
         bytes plus those of the resident adapters no lease holds (eviction frees them). An

@@ -638,6 +638,13 @@ def test_workers_stage_registered_adapters_in_host_memory(stub, cluster: dict) -
             time.sleep(0.5)
         assert f["plora_worker_host_stages_total"] >= 1
         assert f["plora_worker_host_cache_bytes/used"] > 0
+    # each heartbeat lists what its host cache holds, for the gateway's routing (step "host")
+    from services.common.registry import Registry, connect
+
+    time.sleep(1.5)  # a heartbeat after the last read
+    adapters = {r.adapter_id for r in Registry(connect(cluster["redis_url"])).list_adapters()}
+    for record in Registry(connect(cluster["redis_url"])).list_workers():
+        assert set(record.host_cached) & adapters, record
 
 
 def test_health_and_reflection_on_every_server(cluster: dict) -> None:

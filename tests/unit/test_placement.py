@@ -287,10 +287,65 @@ def test_zero_demand_is_not_placed_and_no_workers_gives_nothing() -> None:
             {"a": ["w1"]},
             ("w0", "loading"),
         ),
+        # not resident or loading anywhere, in one worker's host cache: that worker (its load
+        # reads host memory), before the placement and with more queued than the least loaded
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0),
+                WorkerView("w1", queue_length=2, host_cached=frozenset({"a"})),
+            ],
+            {"a": ["w0"]},
+            ("w1", "host"),
+        ),
+        # ... but not when its pending prefills outweigh a cold start on the least loaded
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, cold_wait_s=1.0),
+                WorkerView(
+                    "w1", queue_length=3, pending=3, prefill_s=0.5, host_cached=frozenset({"a"})
+                ),
+            ],
+            {},
+            ("w0", "least_loaded"),
+        ),
+        # in every worker's host cache: no worker saves a source read, the placement breaks
+        # the tie as before
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, host_cached=frozenset({"a"})),
+                WorkerView("w1", queue_length=0, host_cached=frozenset({"a"})),
+            ],
+            {"a": ["w1"]},
+            ("w1", "placed"),
+        ),
+        # a load in flight is joined before a host copy is read elsewhere
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, loading=frozenset({"a"})),
+                WorkerView("w1", queue_length=0, host_cached=frozenset({"a"})),
+            ],
+            {},
+            ("w0", "loading"),
+        ),
+        # the host-caching worker has no room for the adapter while another has: the cold
+        # start goes where the load can start now
+        (
+            "a",
+            [
+                WorkerView("w0", queue_length=0, room_bytes=50 * MB),
+                WorkerView("w1", queue_length=0, room_bytes=0, host_cached=frozenset({"a"})),
+            ],
+            {},
+            ("w0", "least_loaded"),
+        ),
     ],
 )
 def test_rank_aware_routing(adapter, workers, placement, expected) -> None:
-    assert route_rank_aware(adapter, workers, placement) == expected
+    assert route_rank_aware(adapter, workers, placement, size_bytes=10 * MB) == expected
 
 
 def test_pending_slack_applies_until_the_workers_have_figures() -> None:

@@ -175,6 +175,7 @@ def test_worker_view_reads_a_heartbeat() -> None:
         resident=["a"],
         loading=["b"],
         room_bytes=7,
+        host_cached=["a", "c"],
         pool={"pool_bytes": 100, "live_bytes": 30},
         prefill_s=0.5,
         cold_wait_s=0.25,
@@ -182,6 +183,13 @@ def test_worker_view_reads_a_heartbeat() -> None:
     view = worker_view(record)
     assert (view.queue_length, view.free_bytes, view.room_bytes) == (5, 70, 7)
     assert view.resident == {"a"} and set(view.loading) == {"b"}
+    assert view.host_cached == {"a", "c"}
+    # the gateway's views keep the heartbeat's host cache (step "host" of the rule)
+    (kept,) = RoutingState().views([(view, 1.0)])
+    assert kept.host_cached == {"a", "c"}
+    cached = hb("w0", host_cached=frozenset({"c"}))
+    routed = RoutingState().route("c", [(cached, 1.0), (hb("w1"), 1.0)], {}, size_bytes=0, now=1.5)
+    assert routed == ("w0", "host")
 
 
 @pytest.mark.parametrize(("turns", "spread"), [((0, 0), [4, 2, 2]), ((0, 1), [3, 3, 2])])

@@ -12,6 +12,7 @@ import pytest
 from plora.policies import POLICIES, get_policy
 from plora.simulator.calibrate import fit_replay, solo_mask
 from plora.simulator.engine import (
+    AdapterSet,
     ClusterSimulation,
     SimConfig,
     build_adapter_set,
@@ -38,6 +39,7 @@ from plora.simulator.run import add_arguments, run
 from plora.traces import Trace
 from services.worker.store_types import staging_key
 
+MB = 1 << 20
 DATA = Path("../shared/data/traces")
 ALIBABA = DATA / "alibaba_genai2026_lora_requests_nov.csv"
 
@@ -286,10 +288,10 @@ def test_host_staging_takes_source_reads_off_cold_starts() -> None:
     assert get_policy("plora").host_staging and not get_policy("plora-no-staging").host_staging
 
 
-def test_host_staging_reads_in_id_order_whatever_the_forecast() -> None:
-    # AdapterStore.stage gets the registered adapters by staging_key (by id), as the live
-    # worker passes them, and the simulated worker reads them in that order, the predictor's
-    # forecast of the hot adapters notwithstanding
+def test_host_staging_reads_in_each_workers_own_order_whatever_the_forecast() -> None:
+    # AdapterStore.stage gets the registered adapters by staging_key (rendezvous order with the
+    # worker id), as the live worker passes them, and the simulated worker reads them in that
+    # order, the predictor's forecast of the hot adapters notwithstanding
     tr = _trace([100.0], ["a"])
     sim = ClusterSimulation(
         tr,
@@ -300,10 +302,55 @@ def test_host_staging_reads_in_id_order_whatever_the_forecast() -> None:
     w = sim.workers[0]
     names = sim.adapters.names
     sim.run()
-    staged = sorted(names, key=staging_key)
+    staged = sorted(names, key=lambda a: staging_key(a, "worker-0"))
     used = names[int(sim.req_adapter[0])]  # the request at 100 s moved it to the LRU end
     staged.remove(used)
     assert list(w.host._items) == [*staged, used]  # noqa: SLF001 - the cache's order
+    # another worker's order differs (16 adapters: two orders agree with odds 1 in 16!)
+    many = [f"adapter-{i:03d}" for i in range(16)]
+    orders = [sorted(many, key=lambda a, w=w: staging_key(a, w)) for w in ("worker-0", "worker-1")]
+    assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1]) == many
+
+
+def test_cold_starts_go_to_a_worker_holding_the_adapter_in_host_memory() -> None:
+    # 16 adapters of 9-74 MB (552 MB), host caches of 280 MB: each worker stages what fits, in
+    # its own order, so the two hold different sets. After staging (16 reads of 1 s at most,
+    # done long before 100 s), one request per adapter, 1 s apart, those some host cache holds
+    # first: each of those goes to a worker holding it (reason "host" where only one does) and
+    # waits for nothing (instant host-to-device copies); only the adapters no host cache holds
+    # are read from the source (1 s). (The 140 MB pools compact now and then: copies of a
+    # few ms at the cpu preset's device bandwidth.)
+    preset = SIMPLE.with_overrides(pool_bytes=140 * MB, host_cache_bytes=280 * MB)
+    probe = _trace([0.0], ["k"])
+    adapters = build_adapter_set(probe, preset, 16, seed=0)
+    staged = {}
+    for w in ("worker-0", "worker-1"):
+        free, held = preset.host_cache_bytes, set()
+        for i in sorted(range(16), key=lambda i, w=w: staging_key(adapters.names[i], w)):
+            if int(adapters.nbytes[i]) <= free:
+                free -= int(adapters.nbytes[i])
+                held.add(i)
+        staged[w] = held
+    one, both = staged["worker-0"] ^ staged["worker-1"], staged["worker-0"] & staged["worker-1"]
+    neither = set(range(16)) - one - both
+    assert one and neither  # each worker holds adapters the other does not
+    order = [*sorted(one), *sorted(both), *sorted(neither)]
+    tr = _trace([100.0 + j for j in range(16)], [f"k{j}" for j in range(16)])
+    sim = ClusterSimulation(
+        tr,
+        AdapterSet(adapters.names, adapters.ranks, adapters.nbytes, np.array(order)),
+        get_policy("plora-no-predictor"),
+        SimConfig(preset=preset, workers=2),
+    )
+    res = sim.run()
+    held_by = [{w for w, h in staged.items() if i in h} for i in order]
+    assert [sim.workers[int(w)].name in h for w, h in zip(res.worker, held_by, strict=True)] == [
+        bool(h) for h in held_by
+    ]
+    expected_wait = [0.0 if h else 1.0 for h in held_by]  # + compaction copies, < 20 ms
+    np.testing.assert_allclose(res.cold_wait_s, expected_wait, atol=0.02)
+    assert res.counters["loads_source"] == len(neither)
+    assert res.counters["routed_by_reason"]["host"] == len(one)
 
 
 def test_overload_rejects_and_fails_cleanly() -> None:

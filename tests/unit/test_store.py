@@ -499,6 +499,7 @@ def test_host_staging_reads_into_free_host_space_then_loads_come_from_host() -> 
         st = s.stats()
         assert st.host_cache_used_bytes == 12 * UNIT and st.host_stages_queued == 0
         assert st.resident_adapters == 0 and st.loads_by_tier == {"source": 0, "host": 0}
+        assert s.host_cached_adapters() == ["a", "b", "c"]  # what the heartbeat publishes
         lease = ready(s.acquire(ref("b", 4)))  # a cold start, served from host memory
         assert lease.cold and torch.equal(lease.flat(), expected_flat("b", 4))
         lease.release()
