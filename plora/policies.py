@@ -30,7 +30,7 @@ class PolicySpec:
         routing: ``"rank_aware"`` or ``"round_robin"`` (:mod:`services.predictor.placement`;
             the gateway's ``--routing``).
         predictor: Run the predictor: forecasts every tick (placement, predictive eviction's
-            forecast, host staging order), and prefetch when ``prefetch`` is set.
+            forecast), and prefetch when ``prefetch`` is set.
         prefetch: The predictor sends its prefetch choice to the workers (the predictor's
             ``--prefetch``; needs ``predictor``).
         host_staging: Workers read the registered adapters into free host-cache space ahead

@@ -43,6 +43,8 @@ from plora.simulator.report import (
     POLICY_KEYS,
     compare_to_replay,
     comparison_block,
+    completed_by_both,
+    completed_by_both_block,
     load_replay_report,
     mean_over_seeds,
     paper_comparison,
@@ -487,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
         logging_redirect_tqdm(),
     ):
         runs: list[dict[str, dict[str, Any]]] = []
+        pairs: list[dict[str, Any]] = []  # the ablation over requests both completed, per seed
         results: dict[str, SimResult] = {}
         for seed in seeds:
 
@@ -512,6 +515,10 @@ def run(args: argparse.Namespace) -> int:
             if seed == seeds[0]:
                 results = seed_results
             runs.append(seed_summaries)
+            if "plora" in seed_results and "plora-no-predictor" in seed_results:
+                pairs.append(
+                    completed_by_both(seed_results["plora"], seed_results["plora-no-predictor"])
+                )
     summaries = {n: mean_over_seeds([r[n] for r in runs], seeds) for n in policies}
     curves = {n: slo_vs_load(r, args.slo_ttft) for n, r in results.items()}
     for n in summaries:
@@ -554,6 +561,8 @@ def run(args: argparse.Namespace) -> int:
     for n, s in summaries.items():
         report[n] = s
     report["comparison"] = comparison_block(summaries)
+    if pairs and report["comparison"] is not None:
+        report["comparison"]["predictor_completed_by_both"] = completed_by_both_block(pairs)
     report["papers"] = paper_comparison(summaries)
     if args.replay_report:
         report["validation"] = _validation(args.replay_report)

@@ -15,6 +15,7 @@ from plora.simulator.engine import (
     AdapterSet,
     ClusterSimulation,
     SimConfig,
+    SimResult,
     build_adapter_set,
     make_feed,
     simulate,
@@ -29,6 +30,8 @@ from plora.simulator.presets import (
 )
 from plora.simulator.report import (
     compare_to_replay,
+    completed_by_both,
+    completed_by_both_block,
     paper_comparison,
     search_min_workers,
     slo_attainment,
@@ -353,6 +356,33 @@ def test_cold_starts_go_to_a_worker_holding_the_adapter_in_host_memory() -> None
     assert res.counters["routed_by_reason"]["host"] == len(one)
 
 
+def test_the_ablation_over_requests_both_policies_completed() -> None:
+    # three requests; the no-predictor run fails the slow one (a wait for room that timed out)
+    # that the plora run served after 35 s: its mean and p99 over completed requests look
+    # better, over the two requests both completed the runs are level
+    def result(ttft: list[float], failed: list[bool]) -> SimResult:
+        n = len(ttft)
+        t = np.array(ttft)
+        f = np.array(failed)
+        return SimResult(
+            "p", 1, np.zeros(n), np.where(f, np.nan, t), np.where(f, np.nan, t + 1.0),
+            np.ones(n, np.int64), np.zeros(n, bool), np.zeros(n), f, np.zeros(n, np.int64),
+            {}, 0.0, n,
+        )  # fmt: skip
+
+    plora = result([1.0, 2.0, 35.0], [False, False, False])
+    nopred = result([1.0, 2.0, 0.0], [False, False, True])
+    paired = completed_by_both(plora, nopred)
+    assert paired["requests"] == 2
+    assert paired["ttft_mean_s"] == [1.5, 1.5]
+    assert paired["ttft_p99_s"][0] == paired["ttft_p99_s"][1] == pytest.approx(1.99)
+    block = completed_by_both_block([paired, completed_by_both(nopred, nopred)])
+    assert block["requests"] == 2.0 and block["ttft_reduction"] == 0.0
+    assert block["seed_runs"]["ttft_reduction"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="different traces"):
+        completed_by_both(plora, result([1.0], [False]))
+
+
 def test_overload_rejects_and_fails_cleanly() -> None:
     preset = SIMPLE.with_overrides(max_queue=2)
     tr = _trace([0.0] * 6, ["a"] * 6)
@@ -496,6 +526,11 @@ def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: P
         assert runs["ttft_mean_s"][0] != runs["ttft_mean_s"][1]  # the draws differ
     per_seed = both["comparison"]["predictor_seed_runs"]["ttft_reduction"]
     assert per_seed[0] == alone["comparison"]["predictor_ttft_reduction"]
+    # nothing failed: over the requests both completed, the same reductions
+    paired = both["comparison"]["predictor_completed_by_both"]
+    assert paired["requests"] == both["plora"]["completed"] == both["plora"]["requests"]
+    assert paired["seed_runs"]["ttft_reduction"] == pytest.approx(per_seed)
+    assert paired["ttft_reduction"] == pytest.approx(both["comparison"]["predictor_ttft_reduction"])
     assert "means over seeds 1..2" in (tmp_path / "both" / "report.md").read_text()
     assert run(parser.parse_args(["--trace", str(trace), "--format", "azure2021", "--seeds", "0",
                                   "--out", str(tmp_path / "none")])) == 2  # fmt: skip
