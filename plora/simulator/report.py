@@ -357,6 +357,13 @@ def mean_over_seeds(runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> 
     return out
 
 
+#: The per-seed reductions of the predictor's ablation: ``(name, figure it reduces)``.
+SEED_REDUCTIONS: tuple[tuple[str, str], ...] = (
+    ("ttft_reduction", "ttft_mean_s"),
+    ("ttft_p99_reduction", "ttft_p99_s"),
+)
+
+
 def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """report.json's ``comparison``: ``plora`` vs ``baseline`` (:func:`compare_pair`), plus the
     predictor's ablation: ``predictor_ttft_reduction`` (and ``_p99_``, and the cold-start wait)
@@ -382,10 +389,7 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
     if runs and all(len(r.get("ttft_mean_s", ())) > 1 for r in runs):
         out["predictor_seed_runs"] = {
             name: [reduction(a, b) for a, b in zip(runs[0][key], runs[1][key], strict=True)]
-            for name, key in (
-                ("ttft_reduction", "ttft_mean_s"),
-                ("ttft_p99_reduction", "ttft_p99_s"),
-            )
+            for name, key in SEED_REDUCTIONS
         }
     return out or None
 
@@ -435,13 +439,7 @@ def completed_by_both_block(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         "requests": float(np.mean([r["requests"] for r in runs])),
         "ttft_reduction": reduction(mean("ttft_mean_s", 0), mean("ttft_mean_s", 1)),
         "ttft_p99_reduction": reduction(mean("ttft_p99_s", 0), mean("ttft_p99_s", 1)),
-        "seed_runs": {
-            name: [reduction(*r[key]) for r in runs]
-            for name, key in (
-                ("ttft_reduction", "ttft_mean_s"),
-                ("ttft_p99_reduction", "ttft_p99_s"),
-            )
-        },
+        "seed_runs": {name: [reduction(*r[key]) for r in runs] for name, key in SEED_REDUCTIONS},
     }
 
 
