@@ -478,6 +478,7 @@ class SimWorker:
         sim.worker_of[r] = self.wid
         if a in self.resident:
             self.c["device_hits"] += 1
+            self.evictor.note_hit(sim.adapters.names[a])
             if a in self.prefetched_unused:
                 self.prefetched_unused.discard(a)
                 self.c["prefetch_used"] += 1

@@ -8,10 +8,13 @@
     experts, *recency* (LRU) and *forecast* (lowest forecast demand per byte,
     ``expected_count / nbytes``, from the latest :meth:`EvictionPolicy.set_forecast`; ties by
     LRU), weighted as LeCaR does (Vietri et al., "Driving Cache Replacement with ML-based
-    LeCaR", HotStorage 2018): each eviction follows the expert of larger weight, and a request
-    that misses on an adapter one expert alone chose to evict (remembered for the last
-    :data:`REGRET_HISTORY` evictions) multiplies that expert's weight by ``exp(-LEARNING_RATE)``.
-    A forecast that evicts what is asked for next loses its say; recency takes over.
+    LeCaR", HotStorage 2018). Each eviction follows the expert of larger weight; recency leads
+    until the forecast has shown it does better. When the experts disagree, both choices are
+    remembered (for the last :data:`REGRET_HISTORY` disagreements) and the next request for
+    either settles it: a miss on the adapter the followed expert evicted, or a hit on the one
+    the other expert would have evicted, multiplies the wrong expert's weight by
+    ``exp(-LEARNING_RATE)``. Weights stay within ``[MIN_WEIGHT, 1 - MIN_WEIGHT]`` so the mix
+    can always turn back when the workload changes.
 
 Policies only *order* candidates; the store decides which adapters are candidates (resident,
 not in use, not being written) and how many to evict. The ordering functions are pure and
@@ -130,6 +133,9 @@ class EvictionPolicy(ABC):
     def note_miss(self, adapter_id: str) -> None:  # noqa: B027 - a hook, no-op by default
         """A request found ``adapter_id`` not resident (learning policies use it)."""
 
+    def note_hit(self, adapter_id: str) -> None:  # noqa: B027 - a hook, no-op by default
+        """A request found ``adapter_id`` resident (learning policies use it)."""
+
     def demand(self, adapter_id: str) -> float:
         """Forecast demand of one adapter (0 when unknown)."""
         return (self._forecast or {}).get(adapter_id, 0.0)
@@ -217,15 +223,20 @@ class LRUPolicy(EvictionPolicy):
         return lru_order(candidates)
 
 
-#: Evictions whose victims a later miss can blame on the expert that chose them.
+#: Disagreements of the two experts remembered until a request settles them.
 REGRET_HISTORY = 256
-#: Multiplicative penalty ``exp(-LEARNING_RATE)`` of an expert whose victim was asked for again.
-LEARNING_RATE = 0.45
+#: Multiplicative penalty ``exp(-LEARNING_RATE)`` of the expert a request proved wrong.
+LEARNING_RATE = 0.2
+#: Least weight of either expert (neither is ever written off).
+MIN_WEIGHT = 0.02
+#: Starting weights: recency leads until the forecast is proved better twice more often than
+#: not (``ln(0.6 / 0.4) / LEARNING_RATE`` = 2.03 net regrets of recency).
+INITIAL_WEIGHTS = {"recency": 0.6, "forecast": 0.4}
 
 
 class PredictivePolicy(EvictionPolicy):
-    """Forecast demand per byte or recency, whichever has regretted less (see the module
-    doc); LRU without a forecast.
+    """Forecast demand per byte or recency, whichever has been proved wrong less (see the
+    module doc); LRU without a forecast.
 
     Attributes:
         weights: ``{"recency": w, "forecast": w}``, summing to 1.
@@ -235,12 +246,19 @@ class PredictivePolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        # the forecast leads at first (Predictive-LoRA's policy) until it regrets a victim
-        self.weights = {"recency": 0.45, "forecast": 0.55}
-        self._history: OrderedDict[str, str] = OrderedDict()  # victim -> expert that chose it
+        self.weights = dict(INITIAL_WEIGHTS)
+        # adapter -> expert proved wrong if it is asked for next: the followed expert for its
+        # victim (a miss), the overruled expert for the adapter it would have evicted (a hit)
+        self._evicted: OrderedDict[str, str] = OrderedDict()
+        self._spared: OrderedDict[str, str] = OrderedDict()
+
+    @property
+    def leader(self) -> str:
+        """The expert evictions follow now (``"recency"`` or ``"forecast"``)."""
+        return "forecast" if self.weights["forecast"] > self.weights["recency"] else "recency"
 
     def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        if self._forecast is None or self.weights["forecast"] <= self.weights["recency"]:
+        if self._forecast is None or self.leader == "recency":
             return lru_order(candidates)
         return predictive_order(candidates, self._forecast)
 
@@ -259,35 +277,56 @@ class PredictivePolicy(EvictionPolicy):
         by_recency = min(cands, key=_recency_key)
         forecast = self._forecast
         if forecast is None:
-            return by_recency.adapter_id
+            victim = by_recency
+        else:
 
-        def per_byte(c: Candidate) -> tuple[float, float, str]:
-            demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
-            return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
+            def per_byte(c: Candidate) -> tuple[float, float, str]:
+                demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
+                return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
 
-        by_forecast = min(cands, key=per_byte)
-        follow = "forecast" if self.weights["forecast"] > self.weights["recency"] else "recency"
-        victim = by_forecast if follow == "forecast" else by_recency
-        self.last_by_forecast = victim is not by_recency
-        if by_forecast is not by_recency:  # the experts disagree: a later miss teaches
-            self._history.pop(victim.adapter_id, None)
-            self._history[victim.adapter_id] = follow
-            while len(self._history) > REGRET_HISTORY:
-                self._history.popitem(last=False)
+            by_forecast = min(cands, key=per_byte)
+            follow = self.leader
+            victim, spared = (
+                (by_forecast, by_recency) if follow == "forecast" else (by_recency, by_forecast)
+            )
+            self.last_by_forecast = victim is not by_recency
+            if spared is not victim:  # the experts disagree: the next request for either tells
+                other = "recency" if follow == "forecast" else "forecast"
+                self._remember(self._evicted, victim.adapter_id, follow)
+                self._remember(self._spared, spared.adapter_id, other)
+        # an evicted adapter is no longer one an expert spared
+        self._spared.pop(victim.adapter_id, None)
         return victim.adapter_id
 
+    @staticmethod
+    def _remember(book: OrderedDict[str, str], adapter_id: str, expert: str) -> None:
+        book.pop(adapter_id, None)
+        book[adapter_id] = expert
+        while len(book) > REGRET_HISTORY:
+            book.popitem(last=False)
+
     def note_miss(self, adapter_id: str) -> None:
-        """A request found ``adapter_id`` not resident: if the experts disagreed on its
-        eviction, the one followed regrets it (its weight shrinks by ``exp(-LEARNING_RATE)``,
-        then both are normalized)."""
-        expert = self._history.pop(adapter_id, None)
-        if expert is None:
-            return
+        """A request found ``adapter_id`` not resident: if it was evicted where the experts
+        disagreed, the expert followed was wrong."""
+        self._spared.pop(adapter_id, None)
+        expert = self._evicted.pop(adapter_id, None)
+        if expert is not None:
+            self._penalize(expert)
+
+    def note_hit(self, adapter_id: str) -> None:
+        """A request found ``adapter_id`` resident: if the overruled expert would have evicted
+        it, that expert was wrong."""
+        expert = self._spared.pop(adapter_id, None)
+        if expert is not None:
+            self._penalize(expert)
+
+    def _penalize(self, expert: str) -> None:
         w = self.weights
         w[expert] *= math.exp(-LEARNING_RATE)
         total = w["forecast"] + w["recency"]
-        w["forecast"] /= total
-        w["recency"] /= total
+        hi = 1.0 - MIN_WEIGHT
+        w["forecast"] = min(hi, max(MIN_WEIGHT, w["forecast"] / total))
+        w["recency"] = 1.0 - w["forecast"]
 
 
 def make_policy(kind: str) -> EvictionPolicy:

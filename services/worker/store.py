@@ -392,6 +392,7 @@ class AdapterStore(StoreLoading):
                 self._c.cold_causes[cause] = self._c.cold_causes.get(cause, 0) + 1
             else:
                 self._c.device_hits += 1
+                self._policy.note_hit(ref.adapter_id)
             return StoreLease(self, e, cold, now, cause)
 
     def prefetch(self, items: Sequence[tuple[AdapterRef, float]]) -> PrefetchResult:

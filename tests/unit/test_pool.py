@@ -448,6 +448,8 @@ def test_predictive_policy_falls_back_to_lru_without_forecast() -> None:
     cands = [C("hot", 10, 1.0), C("cold", 10, 2.0)]
     assert [c.adapter_id for c in p.order(cands)] == ["hot", "cold"]  # LRU
     p.set_forecast({"hot": 9.0})
+    assert [c.adapter_id for c in p.order(cands)] == ["hot", "cold"]  # recency leads at first
+    p.weights = {"recency": 0.3, "forecast": 0.7}
     assert [c.adapter_id for c in p.order(cands)] == ["cold", "hot"]
     assert p.demand("hot") == 9.0 and p.demand("none") == 0.0
 
@@ -475,6 +477,7 @@ def test_victim_and_prefetch_fit_rules() -> None:
     """The one rule the store and the simulator apply: a demand load may evict any unleased
     adapter (in the policy's order), a prefetch only those wanted less than its limit."""
     p = PredictivePolicy()
+    p.weights = {"recency": 0.3, "forecast": 0.7}  # the forecast leads
     p.set_forecast({"hot": 3.0, "warm": 0.5, "cold": 0.0})
     evictable = [C("hot", 10, 1.0), C("warm", 10, 2.0), C("cold", 30, 3.0)]
     kw = {"min_gain": 0.2}
@@ -490,6 +493,59 @@ def test_victim_and_prefetch_fit_rules() -> None:
     assert p.prefetch_fits(41, 1, sizes, incoming_expected=2.0, **kw)
     assert p.prefetch_fits(5, 5, [], incoming_expected=0.0, **kw)  # free space always counts
     assert not p.prefetch_fits(10, 0, sizes, incoming_expected=0.1, **kw)  # a long shot
+
+
+def _disagree(p: PredictivePolicy) -> tuple[str, str]:
+    """One eviction where recency picks "old" and the forecast "idle"; returns (victim,
+    spared)."""
+    p.set_forecast({"old": 5.0, "idle": 0.0})
+    cands = [C("old", 10, 1.0), C("idle", 10, 2.0)]
+    victim = p.choose_victim(cands, demanded=True, incoming_expected=0.0, min_gain=0.2)
+    assert victim is not None
+    return victim, ({"old", "idle"} - {victim}).pop()
+
+
+def test_predictive_policy_learns_the_mix_from_both_experts_mistakes() -> None:
+    """LeCaR with a counterfactual: recency leads at first; a miss on what the leader evicted
+    or a hit on what the other expert would have evicted moves the weights, both ways."""
+    p = PredictivePolicy()
+    assert p.leader == "recency"
+    # recency keeps being wrong: its victim is asked for again (a miss) ...
+    victim, spared = _disagree(p)
+    assert (victim, p.last_by_forecast) == ("old", False)
+    p.note_miss(victim)
+    assert p.leader == "recency"  # one regret is not enough
+    victim, spared = _disagree(p)
+    p.note_miss(victim)
+    p.note_hit(spared)  # "idle" asked for: the forecast was wrong once too
+    victim, _ = _disagree(p)
+    p.note_miss(victim)
+    victim, _ = _disagree(p)
+    p.note_miss(victim)
+    assert p.leader == "forecast"  # net three regrets of recency
+    victim, spared = _disagree(p)
+    assert (victim, spared, p.last_by_forecast) == ("idle", "old", True)
+    # the forecast evicts what is asked for next: recency leads again
+    victim, spared = _disagree(p)
+    p.note_miss(victim)
+    assert (victim, p.leader) == ("idle", "recency")
+    # and a hit on what the overruled forecast would have evicted counts against it too
+    victim, spared = _disagree(p)
+    assert (victim, spared) == ("old", "idle")
+    before = p.weights["forecast"]
+    p.note_hit(spared)
+    assert p.weights["forecast"] < before
+    # a request settles a disagreement once; unknown adapters teach nothing
+    before = dict(p.weights)
+    p.note_hit(spared)
+    p.note_miss("never-seen")
+    assert p.weights == before
+    # neither expert is ever written off
+    for _ in range(200):
+        victim, spared = _disagree(p)
+        p.note_miss(victim)
+    assert 0.0 < p.weights["recency"] < 1.0 and abs(sum(p.weights.values()) - 1.0) < 1e-12
+    assert p.weights["recency"] >= 0.02 - 1e-12
 
 
 def test_make_policy() -> None:

@@ -676,9 +676,27 @@ def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
         ready(s.acquire(ref("b", 2))).release()
         ready(s.acquire(ref("c", 2))).release()  # no forecast: LRU evicts a
         assert {r.adapter_id for r in s.resident_adapters()} == {"b", "c"}
-        s.set_forecast({"b": 5.0, "c": 0.5})
-        ready(s.acquire(ref("d", 2))).release()  # evicts c (lowest demand per byte)
-        assert {r.adapter_id for r in s.resident_adapters()} == {"b", "d"}
+
+
+@pytest.mark.parametrize(("eviction", "b_misses"), [("lru", 12), ("predictive", 4)])
+def test_predictive_eviction_learns_to_follow_a_forecast_that_is_right(
+    eviction: str, b_misses: int
+) -> None:
+    """Room for two adapters; "b" comes back after two others each time, and the forecast
+    says so. LRU evicts "b" every time; the predictive policy starts with recency, pays for
+    three of its evictions of "b" (requests that miss, after the first request's cold start),
+    then follows the forecast and keeps it."""
+    s, _ = store(pages=8, eviction=eviction)
+    with s:
+        s.set_forecast({"b": 5.0})
+        misses = 0
+        for i in range(12):
+            for other in (f"x{i}", f"y{i}"):
+                ready(s.acquire(ref(other, 2))).release()
+            lease = ready(s.acquire(ref("b", 2)))
+            misses += lease.cold
+            lease.release()
+        assert misses == b_misses
 
 
 # ---------------------------------------------------------------------- compaction
