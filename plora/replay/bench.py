@@ -63,6 +63,7 @@ from plora.replay.report import (
     comparison_spread,
     compulsory_cold_rate,
     mean_of_rounds,
+    records_over_both,
     render_markdown,
     summarize_policy,
     write_json,
@@ -736,6 +737,7 @@ def run(args: argparse.Namespace) -> int:
             info,
             rnd.summaries,
             compare_pair=compare_pair,
+            completed_by_both=_completed_by_both([rnd]),
         )
         if args.repeats > 1:
             print(f"round {i + 1}/{args.repeats} results:", flush=True)
@@ -875,7 +877,17 @@ def _combine_rounds(
         summaries,
         compare_pair=compare_pair,
         repeats=repeats,
+        completed_by_both=_completed_by_both(rounds),
     )
+
+
+def _completed_by_both(rounds: Sequence[_Round]) -> list[dict[str, Any]]:
+    """:func:`records_over_both` of ``plora`` and ``plora-no-predictor`` in each round; empty
+    unless both ran in every round."""
+    pair = ("plora", "plora-no-predictor")
+    if not rounds or not all(all(p in r.records for p in pair) for r in rounds):
+        return []
+    return [records_over_both(r.records[pair[0]], r.records[pair[1]]) for r in rounds]
 
 
 def _settings(

@@ -381,6 +381,7 @@ def build_report(
     summaries: Mapping[str, Mapping[str, Any]],
     compare_pair: tuple[str, str] = ("plora", "baseline"),
     repeats: Mapping[str, Any] | None = None,
+    completed_by_both: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Assemble report.json: ``settings``, ``trace``, ``compulsory_cold_rate``, one block per
     policy (keyed by the policy name; a policy that failed holds ``{"error": ...}``),
@@ -389,7 +390,10 @@ def build_report(
     cold-start-wait kin, ``plora`` against ``plora-no-predictor``) when those two did; ``None``
     when neither holds. Over repeated rounds the policy blocks are
     :func:`mean_of_rounds`, the comparison is taken between those means, and ``repeats``
-    (given) holds the rounds' order, their own comparisons and :func:`comparison_spread`."""
+    (given) holds the rounds' order, their own comparisons and :func:`comparison_spread`.
+    ``completed_by_both`` (:func:`records_over_both` of each round) adds the ablation over the
+    requests both policies completed, ``comparison.predictor_completed_by_both``
+    (:func:`completed_by_both_block`, each round's under ``round_runs``)."""
     a, b = compare_pair
     report: dict[str, Any] = {
         "settings": dict(settings),
@@ -412,6 +416,10 @@ def build_report(
     p, n = summaries.get("plora"), summaries.get("plora-no-predictor")
     if p is not None and n is not None and "error" not in p and "error" not in n:
         report["comparison"] = (report["comparison"] or {}) | predictor_reductions(p, n)
+        if completed_by_both:
+            report["comparison"]["predictor_completed_by_both"] = completed_by_both_block(
+                completed_by_both, runs_key="round_runs"
+            )
     if repeats is not None:
         report["repeats"] = dict(repeats)
     return report
@@ -430,6 +438,89 @@ def predictor_reductions(
             ("ttft_p99_reduction", "ttft_p99_s"),
             ("cold_start_wait_reduction", "cold_start_wait_mean_s"),
         )
+    }
+
+
+#: The per-run reductions of the predictor's ablation: ``(name, figure it reduces)``.
+SEED_REDUCTIONS: tuple[tuple[str, str], ...] = (
+    ("ttft_reduction", "ttft_mean_s"),
+    ("ttft_p99_reduction", "ttft_p99_s"),
+)
+
+
+def ttft_over_both(plora: np.ndarray, no_predictor: np.ndarray) -> dict[str, Any]:
+    """TTFT of ``plora`` and ``plora-no-predictor`` over the requests both runs completed.
+
+    TTFT figures count completed requests only, so where one policy serves late a request the
+    other fails, the first looks slower on a request the second never answered; over the
+    requests both completed it does not.
+
+    Args:
+        plora: ``float64 [n]`` TTFT seconds of the same ``n`` requests under ``plora``, NaN
+            where the request failed.
+        no_predictor: The same under ``plora-no-predictor``.
+
+    Returns:
+        ``{"requests": m, "ttft_mean_s": [plora, no_predictor], "ttft_p99_s": [plora,
+        no_predictor]}`` over the ``m`` requests both completed, in seconds (``None`` figures
+        when ``m`` is 0).
+
+    Raises:
+        ValueError: the arrays differ in length.
+    """
+    if plora.shape != no_predictor.shape:
+        raise ValueError("the runs are of different traces")
+    both = ~np.isnan(plora) & ~np.isnan(no_predictor)
+    m = int(both.sum())
+    runs = (plora[both], no_predictor[both])
+    return {
+        "requests": m,
+        "ttft_mean_s": [float(t.mean()) if m else None for t in runs],
+        "ttft_p99_s": [float(np.percentile(t, 99)) if m else None for t in runs],
+    }
+
+
+def records_over_both(
+    plora: Sequence[RequestRecord], no_predictor: Sequence[RequestRecord]
+) -> dict[str, Any]:
+    """:func:`ttft_over_both` of two replays of the same slice (requests paired by
+    :attr:`RequestRecord.index`; a request without a first token counts as failed).
+
+    Raises:
+        ValueError: the replays hold different requests.
+    """
+
+    def ttft(records: Sequence[RequestRecord]) -> dict[int, float]:
+        return {r.index: (t if r.ok and (t := r.ttft_s) is not None else math.nan) for r in records}
+
+    a, b = ttft(plora), ttft(no_predictor)
+    if a.keys() != b.keys():
+        raise ValueError("the replays hold different requests")
+    keys = sorted(a)
+    return ttft_over_both(
+        np.array([a[k] for k in keys], dtype=np.float64),
+        np.array([b[k] for k in keys], dtype=np.float64),
+    )
+
+
+def completed_by_both_block(
+    runs: Sequence[Mapping[str, Any]], runs_key: str = "seed_runs"
+) -> dict[str, Any]:
+    """report.json's ``comparison.predictor_completed_by_both``: the predictor's ablation over
+    the requests both policies completed (:func:`ttft_over_both`, one per simulated seed or
+    replayed round), as ``ttft_reduction`` and ``ttft_p99_reduction`` of the runs' mean
+    figures, with each run's under ``runs_key`` and the mean request count under
+    ``requests``."""
+
+    def avg(key: str, i: int) -> float | None:
+        vals = [r[key][i] for r in runs]
+        return None if any(v is None for v in vals) else float(np.mean(vals))
+
+    return {
+        "requests": float(np.mean([r["requests"] for r in runs])),
+        "ttft_reduction": reduction(avg("ttft_mean_s", 0), avg("ttft_mean_s", 1)),
+        "ttft_p99_reduction": reduction(avg("ttft_p99_s", 0), avg("ttft_p99_s", 1)),
+        runs_key: {name: [reduction(*r[key]) for r in runs] for name, key in SEED_REDUCTIONS},
     }
 
 
@@ -475,6 +566,11 @@ def _mean_dicts(dicts: Sequence[Mapping[str, Any]], *, missing_is_zero: bool) ->
     return out
 
 
+def _nested(v: Any) -> bool:
+    """A comparison entry that is a block of figures, not one figure."""
+    return isinstance(v, Mapping)
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
@@ -494,10 +590,10 @@ def comparison_spread(
     ``None`` under two rounds) over the rounds' own comparisons; rounds where a figure is
     ``None`` are left out of it. The spread says how far one run of the benchmark can be
     trusted on this machine: its load changes from run to run."""
-    keys = list(dict.fromkeys(k for c in per_round for k in c))
+    keys = list(dict.fromkeys(k for c in per_round for k, v in c.items() if not _nested(v)))
     out: dict[str, dict[str, float | None]] = {}
     for k in keys:
-        vals = [float(v) for c in per_round if (v := c.get(k)) is not None]
+        vals = [float(v) for c in per_round if (v := c.get(k)) is not None and not _nested(v)]
         if not vals:
             out[k] = {"mean": None, "min": None, "max": None, "stdev": None}
             continue
@@ -677,7 +773,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 "| per round | paper target |",
                 "|---|---|---|---|---|---|---|---|",
             ]
-            for k, v in comp.items():
+            for k, v in _flat(comp):
                 sp = spread.get(k) or {}
                 per = ", ".join(_fmt(c.get(k)) for c in rep.get("comparison_per_round") or [])
                 lines.append(
@@ -687,9 +783,21 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 )
         else:
             lines += [f"| comparison ({pa} vs {pb}) | measured | paper target |", "|---|---|---|"]
-            for k, v in comp.items():
+            for k, v in _flat(comp):
                 lines.append(f"| {k} | {_fmt(v)} | {targets.get(k, '')} |")
         lines.append("")
+        both = comp.get("predictor_completed_by_both")
+        if both:
+            rounds = both.get("round_runs") or {}
+            lines += [
+                f"Over the {_fmt(both.get('requests'), 1)} requests both plora and "
+                "plora-no-predictor completed (predictor_completed_by_both): "
+                f"predictor_ttft_reduction {_fmt(both.get('ttft_reduction'))} (per round "
+                f"{', '.join(_fmt(v) for v in rounds.get('ttft_reduction', []))}), p99 "
+                f"{_fmt(both.get('ttft_p99_reduction'))} (per round "
+                f"{', '.join(_fmt(v) for v in rounds.get('ttft_p99_reduction', []))}).",
+                "",
+            ]
     services = sorted({sv for n in names for sv in report[n].get("service_usage") or {}})
     if services:
         lines += [
@@ -711,6 +819,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines.append("")
     lines += ["Definitions: see `plora/replay/report.py` (module docstring).", ""]
     return "\n".join(lines)
+
+
+def _flat(comp: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The comparison's single figures (its nested blocks are written on their own)."""
+    return [(k, v) for k, v in comp.items() if not _nested(v)]
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 
 from plora.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
-from plora.replay.report import mean_of_rounds, predictor_reductions, reduction
+from plora.replay.report import (
+    SEED_REDUCTIONS,
+    mean_of_rounds,
+    predictor_reductions,
+    reduction,
+    ttft_over_both,
+)
 from plora.simulator.engine import SimResult
 from services.worker.cold import COLD_CAUSES
 
@@ -357,13 +363,6 @@ def mean_over_seeds(runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> 
     return out
 
 
-#: The per-seed reductions of the predictor's ablation: ``(name, figure it reduces)``.
-SEED_REDUCTIONS: tuple[tuple[str, str], ...] = (
-    ("ttft_reduction", "ttft_mean_s"),
-    ("ttft_p99_reduction", "ttft_p99_s"),
-)
-
-
 def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """report.json's ``comparison``: ``plora`` vs ``baseline`` (:func:`compare_pair`), plus the
     predictor's ablation: ``predictor_ttft_reduction`` (and ``_p99_``, and the cold-start wait)
@@ -395,7 +394,8 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
 
 
 def completed_by_both(plora: SimResult, no_predictor: SimResult) -> dict[str, Any]:
-    """TTFT of ``plora`` and ``plora-no-predictor`` over the requests both runs completed.
+    """TTFT of ``plora`` and ``plora-no-predictor`` over the requests both runs completed
+    (:func:`plora.replay.report.ttft_over_both`).
 
     TTFT figures count completed requests only. Where a burst leaves loads waiting for room
     until ``load_wait_timeout_s``, a request one policy serves late and the other fails counts
@@ -406,41 +406,15 @@ def completed_by_both(plora: SimResult, no_predictor: SimResult) -> dict[str, An
         plora: The ``plora`` run.
         no_predictor: The ``plora-no-predictor`` run of the same trace slice and seed.
 
-    Returns:
-        ``{"requests": n, "ttft_mean_s": [plora, no_predictor], "ttft_p99_s": [plora,
-        no_predictor]}`` in seconds (``None`` figures when no request completed under both).
-
     Raises:
         ValueError: The runs are of different request counts.
     """
     if len(plora.arrival_s) != len(no_predictor.arrival_s):
         raise ValueError("the runs are of different traces")
-    both = ~plora.failed & ~no_predictor.failed
-    n = int(both.sum())
-    runs = (plora.ttft_s[both], no_predictor.ttft_s[both])
-    return {
-        "requests": n,
-        "ttft_mean_s": [_f(t.mean()) if n else None for t in runs],
-        "ttft_p99_s": [_f(np.percentile(t, 99)) if n else None for t in runs],
-    }
-
-
-def completed_by_both_block(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """report.json's ``comparison.predictor_completed_by_both``: the predictor's ablation over
-    the requests both policies completed (:func:`completed_by_both`, one per seed), as
-    ``ttft_reduction`` and ``ttft_p99_reduction`` of the seeds' mean figures, with each seed's
-    under ``seed_runs`` and the mean request count under ``requests``."""
-
-    def mean(key: str, i: int) -> float | None:
-        vals = [r[key][i] for r in runs]
-        return None if any(v is None for v in vals) else float(np.mean(vals))
-
-    return {
-        "requests": float(np.mean([r["requests"] for r in runs])),
-        "ttft_reduction": reduction(mean("ttft_mean_s", 0), mean("ttft_mean_s", 1)),
-        "ttft_p99_reduction": reduction(mean("ttft_p99_s", 0), mean("ttft_p99_s", 1)),
-        "seed_runs": {name: [reduction(*r[key]) for r in runs] for name, key in SEED_REDUCTIONS},
-    }
+    return ttft_over_both(
+        np.where(plora.failed, np.nan, plora.ttft_s),
+        np.where(no_predictor.failed, np.nan, no_predictor.ttft_s),
+    )
 
 
 def paper_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

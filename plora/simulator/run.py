@@ -27,6 +27,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from plora.policies import POLICIES, SIM_POLICIES, get_policy
+from plora.replay.report import completed_by_both_block
 from plora.simulator.calibrate import fit_replay, read_records
 from plora.simulator.engine import (
     AdapterSet,
@@ -44,7 +45,6 @@ from plora.simulator.report import (
     compare_to_replay,
     comparison_block,
     completed_by_both,
-    completed_by_both_block,
     load_replay_report,
     mean_over_seeds,
     paper_comparison,

@@ -28,6 +28,7 @@ from plora.replay.report import (
     percentile,
     pool_stats,
     ratio,
+    records_over_both,
     reduction,
     render_markdown,
     request_stats,
@@ -380,6 +381,40 @@ def test_build_report_has_every_contract_key_and_is_strict_json(tmp_path: Path) 
         "pool_utilization_over_time.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_ablation_over_the_requests_both_replays_completed() -> None:
+    """Request 4 failed under plora-no-predictor and plora served it after 9 s: over completed
+    requests plora looks slower, over the three both completed the replays are level."""
+    plora = [*RECORDS[:3], rec(3, 9.0, 18.0, 18.0, worker="w1", adapter="c")]
+    nopred = [*RECORDS[:3], rec(3, 9.0, None, 39.0, "DEADLINE_EXCEEDED")]
+    paired = records_over_both(plora, nopred)
+    assert paired["requests"] == 3
+    assert paired["ttft_mean_s"] == pytest.approx([1.0, 1.0])
+    assert paired["ttft_p99_s"][0] == paired["ttft_p99_s"][1]
+    with pytest.raises(ValueError, match="different requests"):
+        records_over_both(plora, nopred[:2])
+    report = build_report(
+        {},
+        {"requests": 4},
+        {
+            "plora": summarize_policy(plora, SAMPLES, []),
+            "plora-no-predictor": summarize_policy(nopred, SAMPLES, []),
+        },
+        compare_pair=("plora", "plora-no-predictor"),
+        completed_by_both=[paired, records_over_both(nopred, nopred)],
+    )
+    block = report["comparison"]["predictor_completed_by_both"]
+    assert report["comparison"]["predictor_ttft_reduction"] < -1.0  # 3.0 s against 1.0 s
+    assert block["requests"] == 3.0 and block["ttft_reduction"] == pytest.approx(0.0)
+    assert block["round_runs"]["ttft_reduction"] == pytest.approx([0.0, 0.0])
+    json.dumps(report, allow_nan=False)
+    md = render_markdown(report)
+    assert "Over the 3.0 requests both plora and plora-no-predictor completed" in md
+    assert "| predictor_completed_by_both |" not in md
+    # the rounds' spread leaves the block out (it is not one figure)
+    spread = comparison_spread([report["comparison"], report["comparison"]])
+    assert "predictor_completed_by_both" not in spread and "predictor_ttft_reduction" in spread
 
 
 def test_mean_of_rounds_averages_figures_and_nested_counts() -> None:

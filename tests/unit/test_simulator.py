@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from plora.policies import POLICIES, get_policy
+from plora.replay.report import completed_by_both_block
 from plora.simulator.calibrate import fit_replay, solo_mask
 from plora.simulator.engine import (
     AdapterSet,
@@ -31,7 +32,6 @@ from plora.simulator.presets import (
 from plora.simulator.report import (
     compare_to_replay,
     completed_by_both,
-    completed_by_both_block,
     paper_comparison,
     search_min_workers,
     slo_attainment,
