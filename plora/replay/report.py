@@ -442,7 +442,7 @@ def predictor_reductions(
 
 
 #: The per-run reductions of the predictor's ablation: ``(name, figure it reduces)``.
-SEED_REDUCTIONS: tuple[tuple[str, str], ...] = (
+RUN_REDUCTIONS: tuple[tuple[str, str], ...] = (
     ("ttft_reduction", "ttft_mean_s"),
     ("ttft_p99_reduction", "ttft_p99_s"),
 )
@@ -520,7 +520,7 @@ def completed_by_both_block(
         "requests": float(np.mean([r["requests"] for r in runs])),
         "ttft_reduction": reduction(avg("ttft_mean_s", 0), avg("ttft_mean_s", 1)),
         "ttft_p99_reduction": reduction(avg("ttft_p99_s", 0), avg("ttft_p99_s", 1)),
-        runs_key: {name: [reduction(*r[key]) for r in runs] for name, key in SEED_REDUCTIONS},
+        runs_key: {name: [reduction(*r[key]) for r in runs] for name, key in RUN_REDUCTIONS},
     }
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from plora.replay.report import POLICY_KEYS as REPLAY_POLICY_KEYS
 from plora.replay.report import (
-    SEED_REDUCTIONS,
+    RUN_REDUCTIONS,
     mean_of_rounds,
     predictor_reductions,
     reduction,
@@ -388,7 +388,7 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
     if runs and all(len(r.get("ttft_mean_s", ())) > 1 for r in runs):
         out["predictor_seed_runs"] = {
             name: [reduction(a, b) for a, b in zip(runs[0][key], runs[1][key], strict=True)]
-            for name, key in SEED_REDUCTIONS
+            for name, key in RUN_REDUCTIONS
         }
     return out or None
 
@@ -409,8 +409,6 @@ def completed_by_both(plora: SimResult, no_predictor: SimResult) -> dict[str, An
     Raises:
         ValueError: The runs are of different request counts.
     """
-    if len(plora.arrival_s) != len(no_predictor.arrival_s):
-        raise ValueError("the runs are of different traces")
     return ttft_over_both(
         np.where(plora.failed, np.nan, plora.ttft_s),
         np.where(no_predictor.failed, np.nan, no_predictor.ttft_s),

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 #: Policy names understood by :func:`make_policy`.
@@ -57,6 +57,18 @@ def lru_order(candidates: Sequence[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=_recency_key)
 
 
+def _demand_per_byte_key(
+    forecast: Mapping[str, float],
+) -> Callable[[Candidate], tuple[float, float, str]]:
+    """Sort key of the forecast expert: ``forecast[id] / nbytes``, then LRU, then id."""
+
+    def key(c: Candidate) -> tuple[float, float, str]:
+        demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
+        return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
+
+    return key
+
+
 def predictive_order(
     candidates: Sequence[Candidate], forecast: Mapping[str, float]
 ) -> list[Candidate]:
@@ -66,12 +78,7 @@ def predictive_order(
         candidates: Evictable adapters.
         forecast: ``adapter_id -> expected requests`` in the forecast horizon (missing = 0).
     """
-
-    def key(c: Candidate) -> tuple[float, float, str]:
-        demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
-        return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
-
-    return sorted(candidates, key=key)
+    return sorted(candidates, key=_demand_per_byte_key(forecast))
 
 
 def prefetch_victim_limit(incoming_expected: float, min_gain: float) -> float:
@@ -275,16 +282,10 @@ class PredictivePolicy(EvictionPolicy):
         if not cands:
             return None
         by_recency = min(cands, key=_recency_key)
-        forecast = self._forecast
-        if forecast is None:
+        if self._forecast is None:
             victim = by_recency
         else:
-
-            def per_byte(c: Candidate) -> tuple[float, float, str]:
-                demand = max(0.0, float(forecast.get(c.adapter_id, 0.0)))
-                return (demand / max(1, c.nbytes), c.last_used, c.adapter_id)
-
-            by_forecast = min(cands, key=per_byte)
+            by_forecast = min(cands, key=_demand_per_byte_key(self._forecast))
             follow = self.leader
             victim, spared = (
                 (by_forecast, by_recency) if follow == "forecast" else (by_recency, by_forecast)

@@ -669,7 +669,7 @@ def test_reconcile_drops_what_the_registry_deleted_or_replaced_while_unload_was_
         assert s.reconcile(registered | {"old": 2}, time.monotonic()) == 0
 
 
-def test_predictive_eviction_uses_forecast_and_lru_without() -> None:
+def test_predictive_eviction_is_lru_without_a_forecast() -> None:
     s, _ = store(pages=8, eviction="predictive")
     with s:
         ready(s.acquire(ref("a", 2))).release()
