@@ -85,7 +85,7 @@ from services.worker.eviction import (
 from services.worker.pool import Allocator
 from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
 from services.worker.store import HostCache, PackedAdapter, StoreConfig
-from services.worker.store_types import staging_key
+from services.worker.store_types import DEMAND_PRIORITY, PREFETCH_PRIORITY, staging_key
 
 logger = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ class SimWorker:
         self.loading_handles: set[int] = set()
         self.active = 0
         # host staging (AdapterStore.stage): the registered adapters read into free host-cache
-        # space one at a time, on a thread of its own, while no device load is queued, in the
+        # space one at a time, on a thread of its own, while no demand load is queued, in the
         # order of staging_key (the worker's passes every HOST_STAGING_INTERVAL_S list the same
         # adapters in the same order, so one queue read once stands for them)
         self.staging: deque[int] = deque(
@@ -502,7 +502,7 @@ class SimWorker:
             job.cause = cause
             job.queued_t = t
             self.jobs[a] = job
-            heapq.heappush(self.job_heap, (0, 0.0, sim.next_seq(), job))
+            heapq.heappush(self.job_heap, (DEMAND_PRIORITY, 0.0, sim.next_seq(), job))
         elif not job.demanded:
             job.demanded = True
             job.cause = cause
@@ -511,7 +511,7 @@ class SimWorker:
                 job.used = True
                 self.c["prefetch_used"] += 1
             if not job.started:
-                heapq.heappush(self.job_heap, (0, -job.expected, sim.next_seq(), job))
+                heapq.heappush(self.job_heap, (DEMAND_PRIORITY, -job.expected, sim.next_seq(), job))
         self.waiters.setdefault(a, []).append(r)
         if not job.started and self.active >= sim.preset.loader_threads:
             # every loader thread is busy: a prefetch still reading yields its thread
@@ -725,8 +725,8 @@ class SimWorker:
 
     def _start_staging(self, t: float) -> None:
         """The next staging read that is still needed and fits the free host space, unless
-        one is running or a device load is queued."""
-        if self.staging_active or self.job_heap:
+        one is running or a demand load is queued (``AdapterStore._stager``)."""
+        if self.staging_active or (self.job_heap and self.job_heap[0][0] == DEMAND_PRIORITY):
             return
         sim = self.sim
         names = sim.adapters.names
@@ -882,7 +882,9 @@ class SimWorker:
         while self.alloc_wait:
             job = self.alloc_wait.popleft()
             if self.jobs.get(job.a) is job and job.handle < 0:
-                heapq.heappush(self.job_heap, (0, -job.expected, self.sim.next_seq(), job))
+                heapq.heappush(
+                    self.job_heap, (DEMAND_PRIORITY, -job.expected, self.sim.next_seq(), job)
+                )
 
     def retry_timeout(self, job: _Load, t: float) -> None:
         """A waiting load's deadline: queue it once more (it fails unless room appeared)."""
@@ -892,7 +894,7 @@ class SimWorker:
             self.alloc_wait.remove(job)
         except ValueError:
             return
-        heapq.heappush(self.job_heap, (0, -job.expected, self.sim.next_seq(), job))
+        heapq.heappush(self.job_heap, (DEMAND_PRIORITY, -job.expected, self.sim.next_seq(), job))
         self.start_jobs(t)
 
     def _fail_load(self, job: _Load, t: float, err: Exception) -> None:
@@ -974,7 +976,7 @@ class SimWorker:
             job = _Load(a, False, expected)
             self.jobs[a] = job
             self.last_used[a] = t  # as the store's entry: issued counts as used for recency
-            heapq.heappush(self.job_heap, (1, -expected, sim.next_seq(), job))
+            heapq.heappush(self.job_heap, (PREFETCH_PRIORITY, -expected, sim.next_seq(), job))
             self.c["prefetch_issued"] += 1
         self.start_jobs(t)
 

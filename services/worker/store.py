@@ -88,8 +88,10 @@ from services.worker.room import PressureSampler, RoomDecision
 from services.worker.store_loading import StoreLoading
 from services.worker.store_types import (
     _NO_WAITER,
+    DEMAND_PRIORITY,
     DTYPES,
     HOST_STAGING_INTERVAL_S,
+    PREFETCH_PRIORITY,
     SOURCE_RETRY_S,
     Loader,
     PrefetchResult,
@@ -449,7 +451,8 @@ class AdapterStore(StoreLoading):
         Each call replaces the queue (callers pass every candidate, in the order to read
         them: :func:`~services.worker.store_types.staging_key`). Reads run one at a
         time on a staging thread of their own (never on a loader thread), and only while no
-        device load (demand or prefetch) is queued. Only free host-cache space is used:
+        demand load is queued (a queued prefetch does not hold them back). Only free
+        host-cache space is used:
         staging never evicts a cached adapter. Skipped: adapters already cached (this
         version), resident or loading on the device, being staged now, superseded versions,
         and those that do not fit the free space left by the ones before them. A read that
@@ -772,7 +775,7 @@ class AdapterStore(StoreLoading):
                 self._host.drop(ref.adapter_id)
 
     def _push(self, e: _Entry) -> None:
-        prio = 0 if e.demanded else 1
+        prio = DEMAND_PRIORITY if e.demanded else PREFETCH_PRIORITY
         heapq.heappush(self._jobs, (prio, -e.expected, next(self._seq), e))
         self._cv.notify_all()
 

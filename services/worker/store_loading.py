@@ -30,6 +30,7 @@ from services.worker.pool import Allocation
 from services.worker.room import RoomAction, RoomSearch
 from services.worker.store_types import (
     _NO_WAITER,
+    DEMAND_PRIORITY,
     SOURCE_RETRY_S,
     StoreEvent,
     _Detached,
@@ -48,6 +49,12 @@ logger = logging.getLogger("services.worker.store")
 class StoreLoading:
     """The loader threads, host staging and source-failure bookkeeping of the adapter store
     (see :mod:`services.worker.store` for the rules they keep)."""
+
+    def _demand_queued(self: AdapterStore) -> bool:
+        """Whether a demand load waits for a loader thread (lock held): the heap's head is at
+        :data:`DEMAND_PRIORITY` (a stale head, already started or detached, is popped by the
+        next free loader thread)."""
+        return bool(self._jobs) and self._jobs[0][0] == DEMAND_PRIORITY
 
     def _stage_needed(self: AdapterStore, ref: AdapterRef, room: int) -> bool:
         """Whether a staging read of ``ref`` is wanted and fits ``room`` host bytes: not
@@ -118,16 +125,18 @@ class StoreLoading:
             log("%s of %s v%d failed", what, ref.adapter_id, ref.version, exc_info=err)
 
     def _stager(self: AdapterStore) -> None:
-        """The host-staging thread: one read at a time, only while no device load (demand or
-        prefetch) is queued for a loader thread. Its own thread, so a staging read (as slow
-        as any source read: seconds from remote storage) never holds a loader thread.
+        """The host-staging thread: one read at a time, only while no demand load is queued
+        for a loader thread (:meth:`_demand_queued`; a queued prefetch does not hold it back:
+        both are speculative, and a staging read is what makes an adapter's first request a
+        host copy). Its own thread, so a staging read (as slow as any source read: seconds
+        from remote storage) never holds a loader thread.
         Staging is speculative, so the thread runs at background priority: on a CPU host it
         must not take cores from the decode steps (demand loads read the source themselves)."""
         torch.set_num_threads(1)
         lower_thread_priority()
         while True:
             with self._cv:
-                while not self._closed and (self._jobs or not self._staging):
+                while not self._closed and (self._demand_queued() or not self._staging):
                     self._cv.wait()
                 if self._closed:
                     return
@@ -149,8 +158,8 @@ class StoreLoading:
                 if self._closed:
                     return
                 _, _, _, e = heapq.heappop(self._jobs)
-                if not self._jobs and self._staging:
-                    self._cv.notify_all()  # the stager waits for the device queue to empty
+                if self._staging and not self._demand_queued():
+                    self._cv.notify_all()  # the stager waits while a demand load is queued
                 if e.detached or e.state is not _State.LOADING or e.job_started:
                     continue
                 e.job_started = True

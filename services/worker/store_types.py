@@ -75,6 +75,12 @@ def staging_key(adapter_id: str, worker_id: str) -> bytes:
 #: tick. Demand loads still read it (their request gets the error).
 SOURCE_RETRY_S = 300.0
 
+#: Queue priorities of the loader threads' heap (lower first): demand before prefetch. Host
+#: staging pauses only while a :data:`DEMAND_PRIORITY` load is queued. The simulator's
+#: workers use the same two.
+DEMAND_PRIORITY = 0
+PREFETCH_PRIORITY = 1
+
 #: Loader signature: read one adapter version from the source tier (raises domain errors).
 Loader = Callable[[AdapterRef], LoRAWeights]
 

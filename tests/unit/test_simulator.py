@@ -66,11 +66,15 @@ def _trace(times, keys, out=3, prompt=10) -> Trace:
     return Trace.from_arrays(times, keys, prompt, out)
 
 
-def _run(trace: Trace, preset=SIMPLE, policy="baseline", workers=1, k=4, **cfg):
+def _sim(trace: Trace, preset=SIMPLE, policy="baseline", workers=1, k=4, **cfg):
     adapters = build_adapter_set(trace, preset, k, seed=0)
-    sim = ClusterSimulation(
+    return ClusterSimulation(
         trace, adapters, get_policy(policy), SimConfig(preset=preset, workers=workers, **cfg)
     )
+
+
+def _run(trace: Trace, preset=SIMPLE, policy="baseline", workers=1, k=4, **cfg):
+    sim = _sim(trace, preset, policy, workers, k, **cfg)
     return sim, sim.run()
 
 
@@ -295,13 +299,7 @@ def test_host_staging_reads_in_each_workers_own_order_whatever_the_forecast() ->
     # AdapterStore.stage gets the registered adapters by staging_key (rendezvous order with the
     # worker id), as the live worker passes them, and the simulated worker reads them in that
     # order, the predictor's forecast of the hot adapters notwithstanding
-    tr = _trace([100.0], ["a"])
-    sim = ClusterSimulation(
-        tr,
-        build_adapter_set(tr, SIMPLE, 4, seed=0),
-        get_policy("plora"),
-        SimConfig(preset=SIMPLE, workers=1),
-    )
+    sim = _sim(_trace([100.0], ["a"]), policy="plora")
     w = sim.workers[0]
     names = sim.adapters.names
     sim.run()
@@ -313,6 +311,30 @@ def test_host_staging_reads_in_each_workers_own_order_whatever_the_forecast() ->
     many = [f"adapter-{i:03d}" for i in range(16)]
     orders = [sorted(many, key=lambda a, w=w: staging_key(a, w)) for w in ("worker-0", "worker-1")]
     assert orders[0] != orders[1] and sorted(orders[0]) == sorted(orders[1]) == many
+
+
+@pytest.mark.parametrize(("queued", "staging"), [("prefetch", True), ("demand", False)])
+def test_host_staging_waits_for_a_queued_demand_load_not_for_a_queued_prefetch(
+    queued: str, staging: bool
+) -> None:
+    # AdapterStore._stager's rule: with the only loader thread busy, a queued prefetch does
+    # not hold a staging read back; a queued demand load does.
+    sim = _sim(
+        _trace([0.0, 0.0], ["a", "b"]), SIMPLE.with_overrides(loader_threads=1), policy="plora"
+    )
+    w = sim.workers[0]
+    a, b = sim.req_adapter
+    c = next(i for i in range(4) if i not in (a, b))
+    w.staging.clear()
+    assert w.accept(0, a, 0.0) and w.active == 1  # the demand load takes the loader thread
+    if queued == "prefetch":
+        w.prefetch([(b, 5.0)], 0.0)
+    else:
+        assert w.accept(1, b, 0.0)
+    assert len(w.job_heap) == 1 and not w.staging_active
+    w.staging.append(c)
+    w.start_jobs(0.0)
+    assert w.staging_active is staging
 
 
 def test_cold_starts_go_to_a_worker_holding_the_adapter_in_host_memory() -> None:

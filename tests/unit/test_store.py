@@ -58,12 +58,15 @@ class Source:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.gate: threading.Event | None = None
+        self.gates: dict[str, threading.Event] = {}  # one adapter's reads held
         self.fail: dict[str, Exception] = {}
 
     def __call__(self, ref: AdapterRef) -> LoRAWeights:
         self.calls.append(ref.adapter_id)
         if self.gate is not None:
             self.gate.wait(5)
+        if ref.adapter_id in self.gates:
+            self.gates[ref.adapter_id].wait(5)
         if ref.adapter_id in self.fail:
             raise self.fail[ref.adapter_id]
         return make_weights(ref.adapter_id, ref.version, int(ref.source.split(":")[1]))
@@ -525,7 +528,7 @@ def _nice(tid: int | None) -> int:
     return os.getpriority(os.PRIO_PROCESS, tid)
 
 
-def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
+def test_host_staging_is_off_by_default_and_yields_to_demand_loads() -> None:
     off, src_off = store()
     with off:
         assert off.stage([ref("a")]) == 0
@@ -545,10 +548,29 @@ def test_host_staging_is_off_by_default_and_yields_to_device_loads() -> None:
         ready(demand)
         _wait_for(lambda: s.stats().host_stages == 3)
         # one staging read at a time, on its own thread (both loader threads stayed free for
-        # "first" and "need"), and none while a device load (the prefetch) is queued
+        # "first" and "need")
         assert src.calls[:3] == ["first", "s0", "need"]
-        assert src.calls.index("need") < src.calls.index("s1")
-        assert src.calls.index("pre") < src.calls.index("s1")
+
+
+def test_host_staging_waits_for_a_queued_demand_load_not_for_a_queued_prefetch() -> None:
+    s, src = store(pages=64, loader_threads=1, host_staging=True)
+    with s:
+        src.gates["first"] = threading.Event()
+        first = s.acquire(ref("first"))  # holds the only loader thread
+        _wait_for(lambda: src.calls == ["first"])
+        s.prefetch([(ref("pre"), 5.0)])  # queued behind it
+        assert s.stage([ref("s0"), ref("s1")]) == 2
+        _wait_for(lambda: s.stats().host_stages == 2)  # staged with the prefetch queued
+        assert "pre" not in src.calls
+        need = s.acquire(ref("need"))  # a demand load queued: staging pauses
+        assert s.stage([ref("s2")]) == 1
+        time.sleep(0.1)
+        assert "s2" not in src.calls and s.stats().host_stages_queued == 1
+        src.gates["first"].set()
+        ready(first)
+        ready(need)
+        _wait_for(lambda: s.stats().host_stages == 3)
+        assert src.calls.index("need") < src.calls.index("pre")  # demand before prefetch
 
 
 def test_each_staging_pass_replaces_the_queue_in_its_order() -> None:
