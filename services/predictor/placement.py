@@ -217,7 +217,12 @@ class PrefetchSelector:
         """Per worker, the hot adapters placed on it and not resident there, best first.
 
         Each worker's list holds at most ``max_per_worker`` adapters whose sizes add up to at
-        most its pool (the worker itself decides whether to evict for them).
+        most its pool (the worker itself decides whether to evict for them). An adapter some
+        worker holds in its host cache (``WorkerView.host_cached``) is prefetched only onto
+        a placed worker that holds it: a cold start of it is a host copy of milliseconds
+        wherever routing's ``host`` step sends it, while a source read elsewhere would take
+        seconds and draw its requests to the worker loading it (in the simulator, such
+        prefetches made the oracle 4 % slower than no prefetch on the Alibaba trace).
 
         Returns:
             ``worker_id -> [(adapter_id, expected), ...]``.
@@ -226,10 +231,13 @@ class PrefetchSelector:
         by_id = {w.worker_id: w for w in workers}
         plan: dict[str, list[tuple[str, float]]] = {w.worker_id: [] for w in workers}
         budget = {w.worker_id: w.pool_bytes if w.pool_bytes > 0 else math.inf for w in workers}
+        in_host = {a for w in workers for a in w.host_cached if a in hot}
         for a in sorted(hot, key=lambda a: (-demand[a].expected, a)):
             for w in placement.get(a, ()):
                 view = by_id.get(w)
                 if view is None or a in view.resident or len(plan[w]) >= max_per_worker:
+                    continue
+                if a in in_host and a not in view.host_cached:
                     continue
                 if demand[a].size_bytes > budget[w]:
                     continue

@@ -400,6 +400,26 @@ def test_prefetch_selector_hysteresis_and_residency() -> None:
     assert sel.select(demand, placement, ws)["w1"] == []
 
 
+def test_prefetch_of_an_adapter_in_a_host_cache_goes_only_to_a_worker_holding_it() -> None:
+    # "h" is in w1's host cache: a cold start of it is a host copy on w1, so it is not read
+    # from the source onto w0 ahead of demand; where its placement includes w1, w1 copies it
+    # in. "s" is in no host cache: prefetched where it is placed.
+    ws = [
+        WorkerView("w0", pool_bytes=100 * MB),
+        WorkerView("w1", pool_bytes=100 * MB, host_cached=frozenset({"h"})),
+    ]
+    demand = {"h": AdapterDemand(8, MB, 3.0), "s": AdapterDemand(8, MB, 2.0)}
+    sel = PrefetchSelector(high=1.0, low=0.5)
+    assert sel.select(demand, {"h": ["w0"], "s": ["w0"]}, ws) == {
+        "w0": [("s", 2.0)],
+        "w1": [],
+    }
+    assert sel.select(demand, {"h": ["w0", "w1"], "s": ["w1"]}, ws) == {
+        "w0": [],
+        "w1": [("h", 3.0), ("s", 2.0)],
+    }
+
+
 def test_prefetch_respects_count_and_pool_budget() -> None:
     sel = PrefetchSelector(high=0.1, low=0.1)
     ws = [WorkerView("w0", pool_bytes=10 * MB)]
