@@ -222,7 +222,7 @@ class PrefetchSelector:
         a placed worker that holds it: a cold start of it is a host copy of milliseconds
         wherever routing's ``host`` step sends it, while a source read elsewhere would take
         seconds and draw its requests to the worker loading it (in the simulator, such
-        prefetches made the oracle 4 % slower than no prefetch on the Alibaba trace).
+        prefetches make the oracle 4 % slower than no forecast on the Alibaba trace).
 
         Returns:
             ``worker_id -> [(adapter_id, expected), ...]``.
