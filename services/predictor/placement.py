@@ -219,10 +219,12 @@ class PrefetchSelector:
         Each worker's list holds at most ``max_per_worker`` adapters whose sizes add up to at
         most its pool (the worker itself decides whether to evict for them). An adapter some
         worker holds in its host cache (``WorkerView.host_cached``) is prefetched only onto
-        a placed worker that holds it: a cold start of it is a host copy of milliseconds
-        wherever routing's ``host`` step sends it, while a source read elsewhere would take
-        seconds and draw its requests to the worker loading it (in the simulator, such
-        prefetches make the oracle 4 % slower than no forecast on the Alibaba trace).
+        a worker that holds it: the placed ones that do, else (when no worker has it resident
+        or loading) the holder with the fewest prefetches planned so far. A load there is a
+        host copy of milliseconds, and routing sends the adapter's requests to the copy;
+        a source read onto a worker without it would take seconds and draw its requests to
+        that slow load (in the simulator, such prefetches make the oracle 4 % slower than no
+        forecast on the Alibaba trace).
 
         Returns:
             ``worker_id -> [(adapter_id, expected), ...]``.
@@ -231,13 +233,21 @@ class PrefetchSelector:
         by_id = {w.worker_id: w for w in workers}
         plan: dict[str, list[tuple[str, float]]] = {w.worker_id: [] for w in workers}
         budget = {w.worker_id: w.pool_bytes if w.pool_bytes > 0 else math.inf for w in workers}
-        in_host = {a for w in workers for a in w.host_cached if a in hot}
+        holders: dict[str, list[str]] = {}  # hot adapter -> workers holding it in host memory
+        for wv in workers:
+            for a in wv.host_cached:
+                if a in hot:
+                    holders.setdefault(a, []).append(wv.worker_id)
         for a in sorted(hot, key=lambda a: (-demand[a].expected, a)):
-            for w in placement.get(a, ()):
+            targets: Sequence[str] = placement.get(a, ())
+            held = holders.get(a)
+            if held:
+                targets = [w for w in targets if w in held]
+                if not targets and not any(a in v.resident or a in v.loading for v in workers):
+                    targets = [min(held, key=lambda w: (len(plan[w]), w))]
+            for w in targets:
                 view = by_id.get(w)
                 if view is None or a in view.resident or len(plan[w]) >= max_per_worker:
-                    continue
-                if a in in_host and a not in view.host_cached:
                     continue
                 if demand[a].size_bytes > budget[w]:
                     continue

@@ -401,22 +401,33 @@ def test_prefetch_selector_hysteresis_and_residency() -> None:
 
 
 def test_prefetch_of_an_adapter_in_a_host_cache_goes_only_to_a_worker_holding_it() -> None:
-    # "h" is in w1's host cache: a cold start of it is a host copy on w1, so it is not read
-    # from the source onto w0 ahead of demand; where its placement includes w1, w1 copies it
-    # in. "s" is in no host cache: prefetched where it is placed.
+    # "h" is in w1's and w2's host caches: a cold start of it is a host copy there, so it is
+    # not read from the source onto w0 ahead of demand. Placed on w0 alone, it is copied in
+    # on a holder (w1 and w2 tie; w1 by id); placed on w0 and w2, on w2. "s" is in no host
+    # cache: prefetched where it is placed. "r", held by w1 and resident on w2, is placed on
+    # w0: a second copy is not made.
     ws = [
         WorkerView("w0", pool_bytes=100 * MB),
-        WorkerView("w1", pool_bytes=100 * MB, host_cached=frozenset({"h"})),
+        WorkerView("w1", pool_bytes=100 * MB, host_cached=frozenset({"h", "r"})),
+        WorkerView(
+            "w2", pool_bytes=100 * MB, host_cached=frozenset({"h"}), resident=frozenset({"r"})
+        ),
     ]
-    demand = {"h": AdapterDemand(8, MB, 3.0), "s": AdapterDemand(8, MB, 2.0)}
-    sel = PrefetchSelector(high=1.0, low=0.5)
-    assert sel.select(demand, {"h": ["w0"], "s": ["w0"]}, ws) == {
-        "w0": [("s", 2.0)],
-        "w1": [],
+    demand = {
+        "h": AdapterDemand(8, MB, 3.0),
+        "s": AdapterDemand(8, MB, 2.0),
+        "r": AdapterDemand(8, MB, 1.0),
     }
-    assert sel.select(demand, {"h": ["w0", "w1"], "s": ["w1"]}, ws) == {
+    sel = PrefetchSelector(high=0.5, low=0.25)
+    assert sel.select(demand, {"h": ["w0"], "s": ["w0"], "r": ["w0"]}, ws) == {
+        "w0": [("s", 2.0)],
+        "w1": [("h", 3.0)],
+        "w2": [],
+    }
+    assert sel.select(demand, {"h": ["w0", "w2"], "s": ["w1"], "r": ["w0"]}, ws) == {
         "w0": [],
-        "w1": [("h", 3.0), ("s", 2.0)],
+        "w1": [("s", 2.0)],
+        "w2": [("h", 3.0)],
     }
 
 
