@@ -452,9 +452,10 @@ class AdapterStore(StoreLoading):
         them: :func:`~services.worker.store_types.staging_key`). Reads run one at a
         time on a staging thread of their own (never on a loader thread), and only while no
         demand load is queued (a queued prefetch does not hold them back). Only free
-        host-cache space is used: staging never evicts a cached adapter. Skipped: adapters already cached (this
-        version), resident or loading on the device, being staged now, superseded versions,
-        and those that do not fit the free space left by the ones before them. A read that
+        host-cache space is used: staging never evicts a cached adapter. Skipped: adapters
+        already cached (this version), resident or loading on the device, being staged now,
+        superseded versions, and those that do not fit the free space left by the ones before
+        them. A read that
         fails (a missing, changed or broken source) is logged and not tried again for that
         version for :data:`SOURCE_RETRY_S` seconds; the demand load reports the error.
 
