@@ -85,7 +85,12 @@ from services.worker.eviction import (
 from services.worker.pool import Allocator
 from services.worker.room import PressureSampler, RoomAction, RoomDecision, RoomSearch
 from services.worker.store import HostCache, PackedAdapter, StoreConfig
-from services.worker.store_types import DEMAND_PRIORITY, PREFETCH_PRIORITY, staging_key
+from services.worker.store_types import (
+    DEMAND_PRIORITY,
+    PREFETCH_PRIORITY,
+    demand_queued,
+    staging_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -726,7 +731,7 @@ class SimWorker:
     def _start_staging(self, t: float) -> None:
         """The next staging read that is still needed and fits the free host space, unless
         one is running or a demand load is queued (``AdapterStore._stager``)."""
-        if self.staging_active or (self.job_heap and self.job_heap[0][0] == DEMAND_PRIORITY):
+        if self.staging_active or demand_queued(self.job_heap):
             return
         sim = self.sim
         names = sim.adapters.names

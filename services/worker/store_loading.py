@@ -30,7 +30,6 @@ from services.worker.pool import Allocation
 from services.worker.room import RoomAction, RoomSearch
 from services.worker.store_types import (
     _NO_WAITER,
-    DEMAND_PRIORITY,
     SOURCE_RETRY_S,
     StoreEvent,
     _Detached,
@@ -38,6 +37,7 @@ from services.worker.store_types import (
     _NoRoom,
     _PrefetchIgnored,
     _State,
+    demand_queued,
 )
 
 if TYPE_CHECKING:
@@ -51,10 +51,8 @@ class StoreLoading:
     (see :mod:`services.worker.store` for the rules they keep)."""
 
     def _demand_queued(self: AdapterStore) -> bool:
-        """Whether a demand load waits for a loader thread (lock held): the heap's head is at
-        :data:`DEMAND_PRIORITY` (a stale head, already started or detached, is popped by the
-        next free loader thread)."""
-        return bool(self._jobs) and self._jobs[0][0] == DEMAND_PRIORITY
+        """Whether a demand load waits for a loader thread (lock held; :func:`demand_queued`)."""
+        return demand_queued(self._jobs)
 
     def _stage_needed(self: AdapterStore, ref: AdapterRef, room: int) -> bool:
         """Whether a staging read of ``ref`` is wanted and fits ``room`` host bytes: not

@@ -10,7 +10,7 @@ import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -80,6 +80,14 @@ SOURCE_RETRY_S = 300.0
 #: workers use the same two.
 DEMAND_PRIORITY = 0
 PREFETCH_PRIORITY = 1
+
+
+def demand_queued(jobs: list[tuple[Any, ...]]) -> bool:
+    """Whether a demand load waits in the loader heap ``jobs`` (entries ``(priority, ...)``):
+    its head is at :data:`DEMAND_PRIORITY`. A stale head (a load already started or
+    detached) counts until the next free loader thread pops it."""
+    return bool(jobs) and jobs[0][0] == DEMAND_PRIORITY
+
 
 #: Loader signature: read one adapter version from the source tier (raises domain errors).
 Loader = Callable[[AdapterRef], LoRAWeights]
