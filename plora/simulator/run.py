@@ -18,7 +18,8 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from plora.simulator.report import (
     write_plots,
 )
 from plora.traces import TRACE_FORMATS, Trace, load_trace
+from services.common.config import parse_bytes
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
 
 logger = logging.getLogger(__name__)
@@ -76,10 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="hardware preset")
     parser.add_argument(
         "--policies",
-        default="plora,plora-no-predictor,oracle,baseline",
+        default=None,
         help=f"comma-separated policies from {','.join([*POLICIES, *SIM_POLICIES])} "
-        "(default plora,plora-no-predictor,oracle,baseline: the predictor's ablation and its "
-        "bound beside the baseline)",
+        f"(default {DEFAULT_POLICIES}: the predictor's ablation and its bound beside the "
+        "baseline)",
     )
     parser.add_argument("--out", required=True, help="output directory (report.json, plots)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="t' = t / X (default 1)")
@@ -127,7 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cpu preset, fitted per policy to the machine as it was during the replay (from the "
         "replay's solo requests, DIR/<policy>/requests.jsonl beside the report), and both are "
         "written side by side under 'validation' and printed. Alone (no --trace) that is all "
-        "it runs; with --trace the --trace simulation runs too",
+        "it runs, unless --policies is given: then those policies are simulated on the "
+        "replay's slice, adapters, pool, host cache and workers with --preset (e.g. the oracle "
+        "beside the replay's policies); with --trace the --trace simulation runs too",
     )
     parser.add_argument(
         "--view-refresh",
@@ -171,6 +175,11 @@ def _config(args: argparse.Namespace, workers: int, seed: int) -> SimConfig:
         source_latencies_s=lat,
         gateways=args.gateways,
     )
+
+
+#: ``--policies`` when not given (with ``--trace``): the predictor's ablation and its bound
+#: beside the baseline.
+DEFAULT_POLICIES = "plora,plora-no-predictor,oracle,baseline"
 
 
 #: ``--forecast-process auto`` uses a child process from this many predictor ticks on (below
@@ -290,6 +299,25 @@ def run_simulations(
 REPLAY_PROMPT_OVERHEAD_TOKENS = 0
 
 
+def replay_host_cache_bytes(worker_args: Sequence[str]) -> int | None:
+    """The host cache a replay's workers ran with: the last ``--host-cache-bytes`` among the
+    report's ``worker_args`` (``--host-cache-bytes=N`` or ``--host-cache-bytes``, ``N``; what
+    ``plora bench replay --host-cache-fraction`` adds), else None (the worker's default).
+
+    Raises:
+        ConfigError: The value is not a byte size.
+    """
+    flag = "--host-cache-bytes"
+    found: str | None = None
+    args = list(worker_args)
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            found = a[len(flag) + 1 :]
+        elif a == flag and i + 1 < len(args):
+            found = args[i + 1]
+    return None if found is None else parse_bytes(found)
+
+
 def replay_matched_inputs(
     replay_report: dict[str, Any],
     preset_name: str = "cpu",
@@ -300,8 +328,9 @@ def replay_matched_inputs(
     """The trace slice, adapters and cluster size a ``plora bench replay`` report ran with.
 
     Uses the replay's settings: trace, format, start, duration, time scale, drop-top, seed,
-    adapter count and ranks, pool bytes per worker, workers, ``max_new_tokens`` (every request's
-    output length) and ``prompt_token_cap`` (prompts capped, plus
+    adapter count and ranks, pool bytes per worker, host cache per worker
+    (:func:`replay_host_cache_bytes`; at least the pool), workers, ``max_new_tokens`` (every
+    request's output length) and ``prompt_token_cap`` (prompts capped, plus
     :data:`REPLAY_PROMPT_OVERHEAD_TOKENS` of chat template). ``preset`` (e.g. one fitted to
     the replay by :func:`plora.simulator.calibrate.fit_replay`) replaces the named one.
     ``source_latencies`` (a latency CSV) replaces an ``alibaba`` source's fitted distribution
@@ -309,6 +338,7 @@ def replay_matched_inputs(
 
     Raises:
         KeyError: A setting the match needs is missing from the report.
+        ConfigError: A ``--host-cache-bytes`` among its worker arguments is not a byte size.
     """
     s = replay_report["settings"]
     path = trace_path or s["trace"]
@@ -334,10 +364,11 @@ def replay_matched_inputs(
     base = preset if preset is not None else get_preset(preset_name)
     ranks = tuple(int(r) for r in s.get("adapter_ranks") or s.get("ranks") or base.ranks)
     pool = int(s["pool_bytes"])
+    host = replay_host_cache_bytes(s.get("worker_args") or [])
     preset = base.with_overrides(
         ranks=ranks,  # per adapter (cycled by index, so a K-long list is exact)
         pool_bytes=pool,
-        host_cache_bytes=max(base.host_cache_bytes, pool),
+        host_cache_bytes=max(base.host_cache_bytes if host is None else host, pool),
     )
     adapters = build_adapter_set(trace, preset, int(s["adapters"]), int(s["seed"]))
     config = SimConfig(
@@ -417,6 +448,28 @@ def validate_against_replay(
     return out
 
 
+def _replay_slice(args: argparse.Namespace, seed: int) -> tuple[Trace, AdapterSet, SimConfig]:
+    """``--replay-report`` with ``--policies`` and no ``--trace``: the replay's slice, adapters
+    and cluster (:func:`replay_matched_inputs`) with ``--preset`` and the forecaster flags.
+    The replay's settings replace ``args``' slice, adapter and worker figures, so the report's
+    settings say what was simulated."""
+    replay = load_replay_report(args.replay_report)
+    trace, adapters, config = replay_matched_inputs(
+        replay, args.preset, source_latencies=args.source_latencies
+    )
+    s = replay["settings"]
+    args.trace, args.format = s["trace"], s["format"]
+    args.time_scale, args.start = float(s["time_scale"]), float(s.get("start", 0.0))
+    args.duration, args.drop_top = s.get("duration"), int(s.get("drop_top", 0))
+    args.adapters, args.workers = int(s["adapters"]), int(s["workers"])
+    own = _config(args, config.workers, seed)
+    return (
+        trace,
+        adapters,
+        replace(own, preset=config.preset, source_latencies_s=config.source_latencies_s),
+    )
+
+
 def _validation(replay_report: str | Path) -> dict[str, Any]:
     """:func:`validate_against_replay` of a replay report file, with the per-policy fits."""
     replay = load_replay_report(replay_report)
@@ -438,24 +491,25 @@ def _print_validation(validation: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``plora simulate``."""
-    if args.trace is None or args.format is None:
-        if args.replay_report and args.trace is None and args.format is None:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            validation = _validation(args.replay_report)
-            (out / "report.json").write_text(
-                json.dumps({"validation": validation}, indent=2, default=_json_default) + "\n"
-            )
-            _print_validation(validation)
-            print(f"wrote {out / 'report.json'}")
-            return 0
+    replay_slice = bool(args.replay_report) and args.trace is None and args.format is None
+    if replay_slice and args.policies is None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        validation = _validation(args.replay_report)
+        (out / "report.json").write_text(
+            json.dumps({"validation": validation}, indent=2, default=_json_default) + "\n"
+        )
+        _print_validation(validation)
+        print(f"wrote {out / 'report.json'}")
+        return 0
+    if not replay_slice and (args.trace is None or args.format is None):
         print(
             "plora simulate: give --trace and --format (or --replay-report alone, to simulate "
             "a replay's own slice)",
             file=sys.stderr,
         )
         return 2
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = [p.strip() for p in (args.policies or DEFAULT_POLICIES).split(",") if p.strip()]
     for p in policies:
         get_policy(p, simulated=True)  # fail fast on a typo
     if args.seeds < 1:
@@ -464,19 +518,22 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trace = load_trace(
-        args.trace,
-        args.format,
-        time_scale=args.time_scale,
-        seed=args.seed,
-        drop_top=args.drop_top,
-        start=args.start,
-        duration=args.duration,
-    )
-    load_s = time.perf_counter() - t0
     seeds = list(range(args.seed, args.seed + args.seeds))
-    config = _config(args, args.workers, seeds[0])
-    adapters = build_adapter_set(trace, config.preset, args.adapters, args.seed)
+    if replay_slice:
+        trace, adapters, config = _replay_slice(args, seeds[0])
+    else:
+        trace = load_trace(
+            args.trace,
+            args.format,
+            time_scale=args.time_scale,
+            seed=args.seed,
+            drop_top=args.drop_top,
+            start=args.start,
+            duration=args.duration,
+        )
+        config = _config(args, args.workers, seeds[0])
+        adapters = build_adapter_set(trace, config.preset, args.adapters, args.seed)
+    load_s = time.perf_counter() - t0
     search_trace = search_adapters = None
     if args.search_duration is not None:
         search_trace = trace.sliced(0.0, args.search_duration)

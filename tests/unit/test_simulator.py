@@ -38,8 +38,14 @@ from plora.simulator.report import (
     slo_vs_load,
     summarize,
 )
-from plora.simulator.run import add_arguments, run
+from plora.simulator.run import (
+    add_arguments,
+    replay_host_cache_bytes,
+    replay_matched_inputs,
+    run,
+)
 from plora.traces import Trace
+from services.common.errors import ConfigError
 from services.worker.store_types import staging_key
 
 MB = 1 << 20
@@ -556,6 +562,56 @@ def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: P
     assert "means over seeds 1..2" in (tmp_path / "both" / "report.md").read_text()
     assert run(parser.parse_args(["--trace", str(trace), "--format", "azure2021", "--seeds", "0",
                                   "--out", str(tmp_path / "none")])) == 2  # fmt: skip
+
+
+def test_replay_matching_keeps_the_host_cache_the_replay_ran_with(tmp_path: Path) -> None:
+    """A replay run with ``--host-cache-fraction`` (its workers got ``--host-cache-bytes``) is
+    simulated with that host cache, not the worker's default: with a quarter of the adapters'
+    bytes the cold loads read the source, which the default (much larger) cache would hide.
+    ``--replay-report`` with ``--policies`` simulates those policies on that slice."""
+    assert replay_host_cache_bytes([]) is None
+    assert replay_host_cache_bytes(["--eviction=lru"]) is None
+    assert replay_host_cache_bytes(["--host-cache-bytes=300MiB"]) == 300 << 20
+    assert replay_host_cache_bytes(["--host-cache-bytes", "1048576", "--x"]) == 1 << 20
+    assert replay_host_cache_bytes(["--host-cache-bytes=1", "--host-cache-bytes=2"]) == 2
+    with pytest.raises(ConfigError):
+        replay_host_cache_bytes(["--host-cache-bytes=lots"])
+
+    rows = ["app,func,end_timestamp,duration"]
+    rows += [f"app0,func{i % 4},{i + 0.5:.3f},0.5" for i in range(20)]
+    trace = tmp_path / "azure2021.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    pool = 64 << 20
+    settings = {
+        "trace": str(trace), "format": "azure2021", "start": 0.0, "duration": None,
+        "time_scale": 1.0, "drop_top": 0, "adapters": 4, "ranks": [8], "adapter_ranks": [8] * 4,
+        "pool_bytes": pool, "workers": 2, "max_new_tokens": 8, "prompt_token_cap": 64,
+        "seed": 0, "worker_args": [],
+    }  # fmt: skip
+    default = replay_matched_inputs({"settings": settings})[2].preset
+    assert default.host_cache_bytes == get_preset("cpu").host_cache_bytes > 2 * pool
+    settings["worker_args"] = [f"--host-cache-bytes={2 * pool}"]
+    assert replay_matched_inputs({"settings": settings})[2].preset.host_cache_bytes == 2 * pool
+    settings["worker_args"] = [f"--host-cache-bytes={pool // 2}"]  # never below the pool
+    assert replay_matched_inputs({"settings": settings})[2].preset.host_cache_bytes == pool
+
+    # `plora simulate --replay-report R --policies ...`: those policies on the replay's slice
+    settings["worker_args"] = [f"--host-cache-bytes={pool}"]
+    report = tmp_path / "replay" / "report.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"settings": settings, "policies": []}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--replay-report", str(report), "--policies", "plora-no-predictor,oracle",
+            "--search-max-workers", "0", "--out", str(tmp_path / "sim")]  # fmt: skip
+    assert run(parser.parse_args(argv)) == 0
+    sim = json.loads((tmp_path / "sim" / "report.json").read_text())
+    assert sim["policies"] == ["plora-no-predictor", "oracle"]
+    assert sim["trace"]["requests"] == 20 and sim["settings"]["workers"] == 2
+    assert sim["settings"]["adapters"] == 4 and sim["trace"]["format"] == "azure2021"
+    figures = sim["settings"]["preset_figures"]
+    assert figures["pool_bytes"] == figures["host_cache_bytes"] == pool
+    assert all(sim[p]["completed"] == 20 for p in sim["policies"])
 
 
 def test_simulate_cli_end_to_end(tmp_path: Path) -> None:
