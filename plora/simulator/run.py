@@ -58,6 +58,7 @@ from plora.simulator.report import (
 )
 from plora.traces import TRACE_FORMATS, Trace, load_trace
 from services.common.config import parse_bytes
+from services.common.errors import ConfigError
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
 
 logger = logging.getLogger(__name__)
@@ -470,6 +471,43 @@ def _replay_slice(args: argparse.Namespace, seed: int) -> tuple[Trace, AdapterSe
     )
 
 
+#: Settings of a replay report that :func:`replay_matched_inputs` reads.
+REPLAY_SETTINGS = (
+    "trace", "format", "time_scale", "seed", "adapters", "pool_bytes", "workers",
+    "max_new_tokens", "prompt_token_cap",
+)  # fmt: skip
+
+
+def replay_report_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot serve as ``--replay-report`` (a sentence), or None when it can: it
+    must be a ``plora bench replay`` report.json whose settings hold :data:`REPLAY_SETTINGS`,
+    whose trace file exists, and whose ``--host-cache-bytes`` worker argument, if any, is a
+    byte size."""
+    try:
+        replay = load_replay_report(path)
+    except FileNotFoundError:
+        return "no such file"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    except json.JSONDecodeError as exc:
+        return f"not JSON ({exc.msg} at line {exc.lineno}): not a plora bench replay report.json"
+    except ValueError:  # JSON without a 'policies' list
+        return "no 'policies' list: not a plora bench replay report.json"
+    s = replay.get("settings")
+    if not isinstance(s, dict):
+        return "its 'settings' are missing: not a plora bench replay report.json"
+    missing = [k for k in REPLAY_SETTINGS if k not in s]
+    if missing:
+        return f"its settings lack {', '.join(missing)}: not a plora bench replay report.json"
+    if not Path(str(s["trace"])).is_file():
+        return f"the trace it replayed, {s['trace']}, is not a file here"
+    try:
+        replay_host_cache_bytes(s.get("worker_args") or [])
+    except ConfigError as exc:
+        return f"its worker argument --host-cache-bytes: {exc}"
+    return None
+
+
 def _validation(replay_report: str | Path) -> dict[str, Any]:
     """:func:`validate_against_replay` of a replay report file, with the per-policy fits."""
     replay = load_replay_report(replay_report)
@@ -492,6 +530,20 @@ def _print_validation(validation: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``plora simulate``."""
     replay_slice = bool(args.replay_report) and args.trace is None and args.format is None
+    if not replay_slice and (args.trace is None or args.format is None):
+        print(
+            "plora simulate: give --trace and --format (or --replay-report alone, to simulate "
+            "a replay's own slice)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.replay_report:
+        problem = replay_report_problem(args.replay_report)
+        if problem is not None:
+            print(
+                f"plora simulate: --replay-report {args.replay_report}: {problem}", file=sys.stderr
+            )
+            return 2
     if replay_slice and args.policies is None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -502,13 +554,6 @@ def run(args: argparse.Namespace) -> int:
         _print_validation(validation)
         print(f"wrote {out / 'report.json'}")
         return 0
-    if not replay_slice and (args.trace is None or args.format is None):
-        print(
-            "plora simulate: give --trace and --format (or --replay-report alone, to simulate "
-            "a replay's own slice)",
-            file=sys.stderr,
-        )
-        return 2
     policies = [p.strip() for p in (args.policies or DEFAULT_POLICIES).split(",") if p.strip()]
     for p in policies:
         get_policy(p, simulated=True)  # fail fast on a typo

@@ -517,6 +517,55 @@ def test_simulate_without_a_trace_or_a_replay_report_is_a_usage_error(
         assert "give --trace and --format (or --replay-report alone" in capsys.readouterr().err
 
 
+def test_a_replay_report_that_cannot_serve_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--replay-report`` names a file that is missing, not JSON, not a replay report, lacks
+    the settings the match reads, replayed a trace that is not here, or gave its workers a host
+    cache that is not a byte size: exit 2 with one line that says which, nothing written."""
+    trace = tmp_path / "azure2021.csv"
+    trace.write_text("app,func,end_timestamp,duration\napp0,func0,1.5,0.5\n")
+    settings = {
+        "trace": str(trace), "format": "azure2021", "time_scale": 1.0, "seed": 0,
+        "adapters": 1, "pool_bytes": 1 << 20, "workers": 1, "max_new_tokens": 8,
+        "prompt_token_cap": 64,
+    }  # fmt: skip
+
+    def report(name: str, body: object) -> str:
+        path = tmp_path / name
+        path.write_text(body if isinstance(body, str) else json.dumps(body))
+        return str(path)
+
+    cases = {
+        str(tmp_path / "missing.json"): "no such file",
+        str(tmp_path): "cannot be read (Is a directory)",
+        report("log.txt", "not json"): "not JSON (Expecting value at line 1)",
+        report("other.json", {"settings": settings}): "no 'policies' list: not a plora bench",
+        report("bare.json", {"policies": []}): "'settings' are missing",
+        report("nokeys.json", {"policies": [], "settings": {"trace": str(trace)}}):
+            "its settings lack format, time_scale",
+        report("gone.json", {"policies": [], "settings": {**settings, "trace": "/no/such.csv"}}):
+            "the trace it replayed, /no/such.csv, is not a file here",
+        report("host.json", {"policies": [], "settings": {
+            **settings, "worker_args": ["--host-cache-bytes=lots"]}}):
+            "its worker argument --host-cache-bytes: 'lots' is not a byte size",
+    }  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for path, words in cases.items():
+        for extra in (
+            [],
+            ["--policies", "plora-no-predictor"],
+            ["--trace", str(trace), "--format", "azure2021"],
+        ):
+            out = tmp_path / "out"
+            argv = ["--replay-report", path, *extra, "--out", str(out)]
+            assert run(parser.parse_args(argv)) == 2, (path, extra)
+            err = capsys.readouterr().err
+            assert err.startswith(f"plora simulate: --replay-report {path}: ") and words in err
+            assert err.count("\n") == 1 and not out.exists()
+
+
 def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: Path) -> None:
     """``--seed 1 --seeds 2`` runs the simulation's draws of seeds 1 and 2 on the trace slice
     and adapter mapping of seed 1: the first run is the run ``--seed 1`` alone gives, and the
