@@ -148,6 +148,11 @@ class SimConfig:
 
     The predictor settings (tick, horizon, training budget, prefetch threshold and cap) default
     to the predictor service's own defaults (:class:`services.predictor.config.PredictorConfig`).
+
+    Raises:
+        ValueError: workers or gateways < 1, a tick or horizon <= 0, ``train_every`` < 1, a
+            negative ``view_refresh_s``, ``prefetch_min_probability`` outside [0, 1], or an
+            ``alibaba`` source without latencies.
     """
 
     preset: Preset
@@ -176,6 +181,10 @@ class SimConfig:
             raise ValueError("tick_s, horizon_s must be > 0 and train_every >= 1")
         if self.view_refresh_s < 0:
             raise ValueError(f"view_refresh_s must be >= 0, got {self.view_refresh_s}")
+        if not 0.0 <= self.prefetch_min_probability <= 1.0:
+            raise ValueError(
+                f"prefetch_min_probability must be in [0, 1], got {self.prefetch_min_probability}"
+            )
         if self.preset.source == "alibaba" and (
             self.source_latencies_s is None or len(self.source_latencies_s) == 0
         ):

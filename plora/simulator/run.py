@@ -59,6 +59,7 @@ from plora.simulator.report import (
 from plora.traces import TRACE_FORMATS, Trace, load_trace
 from services.common.config import parse_bytes
 from services.common.errors import ConfigError
+from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--train-every", type=int, default=1, help="train the forecaster every N ticks"
+    )
+    parser.add_argument(
+        "--prefetch-min-probability",
+        type=_probability,
+        default=PredictorConfig.prefetch_min_probability,
+        help="calibrated probability of a request within the horizon an adapter needs to be "
+        "prefetched, as the predictor's flag of the same name; 0 prefetches every adapter the "
+        f"forecast makes hot (default {PredictorConfig.prefetch_min_probability})",
     )
     parser.add_argument(
         "--search-max-workers",
@@ -163,6 +172,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _probability(text: str) -> float:
+    """``--prefetch-min-probability``: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a probability in [0, 1]")
+    return value
+
+
 def _config(args: argparse.Namespace, workers: int, seed: int) -> SimConfig:
     preset = get_preset(args.preset)
     lat = preset_source_latencies(preset, args.source_latencies)
@@ -172,6 +192,7 @@ def _config(args: argparse.Namespace, workers: int, seed: int) -> SimConfig:
         seed=seed,
         forecaster=args.forecaster,
         train_every=args.train_every,
+        prefetch_min_probability=args.prefetch_min_probability,
         view_refresh_s=args.view_refresh,
         source_latencies_s=lat,
         gateways=args.gateways,
@@ -637,6 +658,7 @@ def run(args: argparse.Namespace) -> int:
             "slo_ttft_s": args.slo_ttft,
             "forecaster": args.forecaster,
             "train_every": args.train_every,
+            "prefetch_min_probability": args.prefetch_min_probability,
             "view_refresh_s": args.view_refresh,
             "time_scale": args.time_scale,
             "start": args.start,

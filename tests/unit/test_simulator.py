@@ -566,6 +566,36 @@ def test_a_replay_report_that_cannot_serve_is_a_usage_error(
             assert err.count("\n") == 1 and not out.exists()
 
 
+def test_the_prefetch_gate_is_a_flag_of_the_simulator_as_of_the_predictor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--prefetch-min-probability`` sets the simulated predictor's calibrated-probability
+    gate (default the predictor's own), is recorded in the report's settings, and a value that
+    is not a probability is a usage error (exit 2 naming the flag)."""
+    rows = ["app,func,end_timestamp,duration"]
+    rows += [f"app0,func{i % 3},{2.0 * i + 0.5:.3f},0.5" for i in range(30)]
+    trace = tmp_path / "azure2021.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--trace", str(trace), "--format", "azure2021", "--preset", "h100-8b",
+            "--workers", "2", "--adapters", "3", "--policies", "plora", "--forecaster", "ewma",
+            "--search-max-workers", "0"]  # fmt: skip
+    assert parser.parse_args([*base, "--out", "o"]).prefetch_min_probability == 0.75
+    assert run(parser.parse_args([*base, "--prefetch-min-probability", "0", "--out",
+                                  str(tmp_path / "gate0")])) == 0  # fmt: skip
+    report = json.loads((tmp_path / "gate0" / "report.json").read_text())
+    assert report["settings"]["prefetch_min_probability"] == 0.0
+    assert report["plora"]["completed"] == 30
+    for bad, words in (("1.5", "1.5 is not a probability in [0, 1]"), ("x", "'x' is not a number")):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([*base, "--prefetch-min-probability", bad, "--out", "o"])
+        assert exit_.value.code == 2
+        assert f"--prefetch-min-probability: {words}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prefetch_min_probability must be in"):
+        SimConfig(preset=H100_8B_PRESET, prefetch_min_probability=-0.1)
+
+
 def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: Path) -> None:
     """``--seed 1 --seeds 2`` runs the simulation's draws of seeds 1 and 2 on the trace slice
     and adapter mapping of seed 1: the first run is the run ``--seed 1`` alone gives, and the
