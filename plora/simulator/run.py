@@ -61,6 +61,7 @@ from services.common.config import parse_bytes
 from services.common.errors import ConfigError
 from services.predictor.config import PredictorConfig
 from services.predictor.forecast import DEFAULT_FORECASTER, FORECASTER_NAMES
+from services.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -322,22 +323,26 @@ REPLAY_PROMPT_OVERHEAD_TOKENS = 0
 
 
 def replay_host_cache_bytes(worker_args: Sequence[str]) -> int | None:
-    """The host cache a replay's workers ran with: the last ``--host-cache-bytes`` among the
-    report's ``worker_args`` (``--host-cache-bytes=N`` or ``--host-cache-bytes``, ``N``; what
-    ``plora bench replay --host-cache-fraction`` adds), else None (the worker's default).
+    """The host cache a replay's workers ran with: ``--host-cache-bytes`` among the report's
+    ``worker_args`` (what ``plora bench replay --host-cache-fraction`` adds), read by the
+    worker's own flag parser (:meth:`services.worker.config.WorkerConfig.add_arguments`), so
+    every form the worker accepted is read alike; None where the workers had the default.
 
     Raises:
-        ConfigError: The value is not a byte size.
+        ConfigError: The worker arguments do not parse, or the value is not a byte size.
     """
-    flag = "--host-cache-bytes"
-    found: str | None = None
-    args = list(worker_args)
-    for i, a in enumerate(args):
-        if a.startswith(flag + "="):
-            found = a[len(flag) + 1 :]
-        elif a == flag and i + 1 < len(args):
-            found = args[i + 1]
-    return None if found is None else parse_bytes(found)
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    WorkerConfig.add_arguments(parser)
+    try:
+        value = parser.parse_known_args(list(worker_args))[0].host_cache_bytes
+    except argparse.ArgumentError as exc:  # a flag the worker would have refused
+        raise ConfigError(f"{exc.argument_name}: {exc.message}") from None
+    if value in (None, ""):
+        return None
+    try:
+        return parse_bytes(value)
+    except ConfigError as exc:
+        raise ConfigError(f"--host-cache-bytes: {exc}") from None
 
 
 def replay_matched_inputs(
@@ -502,8 +507,8 @@ REPLAY_SETTINGS = (
 def replay_report_problem(path: str | Path) -> str | None:
     """Why ``path`` cannot serve as ``--replay-report`` (a sentence), or None when it can: it
     must be a ``plora bench replay`` report.json whose settings hold :data:`REPLAY_SETTINGS`,
-    whose trace file exists, and whose ``--host-cache-bytes`` worker argument, if any, is a
-    byte size."""
+    whose trace file exists, and whose worker arguments parse as the worker's flags with a
+    ``--host-cache-bytes``, if any, that is a byte size."""
     try:
         replay = load_replay_report(path)
     except FileNotFoundError:
@@ -525,7 +530,7 @@ def replay_report_problem(path: str | Path) -> str | None:
     try:
         replay_host_cache_bytes(s.get("worker_args") or [])
     except ConfigError as exc:
-        return f"its worker argument --host-cache-bytes: {exc}"
+        return f"its worker argument {exc}"
     return None
 
 

@@ -521,8 +521,9 @@ def test_a_replay_report_that_cannot_serve_is_a_usage_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--replay-report`` names a file that is missing, not JSON, not a replay report, lacks
-    the settings the match reads, replayed a trace that is not here, or gave its workers a host
-    cache that is not a byte size: exit 2 with one line that says which, nothing written."""
+    the settings the match reads, replayed a trace that is not here, or gave its workers a flag
+    the worker refuses or a host cache that is not a byte size: exit 2 with one line that says
+    which, nothing written."""
     trace = tmp_path / "azure2021.csv"
     trace.write_text("app,func,end_timestamp,duration\napp0,func0,1.5,0.5\n")
     settings = {
@@ -549,6 +550,9 @@ def test_a_replay_report_that_cannot_serve_is_a_usage_error(
         report("host.json", {"policies": [], "settings": {
             **settings, "worker_args": ["--host-cache-bytes=lots"]}}):
             "its worker argument --host-cache-bytes: 'lots' is not a byte size",
+        report("flag.json", {"policies": [], "settings": {
+            **settings, "worker_args": ["--eviction=bogus"]}}):
+            "its worker argument --eviction: invalid choice: 'bogus'",
     }  # fmt: skip
     parser = argparse.ArgumentParser()
     add_arguments(parser)
