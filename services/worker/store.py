@@ -449,13 +449,12 @@ class AdapterStore(StoreLoading):
         the source tier into the host cache ahead of demand.
 
         Each call replaces the queue (callers pass every candidate, in the order to read
-        them: :func:`~services.worker.store_types.staging_key`). Reads run one at a
-        time on a staging thread of their own (never on a loader thread), and only while no
-        demand load is queued (a queued prefetch does not hold them back). Only free
-        host-cache space is used: staging never evicts a cached adapter. Skipped: adapters
-        already cached (this version), resident or loading on the device, being staged now,
-        superseded versions, and those that do not fit the free space left by the ones before
-        them. A read that
+        them: :func:`~services.worker.store_types.staging_key`). Reads run one at a time on a
+        staging thread of their own (never on a loader thread), and only while no demand load
+        is queued (a queued prefetch does not hold them back). Only free host-cache space is
+        used: staging never evicts a cached adapter. Skipped: adapters already cached (this
+        version), resident or loading on the device, being staged now, superseded versions,
+        and those that do not fit the free space left by the ones before them. A read that
         fails (a missing, changed or broken source) is logged and not tried again for that
         version for :data:`SOURCE_RETRY_S` seconds; the demand load reports the error.
 
