@@ -23,6 +23,10 @@ Needs torch with CUDA, triton, transformers, peft, safetensors and tokenizers (`
    ``mixed_over_peft`` at each size; with Triton, the same with CUDA graphs
    (``--cuda-graphs on``: ``base_graphs``, ``mixed_triton_graphs``), whose greedy tokens on a
    mixed batch of 8 must equal the plain pass's (``graphs_tokens_agree``).
+5. ``loads`` (run before parts 3 and 4): the adapter store's load path, what a cold start
+   pays: per rank, one adapter of ``--shape`` on all seven projections loaded from the
+   loader (``source``) and from the host cache (``host``), beside the pinned host-to-device
+   copy rate and the ``h100-8b`` simulator preset's host-load rate.
 
 ``--device cpu`` is a dry run of the same code on the ``tiny`` shape with small sizes (the
 Triton kernels run through Triton's interpreter): it checks the command, not the figures.
@@ -491,6 +495,102 @@ def _peft_tok_s(pm: Any, prompts: list[list[int]], names: list[str], n: int) -> 
     return len(prompts) * n / (time.perf_counter() - t0)
 
 
+def _pinned_copy_bytes_s(device: str) -> float:
+    """Host-to-device copy rate, bytes/s: best of 5 copies of 256 MiB from pinned host memory
+    (pageable memory on the CPU dry run)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    n = 1 << 28
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def measure_loads(s: dict[str, Any]) -> dict[str, Any]:
+    """Part 5: the store's load path on the device, the cost a cold start pays.
+
+    Per rank of ``s["ranks"]``, one adapter of ``s["shape"]`` on all seven projections
+    (``s["dtype"]`` in the pool) goes through a real :class:`AdapterStore` whose pool holds
+    one such adapter: two adapters are acquired in turn, so each acquire after the first two
+    evicts the other and loads from the host cache. The store's own ``load`` events give the
+    seconds per tier: ``source`` (the loader's tensors packed into pinned host memory, then
+    copied) and ``host`` (room found and the host copy moved to the device). Host loads are
+    set beside the pinned copy rate measured here and the ``h100-8b`` simulator preset's
+    ``h2d_bytes_per_s`` (the rate its host-tier cold starts are charged at).
+
+    Returns:
+        ``{"pinned_copy_bytes_s", "preset_h2d_bytes_s", "ranks": {rank: {"bytes",
+        "source_s", "host_s", "host_bytes_s"}}}``; seconds are medians over the loads.
+    """
+    import statistics
+
+    import torch
+
+    from plora.simulator.presets import H100_8B_PRESET
+    from services.common.types import LoRAWeights
+    from services.worker.adapter_api import AdapterRef
+    from services.worker.store import AdapterStore
+    from services.worker.store_types import StoreConfig, StoreEvent
+
+    shape = SHAPES[s["shape"]]
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    dims = {m: (h, h) for m in PROJECTIONS} | {
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    elem = torch.empty((), dtype=getattr(torch, s["dtype"])).element_size()
+    g = torch.Generator().manual_seed(4)
+    out: dict[str, Any] = {
+        "pinned_copy_bytes_s": _pinned_copy_bytes_s(s["device"]),
+        "preset_h2d_bytes_s": H100_8B_PRESET.h2d_bytes_per_s,
+        "ranks": {},
+    }
+    for rank in sorted(set(s["ranks"])):
+        w = _random_lora("a", rank, list(PROJECTIONS), dims, shape["num_hidden_layers"], g)
+        weights = {n: LoRAWeights(n, 1, w.modules) for n in ("a", "b")}
+        nbytes = _adapter_bytes(w, elem)
+        events: list[StoreEvent] = []
+        cfg = StoreConfig(
+            pool_bytes=int(nbytes * 1.5),
+            host_cache_bytes=4 * nbytes,
+            device=s["device"],
+            dtype=s["dtype"],
+            load_wait_timeout_s=600.0,
+        )
+        loader = lambda ref, w=weights: w[ref.adapter_id]  # noqa: E731
+        with AdapterStore(cfg, loader, on_event=events.append) as st:
+            for i in range(8):
+                lease = st.acquire(AdapterRef("ab"[i % 2], 1, ""))
+                if not lease.wait(600):
+                    raise RuntimeError(f"rank {rank}: adapter did not load: {lease.error()}")
+                lease.release()
+        by_tier: dict[str, list[float]] = {}
+        for e in events:
+            if e.kind == "load":
+                by_tier.setdefault(e.tier, []).append(e.seconds)
+        host_s = statistics.median(by_tier["host"])
+        out["ranks"][str(rank)] = {
+            "bytes": nbytes,
+            "source_s": statistics.median(by_tier["source"]),
+            "host_s": host_s,
+            "host_bytes_s": nbytes / host_s,
+            "loads": {k: len(v) for k, v in by_tier.items()},
+        }
+    return out
+
+
 def measure(s: dict[str, Any], kernels: list[str]) -> dict[str, Any]:
     """Parts 3 and 4 on a random model of ``s["shape"]``."""
     import torch
@@ -606,8 +706,13 @@ def measure(s: dict[str, Any], kernels: list[str]) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Run the checks and measurements, print a table, write JSON to ``--out``.
 
+    The JSON is rewritten after each part, so a run that is stopped keeps what it measured;
+    a part that raises is recorded under ``errors`` (its traceback logged) and the others
+    still run.
+
     Returns:
-        0 when every check passed, 1 otherwise (the figures are written either way).
+        0 when every part ran and every check passed, 1 otherwise (the figures are written
+        either way).
     """
     s = _settings(args)
     if s["dry_run"]:
@@ -630,15 +735,30 @@ def run(args: argparse.Namespace) -> int:
             "kernels": kernels,
         },
     }
-    t0 = time.perf_counter()
+    dtypes = ("float32", "bfloat16")
+    parts: list[tuple[str, Any]] = []
     if "triton" in kernels:
-        result["kernels"] = {d: check_kernels(s["device"], d) for d in ("float32", "bfloat16")}
-        result["attention"] = {d: check_attention(s["device"], d) for d in ("float32", "bfloat16")}
-    result["exactness"] = check_exactness(s["device"], kernels[-1])
-    result.update(measure(s, kernels))
-    result["wall_s"] = time.perf_counter() - t0
+        parts.append(("kernels", lambda: {d: check_kernels(s["device"], d) for d in dtypes}))
+        parts.append(("attention", lambda: {d: check_attention(s["device"], d) for d in dtypes}))
+    parts.append(("exactness", lambda: check_exactness(s["device"], kernels[-1])))
+    parts.append(("loads", lambda: measure_loads(s)))
+    parts.append(("", lambda: measure(s, kernels)))  # "": its keys go to the top level
+    t0 = time.perf_counter()
+    for name, part in parts:
+        try:
+            value = part()
+        except Exception as e:  # a check command reports every part it can
+            logger.exception("plora bench gpu: part %r failed", name or "measure")
+            result.setdefault("errors", {})[name or "measure"] = f"{type(e).__name__}: {e}"
+        else:
+            if name:
+                result[name] = value
+            else:
+                result.update(value)
+        result["wall_s"] = time.perf_counter() - t0
+        Path(args.out).write_text(json.dumps(result, indent=2), "utf-8")
     checks = [*result.get("kernels", {}).values(), *result.get("attention", {}).values()]
-    ok = result["exactness"]["ok"] and all(v["ok"] for v in checks)
+    ok = "errors" not in result and result["exactness"]["ok"] and all(v["ok"] for v in checks)
     ok = ok and result.get("graphs_tokens_agree", True)
     result["ok"] = ok
     Path(args.out).write_text(json.dumps(result, indent=2), "utf-8")
@@ -648,37 +768,56 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(r: dict[str, Any]) -> str:
+    """The run's figures as text; parts that did not run are left out, errors listed last."""
     lines = [f"plora bench gpu  {r['environment']}  shape {r['settings']['shape']}"]
     for d, k in r.get("kernels", {}).items():
         lines.append(f"kernels {d}: max rel diff {k['max_rel_diff']:.2e} ok={k['ok']}")
     for d, k in r.get("attention", {}).items():
         lines.append(f"attention {d}: max rel diff {k['max_rel_diff']:.2e} ok={k['ok']}")
-    e = r["exactness"]
-    for d in ("float32", "bfloat16"):
-        x = e[d]
+    if "exactness" in r:
+        e = r["exactness"]
+        for d in ("float32", "bfloat16"):
+            x = e[d]
+            lines.append(
+                f"exactness {d} ({e['kernel']}): max rel logit diff "
+                f"{x['max_rel_logit_diff']:.2e} (tol {x['tolerance']}) argmax agreement "
+                f"{x['argmax_agreement']:.2f} ok={x['ok']}"
+            )
+    if "bandwidth_bytes_s" in r:
         lines.append(
-            f"exactness {d} ({e['kernel']}): max rel logit diff {x['max_rel_logit_diff']:.2e} "
-            f"(tol {x['tolerance']}) argmax agreement {x['argmax_agreement']:.2f} ok={x['ok']}"
+            f"base weights {r['base_weight_bytes'] / 1e9:.2f} GB, bandwidth "
+            f"{r['bandwidth_bytes_s'] / 1e9:.0f} GB/s, one read {r['base_read_s'] * 1e3:.2f} ms"
         )
-    lines.append(
-        f"base weights {r['base_weight_bytes'] / 1e9:.2f} GB, bandwidth "
-        f"{r['bandwidth_bytes_s'] / 1e9:.0f} GB/s, one read {r['base_read_s'] * 1e3:.2f} ms"
-    )
-    for k, v in r["decode_step_s"].items():
+    for k, v in r.get("decode_step_s", {}).items():
         lines.append(
             f"decode step b{r['settings']['decode_batch']} {k:>13}: {v * 1e3:8.2f} ms "
             f"({r['decode_over_base_read'][k]:.2f}x one read)"
         )
-    sizes = [str(b) for b in r["settings"]["batch_sizes"]]
-    lines.append(f"{'tok/s':>14} " + " ".join(f"{'b' + b:>10}" for b in sizes))
-    for k, v in r["tok_s"].items():
-        lines.append(f"{k:>14} " + " ".join(f"{v[b]:10.1f}" for b in sizes))
-    for k, v in r["ratios"].items():
+    if "tok_s" in r:
+        sizes = [str(b) for b in r["settings"]["batch_sizes"]]
+        lines.append(f"{'tok/s':>14} " + " ".join(f"{'b' + b:>10}" for b in sizes))
+        for k, v in r["tok_s"].items():
+            lines.append(f"{k:>14} " + " ".join(f"{v[b]:10.1f}" for b in sizes))
+    for k, v in r.get("ratios", {}).items():
         lines.append(f"{k}: " + "  ".join(f"{n} {x:.2f}" for n, x in v.items()))
     if "graphs_tokens_agree" in r:
         lines.append(
             f"cuda graphs: {r.get('graphs_captured', 0)} captured, {r.get('graph_steps', 0)} "
             f"steps; greedy tokens equal to the plain pass: {r['graphs_tokens_agree']}"
         )
+    if "loads" in r:
+        ld = r["loads"]
+        lines.append(
+            f"loads: pinned host-to-device copy {ld['pinned_copy_bytes_s'] / 1e9:.1f} GB/s; the "
+            f"h100-8b preset charges host loads at {ld['preset_h2d_bytes_s'] / 1e9:.0f} GB/s"
+        )
+        for rank, x in ld["ranks"].items():
+            lines.append(
+                f"  rank {rank:>4}: {x['bytes'] / 1e6:8.1f} MB  from source "
+                f"{x['source_s'] * 1e3:8.2f} ms  from host {x['host_s'] * 1e3:8.2f} ms "
+                f"({x['host_bytes_s'] / 1e9:.1f} GB/s)"
+            )
+    for part, why in r.get("errors", {}).items():
+        lines.append(f"FAILED {part}: {why}")
     lines.append(f"ok={r['ok']}  wall {r['wall_s']:.0f} s")
     return "\n".join(lines)

@@ -54,7 +54,18 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     assert set(r["decode_step_s"]) == {"base"} | {f"mixed_{k}" for k in r["environment"]["kernels"]}
     assert r["base_read_s"] > 0 and r["bandwidth_bytes_s"] > 0
     assert "mixed_over_peft_b2" in r["ratios"]["torch"]
+    # the load path: per rank, the first acquire of each adapter reads the source and every
+    # later one evicts the other adapter and loads from the host cache
+    loads = r["loads"]
+    assert sorted(loads["ranks"], key=int) == ["8", "16", "32", "64", "128"]
+    for x in loads["ranks"].values():
+        assert x["loads"] == {"source": 2, "host": 6}
+        assert x["host_s"] > 0 and x["source_s"] > 0
+    assert loads["ranks"]["128"]["bytes"] == 16 * loads["ranks"]["8"]["bytes"]
+    assert loads["pinned_copy_bytes_s"] > 0 and loads["preset_h2d_bytes_s"] == 25e9
+    assert "errors" not in r
     assert "decode step b2" in proc.stdout and f"wrote {out}" in proc.stdout
+    assert "rank  128:" in proc.stdout
 
 
 @pytest.mark.slow
