@@ -22,6 +22,10 @@ import pytest
 # The suite runs the Triton multi-LoRA kernels through Triton's CPU interpreter. Triton reads
 # this when its kernels are first decorated, so it is set before any test module imports them.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The workers the suite starts (in process, or as ``plora serve`` / ``plora up`` children, which
+# inherit this) run on the CPU, as on CI, also where a GPU is present: under the interpreter
+# above Triton cannot launch its kernels on CUDA tensors. ``plora bench gpu`` checks a GPU.
+os.environ.setdefault("PLORA_DEVICE", "cpu")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
