@@ -81,17 +81,29 @@ LOGIT_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``plora bench gpu``."""
+    """Flags of ``plora bench gpu``; a count or size below 1 is a usage error (exit 2)."""
+    from services.common.config import checked_type, parse_ranks
+
+    count = checked_type(int, lambda v: v >= 1, "a positive integer")
+    sizes = checked_type(
+        lambda t: [int(x) for x in t.split(",") if x.strip()],
+        lambda v: bool(v) and min(v) >= 1,
+        "comma-separated positive integers",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu: a dry run")
     parser.add_argument("--out", default="bench_gpu.json", help="JSON result file")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
-    parser.add_argument("--batch-sizes", default=None, help="engine batch sizes (1,8,32,64)")
-    parser.add_argument("--adapters", type=int, default=None, help="distinct adapters (64)")
-    parser.add_argument("--ranks", default="8,16,32,64,128", help="adapter ranks, cycled")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (32)")
-    parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (64)")
-    parser.add_argument("--decode-batch", type=int, default=None, help="decode-step rows (32)")
+    parser.add_argument(
+        "--batch-sizes", type=sizes, default=None, help="engine batch sizes (1,8,32,64)"
+    )
+    parser.add_argument("--adapters", type=count, default=None, help="distinct adapters (64)")
+    parser.add_argument(
+        "--ranks", type=parse_ranks, default=[8, 16, 32, 64, 128], help="adapter ranks, cycled"
+    )
+    parser.add_argument("--new-tokens", type=count, default=None, help="tokens per request (32)")
+    parser.add_argument("--prompt-tokens", type=count, default=None, help="prompt length (64)")
+    parser.add_argument("--decode-batch", type=count, default=None, help="decode-step rows (32)")
     parser.add_argument("--skip-peft", action="store_true", help="no PEFT generate runs")
 
 
@@ -102,15 +114,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     def pick(value: Any, gpu: Any, cpu: Any) -> Any:
         return value if value is not None else (cpu if dry else gpu)
 
-    sizes = pick(args.batch_sizes, "1,8,32,64", "1,2")
     return {
         "dry_run": dry,
         "device": str(args.device),
         "shape": pick(args.shape, "llama3-8b", "tiny"),
         "dtype": pick(args.dtype, "bfloat16", "float32"),
-        "batch_sizes": [int(x) for x in str(sizes).split(",") if x],
+        "batch_sizes": list(pick(args.batch_sizes, [1, 8, 32, 64], [1, 2])),
         "adapters": pick(args.adapters, 64, 2),
-        "ranks": [int(x) for x in str(args.ranks).split(",") if x],
+        "ranks": list(args.ranks),
         "new_tokens": pick(args.new_tokens, 32, 2),
         "prompt_tokens": pick(args.prompt_tokens, 64, 6),
         "decode_batch": pick(args.decode_batch, 32, 2),

@@ -83,3 +83,31 @@ def test_bench_gpu_refuses_cuda_without_cuda(tmp_path: Path) -> None:
     )
     assert proc.returncode != 0 and "CUDA is not available" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--adapters", "0"),
+        ("--new-tokens", "-1"),
+        ("--decode-batch", "x"),
+        ("--ranks", "8,0"),
+        ("--ranks", "8,x"),
+        ("--batch-sizes", "1,0"),
+        ("--batch-sizes", ","),
+    ],
+)
+def test_bench_gpu_refuses_a_size_below_one(tmp_path: Path, flag: str, value: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "x.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "plora.cli", "bench", "gpu", "--device", "cpu", flag, value]
+        + ["--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"argument {flag}: expected" in proc.stderr and "positive integer" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
