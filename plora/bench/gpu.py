@@ -540,7 +540,9 @@ def measure_loads(s: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"pinned_copy_bytes_s", "preset_h2d_bytes_s", "ranks": {rank: {"bytes",
-        "source_s", "host_s", "host_bytes_s"}}}``; seconds are medians over the loads.
+        "source_s", "host_s", "host_bytes_s", "loads"}}}``: bytes in the pool's dtype,
+        seconds the medians over the loads of each tier, ``loads`` the count per tier (2
+        from the source, 6 from the host cache).
     """
     import statistics
 
