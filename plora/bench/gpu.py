@@ -410,15 +410,20 @@ def _bandwidth(device: str) -> float:
     n = (1 << 30) if torch.device(device).type == "cuda" else (1 << 28)
     src = torch.empty(n // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
+    dst.copy_(src)  # warm-up
+    return 2 * n / _best_copy_s(dst, src, device)  # read + write
+
+
+def _best_copy_s(dst: Any, src: Any, device: str, non_blocking: bool = False) -> float:
+    """Best wall time, seconds, of 5 copies of ``src`` into ``dst`` (each synchronized)."""
     best = float("inf")
     for _ in range(5):
+        _sync(device)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)
         _sync(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * n / best  # read + write
+    return best
 
 
 def _decode_step_s(model: Any, lora: Any, rows: int, reps: int) -> float:
@@ -516,14 +521,7 @@ def _pinned_copy_bytes_s(device: str) -> float:
     n = 1 << 28
     src = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
     dst = torch.empty(n, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=cuda)
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return n / best
+    return n / _best_copy_s(dst, src, device, non_blocking=cuda)
 
 
 def measure_loads(s: dict[str, Any]) -> dict[str, Any]:
