@@ -890,9 +890,9 @@ class SimWorker:
             return
 
     def unpark(self) -> None:
-        """Room may have appeared (space freed, or an adapter no longer leased): queue the
-        demand loads waiting for room again, oldest first, at demand priority
-        (``AdapterStore._unpark``); a free loader thread takes them."""
+        """Room may have appeared (space freed, an adapter no longer leased, or a load landed
+        that no lease holds): queue the demand loads waiting for room again, oldest first, at
+        demand priority (``AdapterStore._unpark``); a free loader thread takes them."""
         while self.alloc_wait:
             job = self.alloc_wait.popleft()
             if self.jobs.get(job.a) is job and job.handle < 0:
@@ -957,6 +957,8 @@ class SimWorker:
                     self.estimates.observe_cold_wait(w)
                     heapq.heappush(self.ready, r)
             self.wake(t)
+        if self.refcount[a] == 0 and self.alloc_wait:
+            self.unpark()  # it landed unleased (a prefetch): a parked demand load may evict it
         self.start_jobs(t)
 
     # ---------------------------------------------------------------- prefetch

@@ -17,7 +17,8 @@ step at a time (:meth:`RoomSearch.next`), in this order:
    expected demand; :mod:`services.worker.eviction`).
 4. Nothing to evict: a prefetch is **dropped** (it never waits); a demand load whose requests
    all ended is **cancelled**; a demand load that has waited past its deadline **fails**
-   (``PoolExhaustedError``); otherwise it **waits** until a lease drops or space is freed.
+   (``PoolExhaustedError``); otherwise it **waits** until a lease drops, space is freed or a
+   load lands with no lease on it (a prefetch: it can be evicted).
 
 The search holds no clock and does no I/O: the caller says whether the wait deadline has
 passed, carries out each action (the live store moves tensors under its compute guard; the
@@ -52,7 +53,7 @@ class RoomAction(enum.Enum):
     PLACE = "place"  #: the allocation is made (``RoomDecision.allocation``)
     COMPACT = "compact"  #: compact the pool for ``compact_units``, then ask again
     EVICT = "evict"  #: evict ``victim``, then ask again
-    WAIT = "wait"  #: park the load until a lease drops or space is freed, then ask again
+    WAIT = "wait"  #: park the load until room may have appeared (module doc), then ask again
     DROP = "drop"  #: a prefetch found only more-wanted adapters: give it up
     CANCEL = "cancel"  #: a demand load nobody waits for any more: give it up
     FAIL = "fail"  #: the load fails with ``PoolExhaustedError`` (``reason``)

@@ -796,8 +796,8 @@ class AdapterStore(StoreLoading):
             self._cv.notify_all()
 
     def _unpark(self) -> None:
-        """Room may have appeared (space freed, or an adapter no longer leased): queue the
-        parked demand loads again, oldest first (lock held)."""
+        """Room may have appeared (space freed, an adapter no longer leased, or a load landed
+        that no lease holds): queue the parked demand loads again, oldest first (lock held)."""
         parked, self._parked = self._parked, []
         for e in parked:
             if not e.detached and e.state is _State.LOADING:

@@ -268,6 +268,8 @@ class StoreLoading:
                 self._c.cold_wait_max = max(self._c.cold_wait_max, w)
                 self._emit(StoreEvent("cold_start", ref.adapter_id, ref.version, seconds=w))
             e.cold_created = []
+            if e.refcount == 0:
+                self._unpark()  # it landed unleased (a prefetch): a parked demand load may evict it
             self._cv.notify_all()
 
     def _drop_prefetch(self: AdapterStore, e: _Entry) -> None:

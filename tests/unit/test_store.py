@@ -367,6 +367,40 @@ def test_a_load_waiting_for_room_does_not_block_loads_that_fit() -> None:
         b.release()
 
 
+def test_a_load_waiting_for_room_is_retried_when_a_prefetch_lands_unleased(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "b" parks while "a" is leased and a prefetch of "p" holds the rest of the pool mid-copy;
+    "p" lands with no lease on it, so it can be evicted: "b" is retried then, not only when a
+    lease drops or its room deadline (30 s) passes."""
+    copying, go = threading.Event(), threading.Event()
+    copy_in = AdapterStore._copy_in
+
+    def held_copy(self: AdapterStore, *args: object) -> None:
+        if gated:
+            copying.set()
+            assert go.wait(5)
+        copy_in(self, *args)  # type: ignore[arg-type]
+
+    gated = False
+    monkeypatch.setattr(AdapterStore, "_copy_in", held_copy)
+    s, _ = store(pages=8, loader_threads=2, load_wait_timeout_s=30.0)
+    with s:
+        a = ready(s.acquire(ref("a", 2)))  # half the pool, in use
+        gated = True
+        assert s.prefetch([(ref("p", 2), 5.0)]).accepted == 1
+        assert copying.wait(5)  # "p" holds the other half, copying
+        gated = False
+        b = s.acquire(ref("b", 2))
+        _wait_for(lambda: s.stats().waiting_loads == 1)
+        go.set()
+        assert ready(b, timeout=2.0).error() is None  # "p" evicted for it
+        assert torch.equal(b.flat(), expected_flat("b", 2))
+        assert [r.adapter_id for r in s.resident_adapters()] == ["a", "b"]
+        a.release()
+        b.release()
+
+
 def test_room_bytes_counts_free_and_unleased_resident_pages() -> None:
     s, _ = store(pages=8, load_wait_timeout_s=5.0)
     with s:
