@@ -44,9 +44,10 @@ def adapter_source() -> AdapterSource:
 def two_gateways(
     tmp_path_factory: pytest.TempPathFactory, model_dir: Path, adapter_source: AdapterSource
 ) -> Iterator[tuple[list[Service], list[Service]]]:
-    """Three workers (a batch of up to 8 each), two gateways on one Redis, thirty-six
-    adapters of rank 8 for each test's each round (``one-<i>``, ``two-again-<i>``, ...)
-    registered through the first gateway; yields ``(gateways, workers)``."""
+    """Three workers (a batch of up to 8 each), two gateways on one Redis, and 36 adapters of
+    rank 8 registered through the first gateway under a fresh id prefix for every round of
+    each test (``one-<i>``, ``one-again-<i>``, ``two-third-<i>``, ...); yields
+    ``(gateways, workers)``."""
     tmp_path = tmp_path_factory.mktemp("two-gateways")
     redis_server = AofRedis(tmp_path / "redis").start()
     token = secrets.token_urlsafe(32)
