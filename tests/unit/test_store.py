@@ -373,24 +373,23 @@ def test_a_load_waiting_for_room_is_retried_when_a_prefetch_lands_unleased(
     """ "b" parks while "a" is leased and a prefetch of "p" holds the rest of the pool mid-copy;
     "p" lands with no lease on it, so it can be evicted: "b" is retried then, not only when a
     lease drops or its room deadline (30 s) passes."""
-    copying, go = threading.Event(), threading.Event()
+    hold, copying, go = threading.Event(), threading.Event(), threading.Event()
     copy_in = AdapterStore._copy_in
 
     def held_copy(self: AdapterStore, *args: object) -> None:
-        if gated:
+        if hold.is_set():  # the copy starting while "hold" is set waits for "go"
+            hold.clear()
             copying.set()
             assert go.wait(5)
         copy_in(self, *args)  # type: ignore[arg-type]
 
-    gated = False
     monkeypatch.setattr(AdapterStore, "_copy_in", held_copy)
     s, _ = store(pages=8, loader_threads=2, load_wait_timeout_s=30.0)
     with s:
         a = ready(s.acquire(ref("a", 2)))  # half the pool, in use
-        gated = True
+        hold.set()
         assert s.prefetch([(ref("p", 2), 5.0)]).accepted == 1
         assert copying.wait(5)  # "p" holds the other half, copying
-        gated = False
         b = s.acquire(ref("b", 2))
         _wait_for(lambda: s.stats().waiting_loads == 1)
         go.set()
