@@ -16,7 +16,9 @@ Model of one worker (the engine of :mod:`services.worker.engine`):
 
 * A request routed to a worker takes a lease at once (so its adapter is pinned); if the adapter
   is resident it is *ready*, otherwise it is a **cold start**: it waits for its adapter's load
-  (a demand load at high priority), while every other request keeps running.
+  (a demand load at high priority), while every other request keeps running. A cold request
+  still waiting ``load_wait_timeout_s`` after it arrived fails (``DeadlineExceededError``),
+  as the worker's engine fails it, and its load is cancelled if nobody else waits for it.
 * Continuous batching: at each step boundary, ready requests are admitted in arrival order up
   to ``max_batch_size`` running sequences and a prefill budget of ``max_num_batched_tokens``
   prompt tokens. A step that prefills emits the first token of the admitted requests at its end
@@ -104,6 +106,7 @@ _EV_LOADED = 2  # a load's copy finished: adapter resident
 _EV_RETRY = 3  # a demand load's wait for pool space timed out: retry once more
 _EV_TICK = 4  # predictor tick
 _EV_STAGED = 5  # a host staging read finished (AdapterStore.stage)
+_EV_DEADLINE = 6  # a cold request's wait for its adapter reached the bound (the engine's check)
 
 # request status
 _PENDING, _OK, _FAILED = 0, 1, 2
@@ -527,6 +530,7 @@ class SimWorker:
             if not job.started:
                 heapq.heappush(self.job_heap, (DEMAND_PRIORITY, -job.expected, sim.next_seq(), job))
         self.waiters.setdefault(a, []).append(r)
+        sim.push(t + sim.preset.load_wait_timeout_s, _EV_DEADLINE, self.wid, r)
         if not job.started and self.active >= sim.preset.loader_threads:
             # every loader thread is busy: a prefetch still reading yields its thread
             job.behind = not self._preempt_prefetch(t) and any(
@@ -534,6 +538,20 @@ class SimWorker:
             )
         self.start_jobs(t)
         return True
+
+    def adapter_deadline(self, r: int, t: float) -> None:
+        """Cold request ``r`` has waited ``load_wait_timeout_s`` for its adapter: if it is still
+        waiting, it fails with ``DeadlineExceededError`` and drops its lease, as the engine fails
+        it at its next step (``Engine._admit``; the worker gives its engine that bound). Its load
+        goes on; one nobody waits for any more is cancelled when it next looks for room."""
+        a = self.sim.req_adapter[r]
+        waiters = self.waiters.get(a)
+        if not waiters or r not in waiters:
+            return  # its adapter landed, or its load failed
+        waiters.remove(r)
+        if not waiters:
+            del self.waiters[a]
+        self.fail_request(r, a, t, "DeadlineExceededError")
 
     def _preempt_prefetch(self, t: float) -> bool:
         """Demand before prefetch (``AdapterStore`` does the same): cancel the prefetch with the
@@ -946,7 +964,7 @@ class SimWorker:
         waiters = self.waiters.pop(a, None)
         if waiters:
             arrival = sim.arrival
-            limit = sim.preset.adapter_wait_timeout_s
+            limit = sim.preset.load_wait_timeout_s
             cold_wait = sim.cold_wait
             for r in waiters:
                 w = t - arrival[r]
@@ -1334,6 +1352,8 @@ class ClusterSimulation:
                     workers[wid].retry_timeout(payload, t)
                 elif kind == _EV_STAGED:
                     workers[wid].staged(payload, t)
+                elif kind == _EV_DEADLINE:
+                    workers[wid].adapter_deadline(payload, t)
                 else:  # tick
                     t0 = time.perf_counter()
                     self._tick(t)

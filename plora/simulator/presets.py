@@ -124,8 +124,9 @@ class Preset:
         source_fixed_s: ``fixed``: seconds per source read on top of the bytes term.
         source_bytes_per_s: ``fixed``: read + pack bandwidth of the source tier, bytes/s.
         loader_threads: Concurrent adapter loads per worker.
-        adapter_wait_timeout_s: A request waiting longer for its adapter fails.
-        load_wait_timeout_s: A demand load waiting longer for pool space fails its requests.
+        load_wait_timeout_s: A demand load waiting longer for pool space fails its requests,
+            and a request waiting longer for its adapter fails (``DeadlineExceededError``):
+            the worker gives its engine ``--load-wait-timeout-s`` as that bound too.
         network_s: Gateway -> worker -> gateway overhead added to every TTFT, seconds.
         shared_compute: 0 when every worker owns its accelerator; else the workers share one
             processor worth this many busy workers, and a step planned while ``b`` workers are
@@ -151,7 +152,6 @@ class Preset:
     source_fixed_s: float
     source_bytes_per_s: float
     loader_threads: int
-    adapter_wait_timeout_s: float
     load_wait_timeout_s: float
     network_s: float
     shared_compute: float = 0.0
@@ -266,7 +266,6 @@ CPU_PRESET = Preset(
     source_fixed_s=CPU_STEP_MEASUREMENTS["load_fixed_s"],
     source_bytes_per_s=CPU_STEP_MEASUREMENTS["load_bytes_per_s"],
     loader_threads=_STORE.loader_threads,
-    adapter_wait_timeout_s=_ENGINE.adapter_wait_timeout_s,
     load_wait_timeout_s=_WORKER.load_wait_timeout_s,
     network_s=CPU_STEP_MEASUREMENTS["gateway_overhead_s"],
     # 2 cores, and `plora up` gives each worker cores // workers torch threads: two busy
@@ -346,7 +345,6 @@ H100_8B_PRESET = Preset(
     source_fixed_s=0.0,
     source_bytes_per_s=1.0,
     loader_threads=4,
-    adapter_wait_timeout_s=60.0,
     load_wait_timeout_s=30.0,
     network_s=0.002,
     notes="Llama-3-8B bf16 on one H100 SXM 80 GB; see H100_8B_SOURCES",

@@ -188,7 +188,6 @@ def _preset(allocator_pool_pages: int):  # noqa: ANN202
         source="fixed",
         source_fixed_s=0.01,
         loader_threads=1,
-        adapter_wait_timeout_s=1e9,
         load_wait_timeout_s=1e9,
         shared_compute=0.0,
     )

@@ -423,6 +423,28 @@ def test_overload_rejects_and_fails_cleanly() -> None:
     assert summarize(res, 1.0)["peak_concurrency"] == 2  # the rejected ones leave at once
 
 
+def test_a_request_waiting_past_the_load_wait_bound_fails_as_the_engine_fails_it() -> None:
+    # One adapter fits the pool. r0 ("a", 0 s) runs 500 steps (5 s) holding its adapter; r1
+    # ("b", 0.1 s) reads for 1 s, then waits for room. The worker's engine fails a request
+    # still waiting for its adapter load_wait_timeout_s after it arrived: r1 fails at 2.1 s
+    # (not when its load's own wait for room ends at 3.1 s), and its load, which nobody
+    # waits for any more, is cancelled. r2 ("b", 7 s) finds the pool free and is served.
+    tr = Trace.from_arrays([0.0, 0.1, 7.0], ["a", "b", "b"], 10, np.array([500, 3, 3]))
+    sizes = build_adapter_set(tr, SIMPLE, 2, seed=0).nbytes
+    preset = SIMPLE.with_overrides(
+        pool_bytes=int(max(sizes) + min(sizes) // 2),  # either adapter fits, not both
+        host_cache_bytes=int(4 * sum(sizes)),
+        load_wait_timeout_s=2.0,
+    )
+    _, res = _run(tr, preset, "baseline", workers=1, k=2)
+    assert res.failed.tolist() == [False, True, False]
+    assert res.counters["failed_by_reason"] == {"DeadlineExceededError": 1}
+    np.testing.assert_allclose(res.failed_s[1], 2.1, atol=1e-9)
+    assert res.counters["failed_loads"] == 1  # cancelled: nobody waits for it
+    assert res.cold.tolist() == [True, True, True]
+    assert res.first_token_s[2] > 7.0
+
+
 # ------------------------------------------------------------------------------ reports
 def test_summary_slo_and_load_curve() -> None:
     _, res = _run(_trace([0.0, 0.5, 1.015], ["a", "a", "a"]))
