@@ -704,6 +704,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += ["", f"The production forecaster ran once for the trace ({fc['ticks']} ticks, "
                   f"{_md(fc['compute_s'])} s, child process: {fc['child_process']}) and its "
                   f"forecasts were shared by {', '.join(fc['shared_by'])}."]  # fmt: skip
+        env = report.get("environment")
+        if env:
+            lines[-1] += (
+                f" Its figures depend on the forecaster's floating-point results: compare them "
+                f"with runs on the same torch {env['torch']} and CPU kernels "
+                f"({env['torch_cpu_capability']})."
+            )
     rows = paper_rows(report.get("papers") or {})
     if rows:
         lines += ["", "| papers' figure | paper | simulated |", "|---|---|---|"]

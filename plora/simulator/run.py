@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import platform
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -553,6 +554,27 @@ def _print_validation(validation: dict[str, Any]) -> None:
             )
 
 
+def environment() -> dict[str, Any]:
+    """Where the simulation ran: versions and the CPU's vector capability torch dispatches to.
+
+    The figures of the policies with a forecaster depend on the LSTM's floating-point results,
+    which differ with the CPU's vector units (AVX2 or AVX-512 kernels) and the torch build, and
+    the simulation carries any such difference on as another seed would; so compare ``plora``
+    figures measured in the same environment. Returns ``python``, ``torch``, ``numpy``,
+    ``torch_cpu_capability`` (``None`` where this torch does not report it) and ``machine``.
+    """
+    import torch  # the forecaster's dependency; imported here, not at module load
+
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "torch_cpu_capability": capability() if capability is not None else None,
+        "machine": platform.machine(),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``plora simulate``."""
     replay_slice = bool(args.replay_report) and args.trace is None and args.format is None
@@ -652,6 +674,7 @@ def run(args: argparse.Namespace) -> int:
     for n in summaries:
         summaries[n]["slo_vs_load"] = curves[n]
     report: dict[str, Any] = {
+        "environment": environment(),
         "settings": {
             "preset": args.preset,
             "workers": args.workers,

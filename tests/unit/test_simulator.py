@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from plora.policies import POLICIES, get_policy
 from plora.replay.report import completed_by_both_block
@@ -613,6 +614,11 @@ def test_the_prefetch_gate_is_a_flag_of_the_simulator_as_of_the_predictor(
     report = json.loads((tmp_path / "gate0" / "report.json").read_text())
     assert report["settings"]["prefetch_min_probability"] == 0.0
     assert report["plora"]["completed"] == 30
+    # plora's figures hang on the forecaster's floating point: the report says where it ran
+    assert report["environment"]["torch"] == torch.__version__
+    assert report["environment"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    report_md = (tmp_path / "gate0" / "report.md").read_text()
+    assert f"same torch {torch.__version__} and CPU kernels" in report_md
     for bad, words in (("1.5", "1.5 is not a probability in [0, 1]"), ("x", "'x' is not a number")):
         with pytest.raises(SystemExit) as exit_:
             parser.parse_args([*base, "--prefetch-min-probability", bad, "--out", "o"])
