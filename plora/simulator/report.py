@@ -363,13 +363,32 @@ def mean_over_seeds(runs: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> 
     return out
 
 
+def standard_error(values: Sequence[float | None]) -> float | None:
+    """Standard error of the mean of per-seed figures: sample standard deviation / sqrt(n).
+
+    None with fewer than two figures or a missing one. With seeds as independent draws of the
+    simulation, a mean reduction within about two standard errors of 0 is not a difference.
+    """
+    if len(values) < 2 or any(v is None for v in values):
+        return None
+    return float(np.std(np.asarray(values, dtype=np.float64), ddof=1) / math.sqrt(len(values)))
+
+
 def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """report.json's ``comparison``: ``plora`` vs ``baseline`` (:func:`compare_pair`), plus the
     predictor's ablation: ``predictor_ttft_reduction`` (and ``_p99_``, and the cold-start wait)
-    of ``plora`` vs ``plora-no-predictor``, and ``predictor_gap_closed`` (:func:`gap_closed`,
-    on TTFT mean) when ``oracle`` ran; with several seeds (:func:`mean_over_seeds`), the
-    figures compare the means, and ``predictor_seed_runs`` gives each seed's mean and p99
-    reductions. None when ``plora`` did not run."""
+    of ``plora`` vs ``plora-no-predictor``; when ``oracle`` ran, ``oracle_ttft_reduction`` (the
+    room a perfect forecast of repeat requests finds: ``oracle`` vs ``plora-no-predictor`` on
+    TTFT mean) and ``predictor_gap_closed`` (:func:`gap_closed`, on TTFT mean).
+
+    With several seeds (:func:`mean_over_seeds`) the figures compare the means,
+    ``predictor_seed_runs`` gives each seed's mean and p99 reductions (and
+    ``oracle_ttft_reduction`` when the oracle ran), and ``predictor_ttft_reduction_se``,
+    ``predictor_ttft_p99_reduction_se`` and ``oracle_ttft_reduction_se`` the standard errors
+    of those per-seed figures' means (:func:`standard_error`): ``predictor_gap_closed`` divides
+    one difference by another, and means nothing where the oracle's room is within its noise.
+    None when ``plora`` did not run.
+    """
     p = summaries.get("plora")
     if p is None:
         return None
@@ -379,6 +398,8 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
     o = summaries.get("oracle")
     if n is not None:
         out |= predictor_reductions(p, n)
+        if o is not None:
+            out["oracle_ttft_reduction"] = reduction(o.get("ttft_mean_s"), n.get("ttft_mean_s"))
         out["predictor_gap_closed"] = (
             gap_closed(p.get("ttft_mean_s"), n.get("ttft_mean_s"), o.get("ttft_mean_s"))
             if o is not None
@@ -386,10 +407,19 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
         )
     runs = [s.get("seed_runs") or {} for s in (p, n)] if n is not None else []
     if runs and all(len(r.get("ttft_mean_s", ())) > 1 for r in runs):
-        out["predictor_seed_runs"] = {
+        per_seed = {
             name: [reduction(a, b) for a, b in zip(runs[0][key], runs[1][key], strict=True)]
             for name, key in RUN_REDUCTIONS
         }
+        oracle_runs = (o.get("seed_runs") or {}).get("ttft_mean_s") if o is not None else None
+        if oracle_runs:
+            per_seed["oracle_ttft_reduction"] = [
+                reduction(a, b) for a, b in zip(oracle_runs, runs[1]["ttft_mean_s"], strict=True)
+            ]
+        out["predictor_seed_runs"] = per_seed
+        for name, values in per_seed.items():
+            prefix = "" if name.startswith("oracle") else "predictor_"
+            out[f"{prefix}{name}_se"] = standard_error(values)
     return out or None
 
 
@@ -629,6 +659,53 @@ def _md(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _signed_pct(v: float) -> str:
+    return f"{100 * v:+.1f} %"
+
+
+def ablation_text(comparison: Mapping[str, Any] | None, seeds: int) -> str | None:
+    """The forecast's ablation in one paragraph, for report.md and the terminal: ``plora``
+    against ``plora-no-predictor`` on TTFT mean and p99 (positive: ``plora`` faster), the
+    oracle's room and ``predictor_gap_closed``, each with its standard error over ``seeds``
+    runs (:func:`comparison_block`). Says when the oracle's room is within two standard errors
+    of 0, where ``predictor_gap_closed`` is a ratio of noise. None without the ablation."""
+    c = comparison or {}
+    mean, p99 = c.get("predictor_ttft_reduction"), c.get("predictor_ttft_p99_reduction")
+    if mean is None or p99 is None:
+        return None
+
+    def figure(name: str, key: str, se_key: str) -> str:
+        se = c.get(se_key)
+        return f"{name} {_signed_pct(c[key])}" + (
+            f" (standard error {100 * se:.1f} %)" if se else ""
+        )
+
+    parts = [
+        figure("`predictor_ttft_reduction`", "predictor_ttft_reduction",
+               "predictor_ttft_reduction_se"),
+        figure("p99", "predictor_ttft_p99_reduction", "predictor_ttft_p99_reduction_se"),
+    ]  # fmt: skip
+    room, room_se = c.get("oracle_ttft_reduction"), c.get("oracle_ttft_reduction_se")
+    if room is not None:
+        parts.append(
+            figure("the oracle's room (`oracle_ttft_reduction`)", "oracle_ttft_reduction",
+                   "oracle_ttft_reduction_se")
+            + f", `predictor_gap_closed` {_md(c.get('predictor_gap_closed'))}"
+        )  # fmt: skip
+    text = (
+        "The forecast's ablation (`plora` against `plora-no-predictor`; positive: `plora` "
+        f"faster), over {seeds} seed{'s' if seeds != 1 else ''}: " + "; ".join(parts) + "."
+    )
+    if seeds < 2:
+        text += " One run is one draw: `--seeds N` gives standard errors."
+    elif room is not None and room_se and abs(room) < 2 * room_se:
+        text += (
+            " The oracle's room is within two standard errors of 0, so `predictor_gap_closed`"
+            " divides by noise."
+        )
+    return text
+
+
 def paper_rows(papers: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """``(figure, paper, simulated)`` rows of a report's ``papers`` block (see
     :func:`paper_comparison`), as text, for report.md."""
@@ -711,6 +788,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"with runs on the same torch {env['torch']} and CPU kernels "
                 f"({env['torch_cpu_capability']})."
             )
+    ablation = ablation_text(report.get("comparison"), len(s.get("seeds") or [s["seed"]]))
+    if ablation:
+        lines += ["", ablation]
     rows = paper_rows(report.get("papers") or {})
     if rows:
         lines += ["", "| papers' figure | paper | simulated |", "|---|---|---|"]

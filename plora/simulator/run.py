@@ -44,6 +44,7 @@ from plora.simulator.presets import PRESET_NAMES, Preset, get_preset
 from plora.simulator.presets import source_latencies as preset_source_latencies
 from plora.simulator.report import (
     POLICY_KEYS,
+    ablation_text,
     compare_to_replay,
     comparison_block,
     completed_by_both,
@@ -764,6 +765,9 @@ def _print_table(report: dict[str, Any], policies: list[str]) -> None:
     for p in policies:
         s = report[p]
         print(f"{p:<20}" + "".join(f"{_fmt(s.get(k)):>11}" for k, _ in cols))
+    ablation = ablation_text(report.get("comparison"), len(report["settings"]["seeds"]))
+    if ablation:
+        print(ablation)
     sys.stdout.flush()
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from plora.simulator.oracle import BeladyPolicy, FutureArrivals
-from plora.simulator.report import comparison_block, gap_closed, mean_over_seeds
+from plora.simulator.report import ablation_text, comparison_block, gap_closed, mean_over_seeds
 from services.predictor.calibration import ForecastCalibrator
 from services.predictor.placement import AdapterDemand, PrefetchSelector
 from services.worker.eviction import Candidate
@@ -133,3 +133,40 @@ def test_comparison_over_seeds_compares_the_means_and_lists_each_seed() -> None:
         pytest.approx(0.5),
         pytest.approx(0.0),
     ]
+
+
+def test_the_oracles_room_comes_with_its_standard_error_and_noise_is_called_noise() -> None:
+    """Over seeds, the comparison gives each seed's oracle room and the standard errors of the
+    per-seed reductions; the report's ablation paragraph says when the oracle's room is within
+    two standard errors of 0, where ``predictor_gap_closed`` divides by noise."""
+
+    def s(means: list[float]) -> dict:
+        runs = [{"ttft_mean_s": m, "ttft_p99_s": 10 * m} for m in means]
+        return mean_over_seeds(runs, list(range(len(means))))
+
+    def block(oracle: list[float]) -> dict:
+        out = comparison_block(
+            {"plora": s([3.0, 3.0, 4.5]), "plora-no-predictor": s([4.0, 4.0, 4.0]),
+             "oracle": s(oracle)}
+        )  # fmt: skip
+        assert out is not None
+        return out
+
+    level = block([3.6, 4.0, 4.4])
+    assert level["predictor_seed_runs"]["oracle_ttft_reduction"] == pytest.approx([0.1, 0.0, -0.1])
+    assert level["oracle_ttft_reduction"] == pytest.approx(0.0)
+    assert level["oracle_ttft_reduction_se"] == pytest.approx(0.1 / 3**0.5)
+    assert level["predictor_ttft_reduction_se"] == pytest.approx(
+        np.std([0.25, 0.25, -0.125], ddof=1) / 3**0.5
+    )
+    assert level["predictor_gap_closed"] is None  # the oracle is level: no gap at all
+    text = ablation_text(level, 3)
+    assert text is not None and "`predictor_ttft_reduction` +12.5 % (standard error" in text
+
+    wide = block([3.9, 3.7, 3.95])  # a gap of 3.75 % with a standard error of 1.9 %
+    assert wide["predictor_gap_closed"] is not None
+    assert "within two standard errors of 0" in (ablation_text(wide, 3) or "")
+    clear = block([3.0, 3.1, 2.9])
+    assert "within two standard errors" not in (ablation_text(clear, 3) or "x")
+    assert "`--seeds N` gives standard errors" in (ablation_text(clear, 1) or "")
+    assert ablation_text({"throughput_ratio": 1.0}, 3) is None  # no ablation ran

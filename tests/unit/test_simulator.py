@@ -670,7 +670,12 @@ def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: P
     assert paired["requests"] == both["plora"]["completed"] == both["plora"]["requests"]
     assert paired["seed_runs"]["ttft_reduction"] == pytest.approx(per_seed)
     assert paired["ttft_reduction"] == pytest.approx(both["comparison"]["predictor_ttft_reduction"])
-    assert "means over seeds 1..2" in (tmp_path / "both" / "report.md").read_text()
+    report_md = (tmp_path / "both" / "report.md").read_text()
+    assert "means over seeds 1..2" in report_md
+    se = both["comparison"]["predictor_ttft_reduction_se"]
+    assert se == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(2))
+    assert "over 2 seeds: `predictor_ttft_reduction` " in report_md
+    assert f"(standard error {100 * se:.1f} %)" in report_md
     assert run(parser.parse_args(["--trace", str(trace), "--format", "azure2021", "--seeds", "0",
                                   "--out", str(tmp_path / "none")])) == 2  # fmt: skip
 
