@@ -677,7 +677,7 @@ def ablation_text(comparison: Mapping[str, Any] | None, seeds: int) -> str | Non
     def figure(name: str, key: str, se_key: str) -> str:
         se = c.get(se_key)
         return f"{name} {_signed_pct(c[key])}" + (
-            f" (standard error {100 * se:.1f} %)" if se else ""
+            f" (standard error {100 * se:.1f} %)" if se is not None else ""
         )
 
     parts = [
