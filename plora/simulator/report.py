@@ -668,7 +668,8 @@ def ablation_text(comparison: Mapping[str, Any] | None, seeds: int) -> str | Non
     against ``plora-no-predictor`` on TTFT mean and p99 (positive: ``plora`` faster), the
     oracle's room and ``predictor_gap_closed``, each with its standard error over ``seeds``
     runs (:func:`comparison_block`). Says when the oracle's room is within two standard errors
-    of 0, where ``predictor_gap_closed`` is a ratio of noise. None without the ablation."""
+    of 0, where ``predictor_gap_closed`` is a ratio of noise, and when the oracle leaves no gap
+    at all. None without the ablation."""
     c = comparison or {}
     mean, p99 = c.get("predictor_ttft_reduction"), c.get("predictor_ttft_p99_reduction")
     if mean is None or p99 is None:
@@ -696,13 +697,15 @@ def ablation_text(comparison: Mapping[str, Any] | None, seeds: int) -> str | Non
         "The forecast's ablation (`plora` against `plora-no-predictor`; positive: `plora` "
         f"faster), over {seeds} seed{'s' if seeds != 1 else ''}: " + "; ".join(parts) + "."
     )
-    if seeds < 2:
-        text += " One run is one draw: `--seeds N` gives standard errors."
-    elif room is not None and room_se and abs(room) < 2 * room_se:
+    if room is not None and c.get("predictor_gap_closed") is None:
+        text += " The oracle is no faster than `plora-no-predictor`: there is no gap to close."
+    elif seeds >= 2 and room is not None and room_se and abs(room) < 2 * room_se:
         text += (
             " The oracle's room is within two standard errors of 0, so `predictor_gap_closed`"
             " divides by noise."
         )
+    if seeds < 2:
+        text += " One run is one draw: `--seeds N` gives standard errors."
     return text
 
 
