@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -562,16 +563,14 @@ def environment() -> dict[str, Any]:
     which differ with the CPU's vector units (AVX2 or AVX-512 kernels) and the torch build, and
     the simulation carries any such difference on as another seed would; so compare ``plora``
     figures measured in the same environment. Returns ``python``, ``torch``, ``numpy``,
-    ``torch_cpu_capability`` (``None`` where this torch does not report it) and ``machine``.
+    ``torch_cpu_capability`` (``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``)
+    and ``machine``.
     """
-    import torch  # the forecaster's dependency; imported here, not at module load
-
-    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "numpy": np.__version__,
-        "torch_cpu_capability": capability() if capability is not None else None,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.machine(),
     }
 
