@@ -411,15 +411,16 @@ def comparison_block(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, An
             name: [reduction(a, b) for a, b in zip(runs[0][key], runs[1][key], strict=True)]
             for name, key in RUN_REDUCTIONS
         }
+        for name, _ in RUN_REDUCTIONS:
+            out[f"predictor_{name}_se"] = standard_error(per_seed[name])
         oracle_runs = (o.get("seed_runs") or {}).get("ttft_mean_s") if o is not None else None
         if oracle_runs:
-            per_seed["oracle_ttft_reduction"] = [
+            room = [
                 reduction(a, b) for a, b in zip(oracle_runs, runs[1]["ttft_mean_s"], strict=True)
             ]
+            per_seed["oracle_ttft_reduction"] = room
+            out["oracle_ttft_reduction_se"] = standard_error(room)
         out["predictor_seed_runs"] = per_seed
-        for name, values in per_seed.items():
-            prefix = "" if name.startswith("oracle") else "predictor_"
-            out[f"{prefix}{name}_se"] = standard_error(values)
     return out or None
 
 
@@ -663,17 +664,19 @@ def _signed_pct(v: float) -> str:
     return f"{100 * v:+.1f} %"
 
 
-def ablation_text(comparison: Mapping[str, Any] | None, seeds: int) -> str | None:
+def ablation_text(comparison: Mapping[str, Any] | None) -> str | None:
     """The forecast's ablation in one paragraph, for report.md and the terminal: ``plora``
     against ``plora-no-predictor`` on TTFT mean and p99 (positive: ``plora`` faster), the
-    oracle's room and ``predictor_gap_closed``, each with its standard error over ``seeds``
-    runs (:func:`comparison_block`). Says when the oracle's room is within two standard errors
-    of 0, where ``predictor_gap_closed`` is a ratio of noise, and when the oracle leaves no gap
-    at all. None without the ablation."""
+    oracle's room and ``predictor_gap_closed``, each with its standard error over the seeds
+    the comparison lists (``predictor_seed_runs``; one seed without it; see
+    :func:`comparison_block`). Says when the oracle's room is within two standard errors of 0,
+    where ``predictor_gap_closed`` is a ratio of noise, and when the oracle leaves no gap at
+    all. None without the ablation."""
     c = comparison or {}
     mean, p99 = c.get("predictor_ttft_reduction"), c.get("predictor_ttft_p99_reduction")
     if mean is None or p99 is None:
         return None
+    seeds = len((c.get("predictor_seed_runs") or {}).get("ttft_reduction") or [None])
 
     def figure(name: str, key: str, se_key: str) -> str:
         se = c.get(se_key)
@@ -791,7 +794,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"with runs on the same torch {env['torch']} and CPU kernels "
                 f"({env['torch_cpu_capability']})."
             )
-    ablation = ablation_text(report.get("comparison"), len(s.get("seeds") or [s["seed"]]))
+    ablation = ablation_text(report.get("comparison"))
     if ablation:
         lines += ["", ablation]
     rows = paper_rows(report.get("papers") or {})

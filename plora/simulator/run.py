@@ -764,7 +764,7 @@ def _print_table(report: dict[str, Any], policies: list[str]) -> None:
     for p in policies:
         s = report[p]
         print(f"{p:<20}" + "".join(f"{_fmt(s.get(k)):>11}" for k, _ in cols))
-    ablation = ablation_text(report.get("comparison"), len(report["settings"]["seeds"]))
+    ablation = ablation_text(report.get("comparison"))
     if ablation:
         print(ablation)
     sys.stdout.flush()

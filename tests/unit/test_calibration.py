@@ -160,15 +160,18 @@ def test_the_oracles_room_comes_with_its_standard_error_and_noise_is_called_nois
         np.std([0.25, 0.25, -0.125], ddof=1) / 3**0.5
     )
     assert level["predictor_gap_closed"] is None  # the oracle is level: no gap at all
-    text = ablation_text(level, 3)
+    text = ablation_text(level)
     assert text is not None and "`predictor_ttft_reduction` +12.5 % (standard error" in text
     assert "there is no gap to close" in text
 
     wide = block([3.9, 3.7, 3.95])  # a gap of 3.75 % with a standard error of 1.9 %
     assert wide["predictor_gap_closed"] is not None
-    assert "within two standard errors of 0" in (ablation_text(wide, 3) or "")
+    assert "within two standard errors of 0" in (ablation_text(wide) or "")
     clear = block([3.0, 3.1, 2.9])
-    assert "within two standard errors" not in (ablation_text(clear, 3) or "x")
-    assert "no gap to close" not in (ablation_text(clear, 3) or "x")
-    assert "`--seeds N` gives standard errors" in (ablation_text(clear, 1) or "")
-    assert ablation_text({"throughput_ratio": 1.0}, 3) is None  # no ablation ran
+    assert "within two standard errors" not in (ablation_text(clear) or "x")
+    assert "no gap to close" not in (ablation_text(clear) or "x")
+    one_seed = comparison_block(
+        {"plora": s([3.0]), "plora-no-predictor": s([4.0]), "oracle": s([2.9])}
+    )
+    assert "`--seeds N` gives standard errors" in (ablation_text(one_seed) or "")
+    assert ablation_text({"throughput_ratio": 1.0}) is None  # no ablation ran
