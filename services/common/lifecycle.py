@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -125,6 +128,54 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class FrozenHeap:
+    """What :func:`freeze_startup_heap` did.
+
+    Attributes:
+        objects: Objects moved out of the collector's reach (the permanent generation).
+        full_collection_ms: CPU milliseconds one full collection took over the heap as
+            start-up left it, which is what every later full collection would have scanned.
+        full_collection_after_ms: CPU milliseconds a full collection takes once the
+            start-up heap is frozen.
+    """
+
+    objects: int
+    full_collection_ms: float
+    full_collection_after_ms: float
+
+
+def freeze_startup_heap() -> FrozenHeap:
+    """Take every object alive after start-up (imported modules, the model, gRPC and HTTP
+    servers, caches) out of the cyclic garbage collector's scans, so that a full
+    (generation-2) collection while serving scans only what was allocated since.
+
+    Without it a full collection stops every thread of the process while it walks the whole
+    start-up heap: on a 2-core x86 machine that takes about 80 ms in the gateway and 190 ms in
+    a worker with the default model, at moments the interpreter chooses, which lands on
+    the refusal, token and health-check latencies being served at the time. vLLM freezes its
+    start-up heap the same way once its engine is warmed up (``freeze_gc_heap``); SGLang
+    offers it as ``freeze_gc``.
+
+    A full collection runs first, so only live objects are frozen. Frozen objects are still
+    freed by reference counting when their last reference goes; one left in a reference
+    cycle is not, which is why this is called once, when the process starts serving, and not
+    where services are built and stopped many times in one process (tests).
+
+    Returns:
+        The number of objects frozen and a full collection's time before and after.
+    """
+    # this thread's CPU time: the collection holds the GIL, and other threads' turns between
+    # its start and end are not its cost
+    began = time.thread_time()
+    gc.collect()
+    full_ms = (time.thread_time() - began) * 1e3
+    gc.freeze()
+    began = time.thread_time()
+    gc.collect()
+    return FrozenHeap(gc.get_freeze_count(), full_ms, (time.thread_time() - began) * 1e3)
+
+
 def serve_until_signalled(stop: Callable[[], None]) -> None:
     """Block the main thread until SIGINT or SIGTERM, then call ``stop``."""
     done = threading.Event()
@@ -168,8 +219,9 @@ def run_service(
 ) -> int:
     """Entry point shared by ``plora serve {gateway,worker,predictor}``.
 
-    Parses the service's flags, configures logging once, builds and starts the service, then
-    serves until SIGINT/SIGTERM and stops it gracefully.
+    Parses the service's flags, configures logging once, builds the service, freezes the
+    start-up heap (:func:`freeze_startup_heap`), starts it, then serves until SIGINT/SIGTERM
+    and stops it gracefully.
 
     Args:
         name: Service name (``gateway``).
@@ -193,12 +245,22 @@ def run_service(
         return 2
     configure_logging(args.log_level, args.log_json, service=log_name(config) if log_name else name)
     try:
-        service = service_factory(config).start()
+        service = service_factory(config)
+        # before start(): the first requests, health checks and the ready file come after it
+        heap = freeze_startup_heap()
+        service.start()
     except RegistryUnavailableError as exc:
         logger.error("%s", exc)
         return EXIT_REGISTRY_UNAVAILABLE
     except (PLoRAError, OSError) as exc:  # OSError: a port it cannot bind, a file it cannot read
         logger.error("%s", exc)
         return 2
+    logger.info(
+        "froze %d start-up objects out of the garbage collector's scans: a full collection "
+        "took %.0f ms, now %.1f ms",
+        heap.objects,
+        heap.full_collection_ms,
+        heap.full_collection_after_ms,
+    )
     serve_until_signalled(service.stop)
     return 0
