@@ -113,11 +113,7 @@ class Admission:
         """
         with self._lock:
             if self._total >= self.max_concurrent:
-                raise AdmissionRefusedError(
-                    f"the gateway is serving its limit of {self.max_concurrent} concurrent "
-                    "Generate streams (--max-concurrent-requests); retry after a backoff",
-                    "max_concurrent_requests",
-                )
+                raise self._full()
             held = self._by_tenant.get(tenant_id, 0)
             if self.max_per_tenant and held >= self.max_per_tenant:
                 raise AdmissionRefusedError(
@@ -128,6 +124,26 @@ class Admission:
             self._total += 1
             self._by_tenant[tenant_id] = held + 1
         return Ticket(lambda: self._release(tenant_id))
+
+    def check_room(self) -> None:
+        """Refuse a stream at once if ``max_concurrent`` streams are being served, without
+        taking a place: for a front door that can refuse before it reads the request (and so
+        before it knows the tenant). A stream that passes is still admitted by :meth:`admit`,
+        which may refuse it if the last place went meanwhile.
+
+        Raises:
+            AdmissionRefusedError: ``max_concurrent`` streams are being served (the same
+                refusal :meth:`admit` gives).
+        """
+        if self._total >= self.max_concurrent:  # one int read: no lock needed to peek
+            raise self._full()
+
+    def _full(self) -> AdmissionRefusedError:
+        return AdmissionRefusedError(
+            f"the gateway is serving its limit of {self.max_concurrent} concurrent "
+            "Generate streams (--max-concurrent-requests); retry after a backoff",
+            "max_concurrent_requests",
+        )
 
     def _release(self, tenant_id: str) -> None:
         with self._lock:

@@ -212,6 +212,28 @@ class GatewayCore:
         request_id = request.request_id or uuid.uuid4().hex
         return Generation(request_id, self._counted(request, request_id, client))
 
+    def refuse_if_full(self) -> None:
+        """Refuse a ``Generate`` call before its request is read while the gateway serves
+        ``max_concurrent_requests`` streams (:meth:`Admission.check_room`): a front door that
+        can answer before it reads and parses the request calls this first, so that a flood
+        costs the gateway as little as possible per refused call. :meth:`generate` still
+        admits each stream that gets past it.
+
+        Raises:
+            AdmissionRefusedError: The gateway is full; counted as :meth:`generate` counts
+                its refusals.
+        """
+        try:
+            self.admission.check_room()
+        except AdmissionRefusedError as exc:
+            self._count_refusal(exc)
+            raise
+
+    def _count_refusal(self, exc: AdmissionRefusedError) -> None:
+        # counted, not logged: a flood of refusals would flood the log
+        self.metrics.rejected.labels(exc.reason).inc()
+        self.metrics.requests.labels(exc.status_code_name).inc()
+
     def _counted(
         self, request: gateway_pb2.GenerateRequest, request_id: str, client: Client
     ) -> Generator[GenerateChunk, None, None]:
@@ -222,9 +244,7 @@ class GatewayCore:
         try:
             ticket = self.admission.admit(request.tenant_id)
         except AdmissionRefusedError as exc:
-            # counted, not logged: a flood of refusals would flood the log
-            self.metrics.rejected.labels(exc.reason).inc()
-            self.metrics.requests.labels(exc.status_code_name).inc()
+            self._count_refusal(exc)
             raise
         code = grpc.StatusCode.OK
         detail = ""

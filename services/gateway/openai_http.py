@@ -403,6 +403,8 @@ class OpenAIApp:
             data = await self._json(request)
             body = parse_body(ChatBody if chat else CompletionBody, data)
             tenant = effective_tenant(principal, "")
+            # a full gateway answers 429 here, on the event loop, without a thread's turn
+            self.core.refuse_if_full()
         except (PLoRAError, HttpError) as exc:
             return self._error(exc, request_id)
 

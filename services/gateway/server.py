@@ -10,7 +10,7 @@ each RPC acts as the tenant of its caller's key.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from plora.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common import convert
 from services.common.config import settings_line
-from services.common.errors import PLoRAError
+from services.common.errors import InvalidRequestError, PLoRAError
 from services.common.grpc_util import (
     abort,
     create_server,
@@ -54,6 +54,8 @@ OPEN_SERVICES = (
     reflection.SERVICE_NAME,
     "grpc.reflection.v1.ServerReflection",
 )
+
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 
 _FINISH = {
     "length": gateway_pb2.FINISH_REASON_LENGTH,
@@ -188,6 +190,57 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
 
+class RefuseWhenFullInterceptor(grpc.ServerInterceptor):
+    """Serves ``Generate`` so that a call the gateway has no place for is refused before its
+    request is read (:meth:`GatewayCore.refuse_if_full`).
+
+    A sync gRPC server reads a unary request before it calls the handler: the pool thread
+    asks for the message and waits for the server's polling thread to hand it over, two
+    wake-ups under the GIL per call. Here ``Generate`` is served as a handler of a request
+    stream (the same bytes on the wire; a client sees no difference), which checks for room
+    first and reads its one request only when there is room. Under a flood of refused calls
+    that takes about a third off the gateway's CPU time per refusal and lets the refusals
+    come back sooner (docs/security.md, "Measured"). Other methods pass through unchanged.
+
+    Args:
+        core: The core whose admission counts decide.
+    """
+
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if (
+            handler is None
+            or handler.unary_stream is None  # only a unary-request, streamed-response method
+            or handler_call_details.method != GENERATE_METHOD
+        ):
+            return handler
+        serve = handler.unary_stream
+        core = self.core
+
+        def generate(
+            requests: Iterator[gateway_pb2.GenerateRequest], context: grpc.ServicerContext
+        ) -> Iterator[gateway_pb2.GenerateResponse]:
+            try:
+                core.refuse_if_full()
+            except PLoRAError as exc:
+                abort(context, exc)
+            request = next(requests, None)
+            if request is None:  # only a hand-made client can half-close without a request
+                abort(context, InvalidRequestError("Generate takes one GenerateRequest; none came"))
+            yield from serve(request, context)
+
+        return grpc.stream_stream_rpc_method_handler(
+            generate, handler.request_deserializer, handler.response_serializer
+        )
+
+
 class GatewayService:
     """A running gateway: gRPC server, OpenAI-compatible HTTP server (both over one
     :class:`~services.gateway.core.GatewayCore`), metrics endpoint and event stream.
@@ -218,11 +271,14 @@ class GatewayService:
             gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, server)
             return [SERVICE_NAME]
 
-        interceptors = []
+        # the key is checked first: a caller without one learns nothing, not even that the
+        # gateway is full
+        interceptors: list[grpc.ServerInterceptor] = []
         if keyring is not None:
             interceptors.append(
                 ApiKeyInterceptor(keyring, OPEN_SERVICES, self.metrics.unauthenticated.inc)
             )
+        interceptors.append(RefuseWhenFullInterceptor(self.core))
         self.server, self.port, self.health = create_server(
             register,
             host=config.host,

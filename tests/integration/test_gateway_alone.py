@@ -148,6 +148,55 @@ def test_every_rpc_applies_the_adapter_id_and_tenant_id_rules(gateway) -> None:
     assert list(listed.adapters) == []
 
 
+def test_a_full_gateway_refuses_generate_before_reading_its_request(redis_url: str) -> None:
+    """While every place is taken, a Generate call is refused RESOURCE_EXHAUSTED without its
+    request being read (here the client never sends one), counted once; a call that
+    half-closes without a request is INVALID_ARGUMENT; one request serves as a unary call does."""
+    service = GatewayService(
+        GatewayConfig(
+            port=0, metrics_port=0, http_port=0, redis_url=redis_url, max_concurrent_requests=1
+        )
+    ).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    raw = channel.stream_stream(
+        "/plora.v1.Gateway/Generate",
+        request_serializer=gateway_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=gateway_pb2.GenerateResponse.FromString,
+    )
+    never_sent = threading.Event()
+
+    def no_request_yet() -> Iterator[gateway_pb2.GenerateRequest]:
+        never_sent.wait(30)  # holds the request stream open, sending nothing
+        yield from ()
+
+    try:
+        ticket = service.core.admission.admit("")  # the one place, taken
+        with pytest.raises(grpc.RpcError) as full:
+            list(raw(no_request_yet(), timeout=10))
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit of 1 concurrent Generate streams" in full.value.details()
+        rejected = service.metrics.registry.get_sample_value(
+            "plora_gateway_requests_rejected_total", {"reason": "max_concurrent_requests"}
+        )
+        assert rejected == 1
+        ticket.release()
+
+        with pytest.raises(grpc.RpcError) as none:
+            list(raw(iter([]), timeout=10))
+        assert none.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Generate takes one GenerateRequest" in none.value.details()
+
+        with pytest.raises(grpc.RpcError) as one:
+            list(raw(iter([gateway_pb2.GenerateRequest(prompt="hi")]), timeout=10))
+        assert one.value.code() == grpc.StatusCode.UNAVAILABLE  # as the unary call's, above
+        assert "no healthy worker" in one.value.details()
+        assert service.core.admission.in_flight == 0
+    finally:
+        never_sent.set()
+        channel.close()
+        service.stop(0)
+
+
 @pytest.mark.parametrize("service", ["gateway", "predictor", "worker"])
 def test_unreachable_redis_gives_a_clear_message(service: str) -> None:
     out = subprocess.run(

@@ -42,6 +42,21 @@ def test_streams_beyond_the_gateway_bound_are_refused_naming_the_flag() -> None:
     assert admission.in_flight == 0
 
 
+def test_checking_for_room_refuses_as_admission_does_and_takes_no_place() -> None:
+    admission = Admission(1, max_per_tenant=1)
+    admission.check_room()  # room: nothing taken
+    assert admission.in_flight == 0
+    ticket = admission.admit("acme")
+    with pytest.raises(AdmissionRefusedError) as peeked:
+        admission.check_room()
+    with pytest.raises(AdmissionRefusedError) as admitted:
+        admission.admit("globex")
+    assert (peeked.value.reason, str(peeked.value)) == (admitted.value.reason, str(admitted.value))
+    assert admission.in_flight == 1
+    ticket.release()
+    admission.check_room()
+
+
 def test_streams_beyond_a_tenants_bound_are_refused_and_other_tenants_go_on() -> None:
     admission = Admission(10, max_per_tenant=2)
     held = [admission.admit("acme"), admission.admit("acme")]
