@@ -111,6 +111,32 @@ def abort(context: grpc.ServicerContext, exc: BaseException, request_id: str = "
     context.abort(code, str(exc) or type(exc).__name__)
 
 
+def refusing_handler(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler, for ``handler``'s method, that ends every call with ``code`` and
+    ``message`` before reading or parsing its request: for a server interceptor that refuses
+    a call (no credentials, no room).
+
+    Whatever the method's kind, the refusing handler takes a request stream (the same bytes
+    on the wire, so a client sees only the status): a sync gRPC server reads a unary request
+    before it calls the handler, which would both parse what an unauthenticated caller sent
+    and cost the refusal two more hand-overs between the server's threads.
+
+    Args:
+        handler: The method's own handler (its codec is kept; it is never used).
+        code: The status every call ends with.
+        message: The status details.
+    """
+
+    def refuse(_requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    return grpc.stream_stream_rpc_method_handler(
+        refuse, handler.request_deserializer, handler.response_serializer
+    )
+
+
 def map_errors(method: Callable[..., T]) -> Callable[..., T]:
     """Decorate a unary servicer method so domain errors become their status codes."""
 

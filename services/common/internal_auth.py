@@ -19,14 +19,14 @@ import logging
 import string
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from services.common.errors import ConfigError
-from services.common.grpc_util import MetadataSender
+from services.common.grpc_util import MetadataSender, refusing_handler
 
 logger = logging.getLogger(__name__)
 
@@ -116,33 +116,11 @@ def tokens_match(sent: str | bytes | None, expected: str) -> bool:
     return hmac.compare_digest(given, expected.encode())
 
 
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends every call UNAUTHENTICATED."""
-
-    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-
-    def deny_stream(_request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
-        yield  # pragma: no cover - abort raises
-
-    codec = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, **codec)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **codec)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, **codec)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, **codec)
-
-
 class InternalTokenInterceptor(grpc.ServerInterceptor):
     """Server interceptor of the Worker and Predictor servers: a call to any method outside
     :data:`OPEN_SERVICES` must carry ``token`` in :data:`TOKEN_METADATA_KEY`, else it ends
-    UNAUTHENTICATED with :data:`REFUSAL` before any servicer code runs.
+    UNAUTHENTICATED with :data:`REFUSAL` before any servicer code runs and before its
+    request is read or parsed (:func:`~services.common.grpc_util.refusing_handler`).
 
     Args:
         token: The cluster's internal token (non-empty).
@@ -179,7 +157,7 @@ class InternalTokenInterceptor(grpc.ServerInterceptor):
         if handler is None or tokens_match(sent, self._token):
             return handler
         self._refused(method, "missing" if sent is None else "wrong")
-        return _refusing(handler)
+        return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
 
     def _refused(self, method: str, why: str) -> None:
         """Count a refusal and log it (the method and whether the token was missing or

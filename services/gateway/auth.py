@@ -29,6 +29,7 @@ from services.common.errors import (
     UnauthenticatedError,
     quoted,
 )
+from services.common.grpc_util import refusing_handler
 from services.gateway.validation import check_tenant_id
 
 #: The metadata key of the credentials (gRPC metadata keys are lower case).
@@ -247,7 +248,8 @@ def sees_everything(principal: Principal | None) -> bool:
 class ApiKeyInterceptor(grpc.ServerInterceptor):
     """Refuses, UNAUTHENTICATED, every call without a known API key to a service not in
     ``open_services`` (health and reflection stay open: load balancers and ``grpcurl``
-    probe them without keys).
+    probe them without keys), before its request is read or parsed
+    (:func:`~services.common.grpc_util.refusing_handler`).
 
     Args:
         keyring: The accepted keys.
@@ -281,21 +283,9 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
             if self.on_refusal is not None:
                 self.on_refusal()
             handler = continuation(handler_call_details)
-            return None if handler is None else _refusing(handler)
+            if handler is None:
+                return None
+            return refusing_handler(
+                handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE
+            )
         return continuation(handler_call_details)
-
-
-def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind whose every call ends UNAUTHENTICATED."""
-
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
-
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, des, ser)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, des, ser)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, des, ser)
-    return grpc.unary_unary_rpc_method_handler(refuse, des, ser)

@@ -108,6 +108,10 @@ def test_every_rpc_without_a_known_key_is_unauthenticated_and_health_answers(
             for name, fn in calls.items():
                 code = _code(lambda fn=fn, gateway=gateway: fn(gateway))
                 assert code == grpc.StatusCode.UNAUTHENTICATED, (name, key)
+            # refused before the request is parsed: bytes that are no request, alike
+            raw = channel.unary_unary("/plora.v1.Gateway/RegisterAdapter")
+            garbage = _code(lambda raw=raw: raw(b"\xff\xff\xff not a protobuf", timeout=30))
+            assert garbage == grpc.StatusCode.UNAUTHENTICATED, key
             health = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10
             )

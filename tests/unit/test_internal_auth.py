@@ -12,7 +12,9 @@ import os
 import socket
 import stat
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -107,6 +109,28 @@ def test_a_call_without_the_token_or_with_another_is_unauthenticated(guarded_wor
             assert exc.details() == REFUSAL
             assert TOKEN not in exc.details()
     assert refused == ["/plora.v1.Worker/GetWorkerStatus", "/plora.v1.Worker/Generate"] * 2
+
+
+def test_a_call_without_the_token_is_refused_before_its_request_is_read(guarded_worker) -> None:
+    """Bytes that are no request, and a request never sent, are refused UNAUTHENTICATED
+    alike: the refusal neither parses nor waits for what an unauthenticated caller sends."""
+    _surface, address, refused = guarded_worker
+    never_sent = threading.Event()
+
+    def no_request_yet() -> Iterator[bytes]:
+        never_sent.wait(30)
+        yield from ()
+
+    method = "/plora.v1.Worker/GetWorkerStatus"
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as garbage:
+            channel.unary_unary(method)(b"\xff\xff\xff not a protobuf message", timeout=5)
+        with pytest.raises(grpc.RpcError) as unsent:
+            channel.stream_unary(method)(no_request_yet(), timeout=5)
+        never_sent.set()
+    for exc in (garbage.value, unsent.value):
+        assert (exc.code(), exc.details()) == (grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+    assert refused == [method] * 2
 
 
 def test_a_call_with_the_token_is_served(guarded_worker) -> None:
