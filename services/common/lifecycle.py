@@ -151,7 +151,7 @@ def freeze_startup_heap() -> FrozenHeap:
     (generation-2) collection while serving scans only what was allocated since.
 
     Without it a full collection stops every thread of the process while it walks the whole
-    start-up heap: on a 2-core x86 machine that takes about 80 ms in the gateway and 190 ms in
+    start-up heap: on a 2-core x86 machine that takes about 85 ms in the gateway and 190 ms in
     a worker with the default model, at moments the interpreter chooses, which lands on
     the refusal, token and health-check latencies being served at the time. vLLM freezes its
     start-up heap the same way once its engine is warmed up (``freeze_gc_heap``); SGLang
@@ -248,6 +248,13 @@ def run_service(
         service = service_factory(config)
         # before start(): the first requests, health checks and the ready file come after it
         heap = freeze_startup_heap()
+        logger.info(
+            "froze %d start-up objects out of the garbage collector's scans: a full "
+            "collection took %.0f ms, now %.1f ms",
+            heap.objects,
+            heap.full_collection_ms,
+            heap.full_collection_after_ms,
+        )
         service.start()
     except RegistryUnavailableError as exc:
         logger.error("%s", exc)
@@ -255,12 +262,5 @@ def run_service(
     except (PLoRAError, OSError) as exc:  # OSError: a port it cannot bind, a file it cannot read
         logger.error("%s", exc)
         return 2
-    logger.info(
-        "froze %d start-up objects out of the garbage collector's scans: a full collection "
-        "took %.0f ms, now %.1f ms",
-        heap.objects,
-        heap.full_collection_ms,
-        heap.full_collection_after_ms,
-    )
     serve_until_signalled(service.stop)
     return 0

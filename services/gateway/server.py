@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -199,7 +200,7 @@ class RefuseWhenFullInterceptor(grpc.ServerInterceptor):
     wake-ups under the GIL per call. Here ``Generate`` is served as a handler of a request
     stream (the same bytes on the wire; a client sees no difference), which checks for room
     first and reads its one request only when there is room. Under a flood of refused calls
-    that takes about a third off the gateway's CPU time per refusal and lets the refusals
+    that takes about 40 % off the gateway's CPU time per refusal and lets the refusals
     come back sooner (docs/security.md, "Measured"). Other methods pass through unchanged.
 
     Args:
@@ -208,6 +209,8 @@ class RefuseWhenFullInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
+        # (the servicer's handler, its wrapper): built once, not per call
+        self._wrapped: tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler] | None = None
 
     def intercept_service(
         self,
@@ -221,7 +224,19 @@ class RefuseWhenFullInterceptor(grpc.ServerInterceptor):
             or handler_call_details.method != GENERATE_METHOD
         ):
             return handler
-        serve = handler.unary_stream
+        wrapped = self._wrapped
+        if wrapped is None or wrapped[0] is not handler:
+            refusing = self._refusing_first(handler, handler.unary_stream)
+            wrapped = self._wrapped = (handler, refusing)
+        return wrapped[1]
+
+    def _refusing_first(
+        self,
+        handler: grpc.RpcMethodHandler,
+        serve: Callable[[gateway_pb2.GenerateRequest, grpc.ServicerContext], Any],
+    ) -> grpc.RpcMethodHandler:
+        """``Generate``'s ``handler``, whose behaviour is ``serve``, as a request-stream
+        handler that asks the core for room before it reads the request."""
         core = self.core
 
         def generate(
@@ -234,6 +249,7 @@ class RefuseWhenFullInterceptor(grpc.ServerInterceptor):
             request = next(requests, None)
             if request is None:  # only a hand-made client can half-close without a request
                 abort(context, InvalidRequestError("Generate takes one GenerateRequest; none came"))
+                return  # abort raised
             yield from serve(request, context)
 
         return grpc.stream_stream_rpc_method_handler(

@@ -198,7 +198,7 @@ def test_500_streams_against_a_limit_of_64(small_cluster: dict) -> None:
     is left on the worker, and the gateway's memory returns to within 10 % of before."""
     gateway = small_cluster["gateway"]
     # its start-up heap is out of the collector's full scans, which would otherwise stop the
-    # gateway ~80 ms at a time (services.common.lifecycle.freeze_startup_heap)
+    # gateway ~85 ms at a time (services.common.lifecycle.freeze_startup_heap)
     assert (
         "start-up objects out of the garbage collector" in small_cluster["gateway_log"].read_text()
     )
