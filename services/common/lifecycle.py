@@ -154,9 +154,8 @@ def freeze_startup_heap() -> FrozenHeap:
     start-up heap: under ``plora up`` on a 2-core x86 machine that takes about 90 ms in the
     gateway and in each worker (default model) and 150 ms in the predictor, at moments the
     interpreter chooses, which lands on the refusal, token and health-check latencies being
-    served at the time. vLLM freezes its
-    start-up heap the same way once its engine is warmed up (``freeze_gc_heap``); SGLang
-    offers it as ``freeze_gc``.
+    served at the time. vLLM freezes its start-up heap the same way once its engine is warmed
+    up (``freeze_gc_heap``); SGLang offers it as ``freeze_gc``.
 
     A full collection runs first, so only live objects are frozen. Frozen objects are still
     freed by reference counting when their last reference goes; one left in a reference
