@@ -85,7 +85,7 @@ def _chunk(response: gateway_pb2.GenerateResponse) -> GenerateChunk:
 
 
 class WorkerClients:
-    """Calls to the workers, over one channel per address.
+    """Calls to the workers, over one channel and one stub per address, built on first use.
 
     Args:
         internal_token: Sent on every call (:mod:`services.common.internal_auth`); ``""``
@@ -94,23 +94,23 @@ class WorkerClients:
 
     def __init__(self, internal_token: str = "") -> None:
         self._internal_token = internal_token
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, tuple[grpc.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
         """Close every channel."""
         with self._lock:
-            for ch in self._channels.values():
+            for ch, _ in self._channels.values():
                 ch.close()
             self._channels.clear()
 
     def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
+            entry = self._channels.get(address)
+            if entry is None:
                 ch = internal_channel(address, self._internal_token, options=CHANNEL_OPTIONS)
-                self._channels[address] = ch
-        return worker_pb2_grpc.WorkerStub(ch)
+                entry = self._channels[address] = (ch, worker_pb2_grpc.WorkerStub(ch))
+        return entry[1]
 
     def generate(
         self, address: str, request: worker_pb2.WorkerGenerateRequest, timeout: float
