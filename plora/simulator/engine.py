@@ -431,6 +431,7 @@ class SimWorker:
             al.live_bytes,
             est.prefill_s,
             est.cold_wait_s,
+            est.source_load_s,
         )
         if key != self._view_key:
             if self._res_names_version != self.res_version:
@@ -445,6 +446,7 @@ class SimWorker:
                 queue_length=key[1],
                 prefill_s=est.prefill_s,
                 cold_wait_s=est.cold_wait_s,
+                source_load_s=est.source_load_s,
             )
             self._view_key = key
         assert self._view is not None
@@ -947,6 +949,8 @@ class SimWorker:
         self.res_bytes[a] = job.units * self.allocator.unit_bytes
         self.res_version += 1
         self.c["loads_" + job.tier] += 1
+        if job.tier == "source":  # as the worker's store reports a load: read, room and copy
+            self.estimates.observe_source_load(t - job.started_t)
         self.ever_held.add(a)
         if job.prefetch and not job.used:
             self.prefetched_unused.add(a)

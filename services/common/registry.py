@@ -233,6 +233,8 @@ class WorkerRecord:
         prefill_s: Recent mean prefill time per request, seconds
             (``services.worker.engine.ServiceEstimates``; 0 = not measured yet).
         cold_wait_s: Recent mean adapter wait of a cold request, seconds (0 = none yet).
+        source_load_s: Recent mean time of a load from the source tier, seconds (0 = none
+            yet).
         healthy: Filled in by :meth:`Registry.list_workers` from the liveness key.
     """
 
@@ -250,6 +252,7 @@ class WorkerRecord:
     pool: dict[str, Any] = field(default_factory=dict)
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
+    source_load_s: float = 0.0
     healthy: bool = False
 
     @property

@@ -1,6 +1,6 @@
 """What a worker publishes about its own service for routing: exponentially weighted means of a
-prefill's share of its step and of a cold start's wait for its adapter (the inputs of
-rank-aware routing's cost estimate)."""
+prefill's share of its step, of a cold start's wait for its adapter and of a load from the
+source tier (the inputs of rank-aware routing's cost estimate)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ class ServiceEstimates:
             over its rows by tokens, summed until the request's first token): the delay one
             more pending request adds before a new request's first token.
         cold_wait_s: Time a cold request waited for its adapter to become resident.
+        source_load_s: Time of a load that read the adapter from its source (not from the
+            host cache): the read, finding room and the copy into the pool. What a request
+            sent to this worker for an adapter it holds in neither tier pays at least.
         decode_row_s: Marginal step time of one more decoding sequence, seconds: the slope of
             decode-only steps' wall time against their rows (exponentially weighted least
             squares, weight ``decode_decay`` kept per step), so what each running sequence
@@ -34,6 +37,7 @@ class ServiceEstimates:
 
     prefill_s: float = 0.0
     cold_wait_s: float = 0.0
+    source_load_s: float = 0.0
     decode_row_s: float = 0.0
     alpha: float = 0.1
     decode_decay: float = 0.99
@@ -47,6 +51,10 @@ class ServiceEstimates:
     def observe_cold_wait(self, seconds: float) -> None:
         """Fold in one cold request's adapter wait (seconds)."""
         self.cold_wait_s = _ewma(self.cold_wait_s, seconds, self.alpha)
+
+    def observe_source_load(self, seconds: float) -> None:
+        """Fold in one load from the source tier (seconds)."""
+        self.source_load_s = _ewma(self.source_load_s, seconds, self.alpha)
 
     def observe_decode_step(self, rows: int, seconds: float) -> None:
         """Fold in one decode-only step: ``rows`` sequences (one token each) in ``seconds``

@@ -376,11 +376,14 @@ class WorkerService:
         return cache
 
     def _on_store_event(self, event: StoreEvent) -> None:
-        """Store events -> Prometheus (called under the store lock: counters only)."""
+        """Store events -> Prometheus, and a source load's time -> the routing estimates
+        (called under the store lock: counters and one float only)."""
         m = self.metrics
         if event.kind == "load":
             m.loads.labels(event.tier).inc()
             m.load_latency.labels(event.tier).observe(event.seconds)
+            if event.tier == "source":
+                self.engine.estimates.observe_source_load(event.seconds)
         elif event.kind == "evict":
             m.evictions.labels(event.reason).inc()
         elif event.kind == "compact":
@@ -558,6 +561,7 @@ class WorkerService:
             pool=pool_stats_dict(snapshot, self.config),
             prefill_s=self.engine.estimates.prefill_s,
             cold_wait_s=self.engine.estimates.cold_wait_s,
+            source_load_s=self.engine.estimates.source_load_s,
         )
         known = self.registry.heartbeat(
             record,

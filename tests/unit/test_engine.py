@@ -451,6 +451,10 @@ def test_service_estimates_are_exponential_means() -> None:
     est.observe_cold_wait(2.0)
     est.observe_cold_wait(1.0)
     assert est.cold_wait_s == pytest.approx(1.5)
+    assert est.source_load_s == 0.0
+    est.observe_source_load(4.0)
+    est.observe_source_load(2.0)
+    assert est.source_load_s == pytest.approx(3.0)
 
 
 def test_failed_adapter_ends_only_that_request(

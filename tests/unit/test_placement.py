@@ -361,6 +361,37 @@ def test_pending_slack_applies_until_the_workers_have_figures() -> None:
     assert route_rank_aware("a", one, {}, pending_slack=0) == ("w1", "least_loaded")
 
 
+def test_leaving_for_a_read_from_the_source_is_weighed_against_that_read() -> None:
+    """A request leaves the worker holding its adapter for one that would read it from the
+    source only when the prefills it would wait behind take longer than that read
+    (``source_load_s``), however long the holder's queue (requests waiting for the same load
+    are queued there too); a copy from the other worker's host cache is weighed as before."""
+    held = frozenset({"a"})
+
+    def holder(queue: int, pending: int, **kw) -> WorkerView:
+        return WorkerView("w0", queue_length=queue, pending=pending, prefill_s=0.1, **kw)
+
+    slow_source = WorkerView("w1", cold_wait_s=0.02, source_load_s=4.0)
+    # 10 more queued (past the queue slack of 4) and 10 pending prefills: 1 s < a 4 s read
+    for where in ({"resident": held}, {"loading": held}):
+        ws = [holder(10, 10, **where), slow_source]
+        assert route_rank_aware("a", ws, {})[0] == "w0"
+    # 50 pending prefills: 5 s > 4 s -> leave
+    assert route_rank_aware("a", [holder(50, 50, resident=held), slow_source], {}) == (
+        "w1",
+        "least_loaded",
+    )
+    # the same queue where w1 holds the adapter in host memory: the queue slack decides
+    cached = WorkerView("w1", cold_wait_s=0.02, source_load_s=4.0, host_cached=held)
+    assert route_rank_aware("a", [holder(10, 10, resident=held), cached], {})[0] == "w1"
+    # a source read not measured yet on w1 (0): the rules before it was
+    unknown = WorkerView("w1", cold_wait_s=0.02)
+    assert route_rank_aware("a", [holder(10, 10, resident=held), unknown], {})[0] == "w1"
+    # loads from a fast source (a local disk, 0.05 s) are left for as readily as host copies
+    fast = WorkerView("w1", cold_wait_s=0.02, source_load_s=0.05)
+    assert route_rank_aware("a", [holder(1, 1, resident=held), fast], {})[0] == "w1"
+
+
 def test_turn_rotates_the_order_ties_are_broken_in() -> None:
     idle = [WorkerView(f"w{i}") for i in range(3)]
     chosen = [route_rank_aware("", idle, {}, turn=t)[0] for t in range(7)]

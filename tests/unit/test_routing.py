@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from dataclasses import asdict
 
 import pytest
 
@@ -179,14 +181,16 @@ def test_worker_view_reads_a_heartbeat() -> None:
         pool={"pool_bytes": 100, "live_bytes": 30},
         prefill_s=0.5,
         cold_wait_s=0.25,
+        source_load_s=3.5,
     )
-    view = worker_view(record)
+    view = worker_view(WorkerRecord.from_json(json.dumps(asdict(record))))  # as heartbeats store it
     assert (view.queue_length, view.free_bytes, view.room_bytes) == (5, 70, 7)
+    assert (view.prefill_s, view.cold_wait_s, view.source_load_s) == (0.5, 0.25, 3.5)
     assert view.resident == {"a"} and set(view.loading) == {"b"}
     assert view.host_cached == {"a", "c"}
     # the gateway's views keep the heartbeat's host cache (step "host" of the rule)
     (kept,) = RoutingState().views([(view, 1.0)])
-    assert kept.host_cached == {"a", "c"}
+    assert kept.host_cached == {"a", "c"} and kept.source_load_s == 3.5
     cached = hb("w0", host_cached=frozenset({"c"}))
     routed = RoutingState().route("c", [(cached, 1.0), (hb("w1"), 1.0)], {}, size_bytes=0, now=1.5)
     assert routed == ("w0", "host")
