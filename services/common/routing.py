@@ -162,8 +162,9 @@ def route_rank_aware(
     forecast is the predictor's guess (``plora simulate``, h100-8b, 4 workers: letting the
     placement hold a request for up to ``queue_slack`` more queued requests made ``plora``
     slower than the same system without its predictor, 0.0467 s against 0.0436 s mean TTFT on
-    the Azure 2019 trace; as a tie-break, 0.0431 s). Where a worker has not measured those
-    yet (0), ``pending_slack`` extra pending requests are tolerated. Staying saves a load (a
+    the Azure 2019 trace, before the source-read rule; as a tie-break, 0.0431 s). Where a
+    worker has not measured those yet (0), ``pending_slack`` extra pending requests are
+    tolerated. Staying saves a load (a
     cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the rule takes
     whichever is expected to be shorter, using each worker's own recent figures, so the same
     code is right where loads are slow against prefill (remote adapter storage) and where they
