@@ -147,3 +147,30 @@ def test_a_stalled_engine_makes_the_worker_leave_the_registry_and_exit(
     finally:
         release.set()
         service.stop()
+
+
+def test_the_worker_publishes_how_long_a_load_from_the_source_takes(
+    own_redis: OwnRedis, model_dir: Path, tmp_path: Path
+) -> None:
+    """A load that read the adapter's files (host staging off, so no host copy) is folded into
+    the heartbeat's ``source_load_s``, which routing weighs before sending a request to read
+    an adapter from the source on another worker (``route_rank_aware``, rule (c))."""
+    service = _worker(own_redis.url, model_dir)
+    channel = grpc.insecure_channel(service.address)
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    (source,) = make_adapter_set(tmp_path, service.spec, count=1, ranks=[8], seed=0)
+    record = AdapterRecord("a", str(source), version=1, rank=8)
+    registry = Registry(connect(own_redis.url))
+    registry.put_adapter(record)
+    try:
+        service.heartbeat()
+        (before,) = registry.list_workers()
+        assert before.source_load_s == 0.0  # nothing read yet
+        assert _generate(stub, record)[-1].finish_reason
+        service.heartbeat()
+        (after,) = registry.list_workers()
+        assert after.source_load_s > 0.0
+        assert after.source_load_s == service.engine.estimates.source_load_s
+    finally:
+        channel.close()
+        service.stop()
