@@ -61,13 +61,19 @@ def live_resident(workers: list[worker_pb2_grpc.WorkerStub]) -> set[str]:
 
 
 def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, cluster):
+    workers = [worker_stub(cluster, a) for a in cluster["workers"].values()]
+    # Pools emptied of what earlier tests left on this shared cluster: a worker takes a
+    # prefetch only when room can be made without evicting an adapter forecast to be as
+    # busy, so a pool full of other tests' adapters would refuse the largest copy here.
+    for w in workers:
+        for a in live_resident([w]):
+            w.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=a), timeout=10)
     adapters = register_copies(stub, cluster, "loop", 3)
     # First burst: cold starts, and the predictor sees the demand.
     with ThreadPoolExecutor(6) as pool:
         first = list(pool.map(lambda a: ask(stub, a), adapters * 2))
     assert any(r.adapter_cold for r in first)
     # Take the adapters out of every worker (as eviction under pressure would) ...
-    workers = [worker_stub(cluster, a) for a in cluster["workers"].values()]
     for w in workers:
         for a in adapters:
             w.UnloadAdapter(worker_pb2.UnloadAdapterRequest(adapter_id=a), timeout=10)
