@@ -136,41 +136,38 @@ def route_rank_aware(
 
     Order: the least-loaded worker holding the adapter resident; else the least-loaded worker
     loading it (``WorkerView.loading``: the request waits only for the rest of that load, where
-    another worker would start a whole second one and hold a second copy; the placement does
-    not move a request off a load in flight: on the Alibaba trace in ``plora simulate`` that
-    made one cold request in six a duplicate load); else, when some but not all of the
-    candidates hold it in their host cache (``WorkerView.host_cached``), the least-loaded of
-    those (its load reads host memory, where another worker would read the source: seconds
-    from remote storage; workers stage different adapters,
-    :func:`services.worker.store_types.staging_key`); else the least-loaded worker the
-    placement assigns it to; else the least-loaded worker. A resident, loading or host-caching
-    worker ``w`` is passed over for the least-loaded worker ``l`` when its queue is more than
-    ``queue_slack`` longer, or when the prefills it has pending beyond ``l``'s would delay the
-    first token longer than a cold start on ``l``:
+    another worker would start a whole second one and hold a second copy; the placement does not
+    move a request off a load in flight: on the Alibaba trace in ``plora simulate`` that made
+    one cold request in six a duplicate load); else, when some but not all of the candidates
+    hold it in their host cache (``WorkerView.host_cached``), the least-loaded of those (its
+    load reads host memory, where another worker would read the source: seconds from remote
+    storage; workers stage different adapters, :func:`services.worker.store_types.staging_key`);
+    else the least-loaded worker the placement assigns it to; else the least-loaded worker. A
+    resident, loading or host-caching worker ``w`` is passed over for the least-loaded worker
+    ``l`` when its queue is more than ``queue_slack`` longer, or when the prefills it has
+    pending beyond ``l``'s would delay the first token longer than a cold start on ``l``:
     ``(w.pending - l.pending) * w.prefill_s > l.cold_wait_s``. Where the load on ``l`` would
     read the source tier (``l`` does not hold the adapter in its host cache) and ``l`` has
-    measured such reads (``source_load_s``), ``w`` is passed over only when
-    ``(w.pending - l.pending) * w.prefill_s > l.source_load_s``: neither the queue difference
-    (the requests waiting for the same load are queued on ``w`` too) nor ``l.cold_wait_s`` (a
-    mean over mostly host copies where host caches serve most loads) weighs a read of seconds
-    (``plora simulate``, h100-8b, 4 workers, ``plora-no-predictor``: mean TTFT 0.97 s against
-    1.54 s on the Alibaba trace over 5 seeds, 0.0391 s against 0.0408 s on the Azure 2019
-    trace). A placed, not resident, worker
-    is chosen only when it is as lightly loaded as ``l`` (pending, then queue): the placement
-    breaks ties among the least-loaded workers and never adds a wait. The request is cold on
-    either worker, so nothing is saved by waiting behind a placed worker's prefills, and its
-    forecast is the predictor's guess (``plora simulate``, h100-8b, 4 workers: letting the
-    placement hold a request for up to ``queue_slack`` more queued requests made ``plora``
-    slower than the same system without its predictor, 0.0467 s against 0.0436 s mean TTFT on
-    the Azure 2019 trace, before the source-read rule; as a tie-break, 0.0431 s). Where a
-    worker has not measured those yet (0), ``pending_slack`` extra pending requests are
-    tolerated. Staying saves a load (a
-    cold start on ``l``), leaving saves waiting behind ``w``'s prefills: the rule takes
-    whichever is expected to be shorter, using each worker's own recent figures, so the same
-    code is right where loads are slow against prefill (remote adapter storage) and where they
-    are fast (host memory to GPU). Decoding sequences do not, by themselves, move a request off
-    its resident worker: that would spread adapters over more workers and cost more cold starts
-    than the balance wins.
+    measured such reads (``source_load_s``), ``w`` is passed over only when ``(w.pending -
+    l.pending) * w.prefill_s > l.source_load_s``: neither the queue difference (the requests
+    waiting for the same load are queued on ``w`` too) nor ``l.cold_wait_s`` (a mean over mostly
+    host copies where host caches serve most loads) weighs a read of seconds (``plora
+    simulate``, h100-8b, 4 workers, ``plora-no-predictor``: mean TTFT 0.97 s against 1.54 s on
+    the Alibaba trace over 5 seeds, 0.0391 s against 0.0408 s on the Azure 2019 trace). A
+    placed, not resident, worker is chosen only when it is as lightly loaded as ``l`` (pending,
+    then queue): the placement breaks ties among the least-loaded workers and never adds a wait.
+    The request is cold on either worker, so nothing is saved by waiting behind a placed
+    worker's prefills, and its forecast is the predictor's guess (``plora simulate``, h100-8b, 4
+    workers: letting the placement hold a request for up to ``queue_slack`` more queued requests
+    made ``plora`` slower than the same system without its predictor, 0.0467 s against 0.0436 s
+    mean TTFT on the Azure 2019 trace, before the source-read rule; as a tie-break, 0.0431 s).
+    Where a worker has not measured those yet (0), ``pending_slack`` extra pending requests are
+    tolerated. Staying saves a load (a cold start on ``l``), leaving saves waiting behind
+    ``w``'s prefills: the rule takes whichever is expected to be shorter, using each worker's
+    own recent figures, so the same code is right where loads are slow against prefill (remote
+    adapter storage) and where they are fast (host memory to GPU). Decoding sequences do not, by
+    themselves, move a request off its resident worker: that would spread adapters over more
+    workers and cost more cold starts than the balance wins.
 
     Args:
         adapter_id: Requested adapter ("" = base model).
@@ -272,22 +269,18 @@ def _worth_staying(
     """Whether a request should go to ``w`` rather than the least-loaded worker (see
     :func:`route_rank_aware`); ``source_read``: the load on ``least`` would read the source
     tier."""
-    extra = w.pending - least.pending
-    if saves_load and source_read and least.source_load_s > 0.0:
-        # Leaving costs a whole read from the source (the measured mean on `least`), which
-        # neither the queue difference nor `least.cold_wait_s` (a mean over mostly host
-        # copies where a host cache serves most loads) weighs.
-        if extra <= 0:
-            return True
-        if w.prefill_s > 0.0:
-            return extra * w.prefill_s <= least.source_load_s
-        return extra <= pending_slack
-    if w.queue_length > least.queue_length + queue_slack:
+    # Leaving for a read from the source costs that read (the measured mean on `least`), which
+    # neither the queue difference nor `least.cold_wait_s` (a mean over mostly host copies
+    # where a host cache serves most loads) weighs: the pending prefills alone are set against it.
+    by_source = saves_load and source_read and least.source_load_s > 0.0
+    if not by_source and w.queue_length > least.queue_length + queue_slack:
         return False
+    extra = w.pending - least.pending
     if extra <= 0 or not saves_load:
         return True
-    if w.prefill_s > 0.0 and least.cold_wait_s > 0.0:
-        return extra * w.prefill_s <= least.cold_wait_s
+    cold_s = least.source_load_s if by_source else least.cold_wait_s
+    if w.prefill_s > 0.0 and cold_s > 0.0:
+        return extra * w.prefill_s <= cold_s
     return extra <= pending_slack
 
 
