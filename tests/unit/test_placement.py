@@ -384,7 +384,7 @@ def test_leaving_for_a_read_from_the_source_is_weighed_against_that_read() -> No
     # the same queue where w1 holds the adapter in host memory: the queue slack decides
     cached = WorkerView("w1", cold_wait_s=0.02, source_load_s=4.0, host_cached=held)
     assert route_rank_aware("a", [holder(10, 10, resident=held), cached], {})[0] == "w1"
-    # a source read not measured yet on w1 (0): the rules before it was
+    # no source read measured yet on w1 (0): the queue slack decides
     unknown = WorkerView("w1", cold_wait_s=0.02)
     assert route_rank_aware("a", [holder(10, 10, resident=held), unknown], {})[0] == "w1"
     # loads from a fast source (a local disk, 0.05 s) are left for as readily as host copies
