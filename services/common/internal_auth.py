@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -192,6 +192,51 @@ def internal_channel(
     if not token:
         return channel
     return grpc.intercept_channel(channel, MetadataSender(TOKEN_METADATA_KEY, token))
+
+
+#: A generated gRPC stub class (``WorkerStub``): built from a channel.
+StubT = TypeVar("StubT")
+
+
+class InternalStubs(Generic[StubT]):
+    """One channel and one stub per address, to the services of one kind (the workers),
+    built on first use and kept: a stub binds a method object per RPC of its service, work
+    worth doing once, not on every call. Thread-safe.
+
+    Args:
+        stub_type: The generated stub class (``worker_pb2_grpc.WorkerStub``).
+        token: Sent on every call (:func:`internal_channel`); ``""`` when internal
+            authentication is off.
+        options: gRPC channel options (:data:`services.common.grpc_util.CHANNEL_OPTIONS`).
+    """
+
+    def __init__(
+        self,
+        stub_type: Callable[[grpc.Channel], StubT],
+        token: str,
+        options: Sequence[tuple[str, Any]] | None = None,
+    ) -> None:
+        self._stub_type = stub_type
+        self._token = token
+        self._options = options
+        self._stubs: dict[str, tuple[grpc.Channel, StubT]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, address: str) -> StubT:
+        """The stub for ``address`` (``host:port``), its channel opened on first use."""
+        with self._lock:
+            entry = self._stubs.get(address)
+            if entry is None:
+                channel = internal_channel(address, self._token, options=self._options)
+                entry = self._stubs[address] = (channel, self._stub_type(channel))
+        return entry[1]
+
+    def close(self) -> None:
+        """Close every channel; a later :meth:`get` opens a new one."""
+        with self._lock:
+            entries, self._stubs = list(self._stubs.values()), {}
+        for channel, _ in entries:
+            channel.close()
 
 
 def server_interceptors(

@@ -8,7 +8,6 @@ One channel per worker address, kept open. A streamed Generate comes back as
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -16,7 +15,7 @@ import grpc
 from plora.v1 import gateway_pb2, worker_pb2, worker_pb2_grpc
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS
-from services.common.internal_auth import internal_channel
+from services.common.internal_auth import InternalStubs
 from services.common.registry import WorkerRecord
 from services.gateway.results import GenerateChunk, Usage
 
@@ -93,30 +92,19 @@ class WorkerClients:
     """
 
     def __init__(self, internal_token: str = "") -> None:
-        self._internal_token = internal_token
-        self._channels: dict[str, tuple[grpc.Channel, worker_pb2_grpc.WorkerStub]] = {}
-        self._lock = threading.Lock()
+        self._stubs = InternalStubs(
+            worker_pb2_grpc.WorkerStub, internal_token, options=CHANNEL_OPTIONS
+        )
 
     def close(self) -> None:
         """Close every channel."""
-        with self._lock:
-            for ch, _ in self._channels.values():
-                ch.close()
-            self._channels.clear()
-
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        with self._lock:
-            entry = self._channels.get(address)
-            if entry is None:
-                ch = internal_channel(address, self._internal_token, options=CHANNEL_OPTIONS)
-                entry = self._channels[address] = (ch, worker_pb2_grpc.WorkerStub(ch))
-        return entry[1]
+        self._stubs.close()
 
     def generate(
         self, address: str, request: worker_pb2.WorkerGenerateRequest, timeout: float
     ) -> WorkerStream:
         """Start a Generate call on the worker at ``address`` (``timeout`` seconds at most)."""
-        return WorkerStream(self._stub(address).Generate(request, timeout=timeout))
+        return WorkerStream(self._stubs.get(address).Generate(request, timeout=timeout))
 
     def unload(
         self, workers: Sequence[WorkerRecord], adapter_id: str, below_version: int = 0
@@ -128,7 +116,7 @@ class WorkerClients:
             adapter_id=adapter_id, below_version=below_version
         )
         calls = [
-            (w, self._stub(w.address).UnloadAdapter.future(request, timeout=UNLOAD_TIMEOUT_S))
+            (w, self._stubs.get(w.address).UnloadAdapter.future(request, timeout=UNLOAD_TIMEOUT_S))
             for w in workers
         ]
         for w, call in calls:

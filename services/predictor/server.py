@@ -25,7 +25,7 @@ from services.common import convert
 from services.common.config import settings_line
 from services.common.errors import PLoRAError
 from services.common.grpc_util import CHANNEL_OPTIONS, create_server, map_errors, set_serving
-from services.common.internal_auth import internal_channel, resolve_token, server_interceptors
+from services.common.internal_auth import InternalStubs, resolve_token, server_interceptors
 from services.common.lifecycle import lower_thread_priority, run_service, write_ready_file
 from services.common.metrics import serve_metrics
 from services.common.registry import Registry, RegistryUnavailableError, connect
@@ -159,9 +159,11 @@ class PredictorCore:
             min_probability=config.prefetch_min_probability,
         )
         self.placement: dict[str, list[str]] = {}
-        self._channels: dict[str, grpc.Channel] = {}
         #: Sent on every call to a worker, required of every call to this predictor.
         self.internal_token = resolve_token(config.internal_token_file, config.internal_token)
+        self._workers = InternalStubs(
+            worker_pb2_grpc.WorkerStub, self.internal_token, options=CHANNEL_OPTIONS
+        )
         self._last_persist = time.monotonic()
         blob = registry.load_predictor_state()
         if blob:
@@ -269,23 +271,15 @@ class PredictorCore:
                     expected_count=count,
                 )
             try:
-                self._stub(addresses[worker_id]).PrefetchAdapters(request, timeout=2.0)
+                self._workers.get(addresses[worker_id]).PrefetchAdapters(request, timeout=2.0)
                 self.metrics.prefetches.inc(len(items))
             except grpc.RpcError as exc:
                 self.metrics.prefetch_errors.inc()
                 logger.warning("prefetch to %s failed: %s", worker_id, exc.code().name)
 
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = internal_channel(address, self.internal_token, options=CHANNEL_OPTIONS)
-            self._channels[address] = ch
-        return worker_pb2_grpc.WorkerStub(ch)
-
     def close(self) -> None:
         """Close worker channels."""
-        for ch in self._channels.values():
-            ch.close()
+        self._workers.close()
 
 
 class PredictorService:

@@ -60,6 +60,20 @@ def live_resident(workers: list[worker_pb2_grpc.WorkerStub]) -> set[str]:
     }
 
 
+def why_not_prefetched(cluster: dict, missing: set[str]) -> str:
+    """What a failure should show: the predictor's last forecast of ``missing`` (from Redis)
+    and each worker's prefetch outcomes (``plora_worker_prefetch_requests_total``)."""
+    forecast = json.loads(redis.Redis.from_url(cluster["redis_url"]).get("plora:forecast") or b"{}")
+    expected = {a: forecast.get("expected", {}).get(a) for a in sorted(missing)}
+    outcomes = {}
+    for name in cluster["workers"]:
+        text = urllib.request.urlopen(cluster["metrics"][name], timeout=10).read().decode()
+        outcomes[name] = [
+            line for line in text.splitlines() if line.startswith("plora_worker_prefetch_requests")
+        ]
+    return f"not prefetched: {sorted(missing)}; forecast {expected}; workers {outcomes}"
+
+
 def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, cluster):
     workers = [worker_stub(cluster, a) for a in cluster["workers"].values()]
     # Pools emptied of what earlier tests left on this shared cluster: a worker takes a
@@ -84,7 +98,8 @@ def test_burst_makes_the_predictor_prefetch_and_the_next_burst_is_warm(stub, clu
         resident = live_resident(workers)
         if set(adapters) <= resident:
             break
-        assert time.monotonic() < deadline, f"not prefetched: {set(adapters) - resident}"
+        if time.monotonic() >= deadline:
+            pytest.fail(why_not_prefetched(cluster, set(adapters) - resident))
         time.sleep(0.25)
     time.sleep(1.5)  # one heartbeat, so the gateway's routing sees the new residency
     second = [ask(stub, a) for a in adapters]
@@ -122,6 +137,8 @@ def test_killing_the_predictor_fails_no_request_and_it_resumes(stub, cluster):
     while json.loads(state_file.read_text())["pids"]["predictor"] == old_pid:
         assert time.monotonic() < deadline, "predictor was not restarted"
         time.sleep(0.5)
+    # the fixture's teardown checks every child ended, and later tests read the pids
+    cluster["pids"]["predictor"] = json.loads(state_file.read_text())["pids"]["predictor"]
     deadline = time.monotonic() + 30
     while not stub.GetClusterStatus(
         gateway_pb2.GetClusterStatusRequest(), timeout=10

@@ -28,6 +28,7 @@ from services.common.grpc_util import create_server, set_serving
 from services.common.internal_auth import (
     REFUSAL,
     TOKEN_METADATA_KEY,
+    InternalStubs,
     InternalTokenInterceptor,
     internal_channel,
     resolve_token,
@@ -144,6 +145,32 @@ def test_a_call_with_the_token_is_served(guarded_worker) -> None:
             worker_pb2.PrefetchAdaptersRequest(), timeout=5, metadata=(("x-trace", "1"),)
         )
     assert len(surface.prefetches) == 1 and refused == []
+
+
+def test_stubs_are_built_once_per_address_and_send_the_token(guarded_worker) -> None:
+    """InternalStubs (the gateway's and the predictor's calls to the workers): one stub per
+    address, reused; every call carries the token; after close a new channel serves."""
+    _surface, address, refused = guarded_worker
+    stubs = InternalStubs(worker_pb2_grpc.WorkerStub, TOKEN)
+    try:
+        stub = stubs.get(address)
+        assert stubs.get(address) is stub
+        assert stubs.get("127.0.0.1:1") is not stub  # another address, its own channel
+        assert stub.GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5).running == 3
+        stubs.close()
+        again = stubs.get(address)
+        assert again is not stub
+        assert again.GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5).running == 3
+    finally:
+        stubs.close()
+    assert refused == []
+    unsigned = InternalStubs(worker_pb2_grpc.WorkerStub, "")
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            unsigned.get(address).GetWorkerStatus(worker_pb2.GetWorkerStatusRequest(), timeout=5)
+        assert exc.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        unsigned.close()
 
 
 def test_health_and_reflection_stay_open(guarded_worker) -> None:
