@@ -1230,6 +1230,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"plora up: cluster ready - gateway {state['gateway']}, state in {cluster.state_file}\n"
         f'  try: {try_command(cluster.state_file)} generate "What is the capital of France?"\n'
+        f"  OpenAI-compatible API: {state.get('openai_base_url', '-')}\n"
         f"  metrics: " + ", ".join(f"{k}={v}" for k, v in state["metrics"].items()) + "\n"
         "  Ctrl-C stops everything.",
         flush=True,

@@ -110,6 +110,13 @@ def _streamed_chat(client: OpenAI, **kw: object) -> tuple[list[str], str | None,
 # -- models ----------------------------------------------------------------------------------
 
 
+def test_plora_up_names_the_openai_base_url_when_ready(cluster: dict) -> None:
+    """The ready banner tells a user where the OpenAI-compatible API is, as the state file
+    does."""
+    banner = Path(cluster["log"]).read_text()
+    assert f"OpenAI-compatible API: {cluster['openai_base_url']}\n" in banner
+
+
 def test_models_list_the_base_model_first_then_every_demo_adapter(
     client: OpenAI, cluster: dict
 ) -> None:
