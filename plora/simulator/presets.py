@@ -51,6 +51,10 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 
+#: ``StepTimeModel.rank_mode`` values (module doc).
+RANK_MODES = ("max", "sum")
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     """Duration of one engine step (see the module doc for the formula).
@@ -72,7 +76,7 @@ class StepTimeModel:
     rank_mode: str = "max"
 
     def __post_init__(self) -> None:
-        if self.rank_mode not in ("max", "sum"):
+        if self.rank_mode not in RANK_MODES:
             raise ValueError(f"rank_mode must be 'max' or 'sum', got {self.rank_mode!r}")
         if min(self.base_s, self.per_row_s, self.per_prefill_token_s) < 0:
             raise ValueError("step-time coefficients must be >= 0")

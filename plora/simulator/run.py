@@ -41,7 +41,7 @@ from plora.simulator.engine import (
     simulate,
 )
 from plora.simulator.feed import DemandFeed
-from plora.simulator.presets import PRESET_NAMES, Preset, get_preset
+from plora.simulator.presets import PRESET_NAMES, RANK_MODES, Preset, get_preset
 from plora.simulator.presets import source_latencies as preset_source_latencies
 from plora.simulator.report import (
     POLICY_KEYS,
@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=4, help="workers (default 4)")
     parser.add_argument("--preset", choices=PRESET_NAMES, default="cpu", help="hardware preset")
+    parser.add_argument(
+        "--rank-mode",
+        choices=RANK_MODES,
+        default=None,
+        help="multi-LoRA step cost: 'max' (padded kernels, every row at the batch's largest "
+        "rank: S-LoRA, Punica) or 'sum' (one matmul per adapter segment at its own rank); "
+        "default: the preset's (docs/benchmarks.md, the step-time model)",
+    )
     parser.add_argument(
         "--policies",
         default=None,
@@ -187,8 +195,15 @@ def _probability(text: str) -> float:
     return value
 
 
+def _preset(args: argparse.Namespace, preset: Preset) -> Preset:
+    """``preset`` with ``--rank-mode`` applied, when given."""
+    if args.rank_mode is None or args.rank_mode == preset.step.rank_mode:
+        return preset
+    return replace(preset, step=replace(preset.step, rank_mode=args.rank_mode))
+
+
 def _config(args: argparse.Namespace, workers: int, seed: int) -> SimConfig:
-    preset = get_preset(args.preset)
+    preset = _preset(args, get_preset(args.preset))
     lat = preset_source_latencies(preset, args.source_latencies)
     return SimConfig(
         preset=preset,
@@ -496,7 +511,9 @@ def _replay_slice(args: argparse.Namespace, seed: int) -> tuple[Trace, AdapterSe
     return (
         trace,
         adapters,
-        replace(own, preset=config.preset, source_latencies_s=config.source_latencies_s),
+        replace(
+            own, preset=_preset(args, config.preset), source_latencies_s=config.source_latencies_s
+        ),
     )
 
 
@@ -677,6 +694,7 @@ def run(args: argparse.Namespace) -> int:
         "environment": environment(),
         "settings": {
             "preset": args.preset,
+            "rank_mode": config.preset.step.rank_mode,
             "workers": args.workers,
             "gateways": args.gateways,
             "policies": policies,

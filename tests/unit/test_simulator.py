@@ -628,6 +628,37 @@ def test_the_prefetch_gate_is_a_flag_of_the_simulator_as_of_the_predictor(
         SimConfig(preset=H100_8B_PRESET, prefetch_min_probability=-0.1)
 
 
+def test_rank_mode_flag_sets_the_step_cost_of_mixed_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--rank-mode sum`` simulates per-segment kernels on a preset whose own is padded: the
+    report's settings say which, and the same trace of mixed ranks runs faster (no row is
+    padded to another adapter's rank); an unknown mode is a usage error."""
+    rows = ["app,func,end_timestamp,duration"]
+    rows += [f"app0,func{i % 8},{0.05 * i + 0.5:.3f},0.5" for i in range(200)]
+    trace = tmp_path / "azure2021.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--trace", str(trace), "--format", "azure2021", "--preset", "h100-8b",
+            "--workers", "1", "--adapters", "8", "--policies", "plora-no-predictor",
+            "--search-max-workers", "0"]  # fmt: skip
+    ttft = {}
+    for mode in (None, "max", "sum"):
+        out = tmp_path / f"mode-{mode}"
+        flags = [] if mode is None else ["--rank-mode", mode]
+        assert run(parser.parse_args([*base, *flags, "--out", str(out)])) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["settings"]["rank_mode"] == (mode or H100_8B_PRESET.step.rank_mode)
+        ttft[mode] = report["plora-no-predictor"]["ttft_mean_s"]
+    assert ttft[None] == ttft["max"]
+    assert ttft["sum"] < ttft["max"]
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([*base, "--rank-mode", "avg", "--out", "o"])
+    assert exit_.value.code == 2
+    assert "--rank-mode: invalid choice: 'avg'" in capsys.readouterr().err
+
+
 def test_simulate_over_several_seeds_reports_the_means_and_every_run(tmp_path: Path) -> None:
     """``--seed 1 --seeds 2`` runs the simulation's draws of seeds 1 and 2 on the trace slice
     and adapter mapping of seed 1: the first run is the run ``--seed 1`` alone gives, and the
