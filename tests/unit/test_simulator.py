@@ -593,21 +593,31 @@ def test_a_replay_report_that_cannot_serve_is_a_usage_error(
             assert err.count("\n") == 1 and not out.exists()
 
 
+def _simulate_cli(
+    tmp_path: Path, functions: int, calls: int, gap_s: float
+) -> tuple[argparse.ArgumentParser, list[str]]:
+    """``plora simulate``'s parser and its flags for an Azure 2021 trace written here:
+    ``calls`` calls ``gap_s`` apart, over ``functions`` functions in turn (h100-8b, no
+    worker-count search)."""
+    rows = ["app,func,end_timestamp,duration"]
+    rows += [f"app0,func{i % functions},{gap_s * i + 0.5:.3f},0.5" for i in range(calls)]
+    trace = tmp_path / "azure2021.csv"
+    trace.write_text("\n".join(rows) + "\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--trace", str(trace), "--format", "azure2021", "--preset", "h100-8b",
+             "--search-max-workers", "0"]  # fmt: skip
+    return parser, flags
+
+
 def test_the_prefetch_gate_is_a_flag_of_the_simulator_as_of_the_predictor(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--prefetch-min-probability`` sets the simulated predictor's calibrated-probability
     gate (default the predictor's own), is recorded in the report's settings, and a value that
     is not a probability is a usage error (exit 2 naming the flag)."""
-    rows = ["app,func,end_timestamp,duration"]
-    rows += [f"app0,func{i % 3},{2.0 * i + 0.5:.3f},0.5" for i in range(30)]
-    trace = tmp_path / "azure2021.csv"
-    trace.write_text("\n".join(rows) + "\n")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    base = ["--trace", str(trace), "--format", "azure2021", "--preset", "h100-8b",
-            "--workers", "2", "--adapters", "3", "--policies", "plora", "--forecaster", "ewma",
-            "--search-max-workers", "0"]  # fmt: skip
+    parser, base = _simulate_cli(tmp_path, functions=3, calls=30, gap_s=2.0)
+    base += ["--workers", "2", "--adapters", "3", "--policies", "plora", "--forecaster", "ewma"]
     assert parser.parse_args([*base, "--out", "o"]).prefetch_min_probability == 0.75
     assert run(parser.parse_args([*base, "--prefetch-min-probability", "0", "--out",
                                   str(tmp_path / "gate0")])) == 0  # fmt: skip
@@ -634,15 +644,8 @@ def test_rank_mode_flag_sets_the_step_cost_of_mixed_ranks(
     """``--rank-mode sum`` simulates per-segment kernels on a preset whose own is padded: the
     report's settings say which, and the same trace of mixed ranks runs faster (no row is
     padded to another adapter's rank); an unknown mode is a usage error."""
-    rows = ["app,func,end_timestamp,duration"]
-    rows += [f"app0,func{i % 8},{0.05 * i + 0.5:.3f},0.5" for i in range(200)]
-    trace = tmp_path / "azure2021.csv"
-    trace.write_text("\n".join(rows) + "\n")
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    base = ["--trace", str(trace), "--format", "azure2021", "--preset", "h100-8b",
-            "--workers", "1", "--adapters", "8", "--policies", "plora-no-predictor",
-            "--search-max-workers", "0"]  # fmt: skip
+    parser, base = _simulate_cli(tmp_path, functions=8, calls=200, gap_s=0.05)
+    base += ["--workers", "1", "--adapters", "8", "--policies", "plora-no-predictor"]
     ttft = {}
     for mode in (None, "max", "sum"):
         out = tmp_path / f"mode-{mode}"
