@@ -6,6 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.metrics import LATENCY_BUCKETS, service_registry
 from services.worker.cold import COLD_CAUSES
+from services.worker.store_types import EVICTION_REASONS, LOAD_TIERS
 
 #: Decode inter-token latency buckets (seconds): GPU steps are 10-50 ms, CPU ones 50-500 ms.
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -161,6 +162,9 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        for tier in LOAD_TIERS:  # at 0 from the start: a query sees no gap before the first
+            self.loads.labels(tier)
+            self.load_latency.labels(tier)
         self.host_stages = Counter(
             "plora_worker_host_stages",
             "Adapters read from the source tier into the host cache ahead of demand",
@@ -251,6 +255,8 @@ class WorkerMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(reason)
         self.compactions = Counter("plora_worker_pool_compactions", "Pool compactions", registry=r)
         self.bytes_moved = Counter(
             "plora_worker_pool_compaction_moved_bytes", "Bytes moved by compaction", registry=r

@@ -93,6 +93,13 @@ def demand_queued(jobs: list[tuple[Any, ...]]) -> bool:
 Loader = Callable[[AdapterRef], LoRAWeights]
 
 
+#: ``StoreEvent.reason`` of an eviction: for a demand load, for a prefetch, a newer version
+#: registered, an unload (deleted, or dropped after Redis lost its data).
+EVICTION_REASONS = ("demand", "prefetch", "superseded", "unload")
+#: ``StoreEvent.tier`` of a load: read from the adapter's source, or copied from the host cache.
+LOAD_TIERS = ("source", "host")
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Configuration of the adapter store (built by the worker's config from flags/env).
@@ -252,8 +259,8 @@ class StoreEvent:
             finished, :meth:`AdapterStore.stage`), ``"host_stage_failed"`` (one failed).
         adapter_id: The adapter ("" for compaction).
         version: Its version (0 when not applicable).
-        tier: For loads: ``"source"`` or ``"host"``.
-        reason: For evictions: ``"demand"``, ``"prefetch"``, ``"superseded"``, ``"unload"``;
+        tier: For loads: one of :data:`LOAD_TIERS`.
+        reason: For evictions: one of :data:`EVICTION_REASONS`;
             for failed loads: the error's class name (``"AdapterSourceError"``, ...).
         seconds: Load latency, or cold-start wait.
         nbytes: Bytes loaded, evicted, or moved.

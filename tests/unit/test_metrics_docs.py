@@ -104,3 +104,20 @@ def test_store_failures_reach_the_worker_counters() -> None:
     assert value("plora_worker_adapter_load_failures_total", {"reason": "AdapterSourceError"}) == 2
     assert value("plora_worker_adapter_load_failures_total", {"reason": "PoolExhaustedError"}) == 1
     assert value("plora_worker_host_stage_failures_total") == 1
+
+
+def test_series_of_known_label_values_are_exported_at_zero_from_the_start() -> None:
+    """A worker that has not yet evicted, loaded or had a cold start still exports every
+    eviction reason, load tier and cold cause at 0: a rate or an alert over them has a series
+    from the first scrape, not a gap until the first event."""
+    from services.worker.cold import COLD_CAUSES
+    from services.worker.store_types import EVICTION_REASONS, LOAD_TIERS
+
+    value = WorkerMetrics().registry.get_sample_value
+    for reason in EVICTION_REASONS:
+        assert value("plora_worker_adapter_evictions_total", {"reason": reason}) == 0
+    for tier in LOAD_TIERS:
+        assert value("plora_worker_adapter_loads_total", {"tier": tier}) == 0
+        assert value("plora_worker_adapter_load_seconds_count", {"tier": tier}) == 0
+    for cause in COLD_CAUSES:
+        assert value("plora_worker_cold_starts_total", {"cause": cause}) == 0
