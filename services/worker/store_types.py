@@ -459,9 +459,9 @@ _NO_WAITER = "every request waiting for this adapter load ended"
 @dataclass
 class _Counters:
     device_hits: int = 0
-    loads_by_tier: dict[str, int] = field(default_factory=lambda: {"source": 0, "host": 0})
+    loads_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LOAD_TIERS, 0))
     load_seconds_by_tier: dict[str, float] = field(
-        default_factory=lambda: {"source": 0.0, "host": 0.0}
+        default_factory=lambda: dict.fromkeys(LOAD_TIERS, 0.0)
     )
     failed_loads: int = 0
     cold_starts: int = 0
