@@ -157,10 +157,7 @@ def route_rank_aware(
     placed, not resident, worker is chosen only when it is as lightly loaded as ``l`` (pending,
     then queue): the placement breaks ties among the least-loaded workers and never adds a wait.
     The request is cold on either worker, so nothing is saved by waiting behind a placed
-    worker's prefills, and its forecast is the predictor's guess (``plora simulate``, h100-8b, 4
-    workers: letting the placement hold a request for up to ``queue_slack`` more queued requests
-    made ``plora`` slower than the same system without its predictor, 0.0467 s against 0.0436 s
-    mean TTFT on the Azure 2019 trace, before the source-read rule; as a tie-break, 0.0431 s).
+    worker's prefills, and its forecast is the predictor's guess where the queue is measured.
     Where a worker has not measured those yet (0), ``pending_slack`` extra pending requests are
     tolerated. Staying saves a load (a cold start on ``l``), leaving saves waiting behind
     ``w``'s prefills: the rule takes whichever is expected to be shorter, using each worker's
