@@ -77,7 +77,8 @@ class StepTimeModel:
 
     def __post_init__(self) -> None:
         if self.rank_mode not in RANK_MODES:
-            raise ValueError(f"rank_mode must be 'max' or 'sum', got {self.rank_mode!r}")
+            modes = " or ".join(map(repr, RANK_MODES))
+            raise ValueError(f"rank_mode must be {modes}, got {self.rank_mode!r}")
         if min(self.base_s, self.per_row_s, self.per_prefill_token_s) < 0:
             raise ValueError("step-time coefficients must be >= 0")
 

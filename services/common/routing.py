@@ -157,7 +157,7 @@ def route_rank_aware(
     placed, not resident, worker is chosen only when it is as lightly loaded as ``l`` (pending,
     then queue): the placement breaks ties among the least-loaded workers and never adds a wait.
     The request is cold on either worker, so nothing is saved by waiting behind a placed
-    worker's prefills, and its forecast is the predictor's guess where the queue is measured.
+    worker's prefills, and the placement is the predictor's guess while the queue is measured.
     Where a worker has not measured those yet (0), ``pending_slack`` extra pending requests are
     tolerated. Staying saves a load (a cold start on ``l``), leaving saves waiting behind
     ``w``'s prefills: the rule takes whichever is expected to be shorter, using each worker's
