@@ -127,6 +127,8 @@ def test_step_time_model_terms() -> None:
     assert m.step_s(2, 10, 3, 0.0, 8) == pytest.approx(1 + 0.2 + 0.1 + 0.5 * 3 * 8 + 0.001 * 12 * 8)
     s = StepTimeModel(1.0, 0.1, 0.01, 0.5, 0.001, rank_mode="sum")
     assert s.step_s(2, 10, 3, 400.0, 8) == pytest.approx(1 + 0.2 + 0.1 + 1.5 + 0.4)
+    with pytest.raises(ValueError, match="rank_mode must be 'max' or 'sum', got 'avg'"):
+        StepTimeModel(1.0, 0.1, 0.01, 0.5, 0.001, rank_mode="avg")
 
 
 def test_shared_compute_slows_steps_of_concurrent_workers() -> None:
