@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any, Protocol, TypeVar
@@ -237,6 +239,40 @@ def already_aborted(context: grpc.ServicerContext) -> bool:
     return code is not None and code is not grpc.StatusCode.OK
 
 
+def started_thread_pool(max_workers: int) -> futures.ThreadPoolExecutor:
+    """A thread pool with all ``max_workers`` threads already running, for a gRPC server.
+
+    ``concurrent.futures.ThreadPoolExecutor`` starts a thread at a ``submit`` that finds none
+    idle, and ``Thread.start`` blocks the caller until the new thread has run. A sync gRPC
+    server submits from its one polling thread, so under the first burst of calls that thread
+    waits for up to ``max_workers`` thread start-ups in a row, each needing the interpreter
+    lock while the burst's handlers hold it, and every call behind waits with it (measured on
+    the gateway: about a tenth of its lock time in a 500-call flood, docs/security.md,
+    "Measured"). Starting them here moves that cost to start-up.
+
+    Args:
+        max_workers: Threads (>= 1).
+
+    Returns:
+        The pool, with ``max_workers`` idle threads.
+
+    Raises:
+        RuntimeError: A thread could not be started (the threads started are stopped).
+    """
+    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-server")
+    # each thread waits at the barrier until all have started, so no thread takes two tasks
+    everyone = threading.Barrier(max_workers + 1)
+    try:
+        for _ in range(max_workers):
+            pool.submit(everyone.wait)
+        everyone.wait()
+    except BaseException:
+        everyone.abort()
+        pool.shutdown(wait=False)
+        raise
+    return pool
+
+
 def create_server(
     register: Callable[[grpc.Server], Iterable[str]],
     *,
@@ -253,7 +289,9 @@ def create_server(
             names (``"plora.v1.Gateway"``), which are advertised by reflection and health.
         host: Interface to bind (``0.0.0.0`` in containers, loopback otherwise).
         port: TCP port; 0 picks a free port.
-        max_workers: Threads serving RPCs (each streaming RPC holds one while it runs).
+        max_workers: Threads serving RPCs (each streaming RPC holds one while it runs), all
+            started here (:func:`started_thread_pool`) and ended once the server object is
+            garbage collected.
         credentials: TLS of the port (:func:`tls_server_credentials`); None = plaintext.
         interceptors: Run on every call, health and reflection included, before its
             servicer (the gateway's API-key check; the internal token check of the worker
@@ -266,11 +304,10 @@ def create_server(
     Raises:
         OSError: the port could not be bound.
     """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=server_options(),
-        interceptors=list(interceptors),
-    )
+    pool = started_thread_pool(max_workers)
+    server = grpc.server(pool, options=server_options(), interceptors=list(interceptors))
+    # grpc never shuts its pool down; its idle threads end with the server object
+    weakref.finalize(server, pool.shutdown, wait=False)
     names = list(register(server))
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -32,7 +32,7 @@ MAX_NEW_TOKENS = 8
 #: p99 of the refusals' latency, seconds, from each call's start in the client to its status.
 #: A refusal is a few Python calls before the request is even read, but one client starting
 #: 500 calls at once and one gateway answering them share the core the worker's first step
-#: leaves them on a 2-core machine: 65-128 ms (p99, median 93 ms) there over 15 runs
+#: leaves them on a 2-core machine: 72-119 ms (p99, median 99 ms) there over 8 runs
 #: (docs/security.md, "Measured"). The bound is 1 s, well under the admitted streams' length
 #: (what a refusal that waited for a place would take; asserted separately below).
 REFUSAL_P99_S = 1.0
