@@ -239,19 +239,25 @@ def already_aborted(context: grpc.ServicerContext) -> bool:
     return code is not None and code is not grpc.StatusCode.OK
 
 
-def started_thread_pool(max_workers: int) -> futures.ThreadPoolExecutor:
-    """A thread pool with all ``max_workers`` threads already running, for a gRPC server.
+def started_thread_pool(
+    max_workers: int, thread_name_prefix: str = "grpc-server"
+) -> futures.ThreadPoolExecutor:
+    """A thread pool with all ``max_workers`` threads already running, for a gRPC server (or
+    an event loop that hands blocking work to a pool).
 
     ``concurrent.futures.ThreadPoolExecutor`` starts a thread at a ``submit`` that finds none
     idle, and ``Thread.start`` blocks the caller until the new thread has run. A sync gRPC
-    server submits from its one polling thread, so under the first burst of calls that thread
-    waits for up to ``max_workers`` thread start-ups in a row, each needing the interpreter
-    lock while the burst's handlers hold it, and every call behind waits with it (measured on
-    the gateway: about a tenth of its lock time in a 500-call flood, docs/security.md,
-    "Measured"). Starting them here moves that cost to start-up.
+    server submits from its one polling thread (the HTTP door from its event loop), so under
+    the first burst of calls that thread waits for up to ``max_workers`` thread start-ups in a
+    row, each needing the interpreter lock while the burst's handlers hold it, and every call
+    behind waits with it (measured on the gateway: about a tenth of its lock time in a
+    500-call flood, docs/security.md, "Measured"). Starting them here moves that cost to
+    start-up.
 
     Args:
         max_workers: Threads (>= 1).
+        thread_name_prefix: Names of the threads (``<prefix>_<n>``), as py-spy and
+            ``threading.enumerate`` show them.
 
     Returns:
         The pool, with ``max_workers`` idle threads.
@@ -259,7 +265,7 @@ def started_thread_pool(max_workers: int) -> futures.ThreadPoolExecutor:
     Raises:
         RuntimeError: A thread could not be started (the threads started are stopped).
     """
-    pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-server")
+    pool = futures.ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix)
     # each thread waits at the barrier until all have started, so no thread takes two tasks
     everyone = threading.Barrier(max_workers + 1)
     try:

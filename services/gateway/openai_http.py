@@ -29,7 +29,6 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ from services.common.errors import (
     PLoRAError,
     UnauthenticatedError,
 )
+from services.common.grpc_util import started_thread_pool
 from services.gateway.auth import KeyRing, Principal, effective_tenant
 from services.gateway.core import GatewayCore, Generation
 from services.gateway.metrics import GatewayMetrics
@@ -225,7 +225,7 @@ class OpenAIApp:
         keyring: The API keys; None = no keys (every caller acts as tenant "", which sees
             every adapter, as a gRPC call without ``tenant_id`` does).
         metrics: The gateway's series (``plora_gateway_http_requests_total`` is this door's).
-        threads: Size of the pool that reads the core's streams.
+        threads: Size of the pool that reads the core's streams, all started here.
         max_body_bytes: Largest request body read; beyond it, 413.
     """
 
@@ -241,7 +241,8 @@ class OpenAIApp:
         self.keyring = keyring
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="http-stream")
+        # all started now: started per call, each start would hold the event loop
+        self.executor = started_thread_pool(threads, thread_name_prefix="http-stream")
         routes = [
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
