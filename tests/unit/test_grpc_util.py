@@ -22,41 +22,44 @@ from services.common.grpc_util import (
 )
 
 
-def _pool_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("grpc-server")]
+def _pool_threads() -> set[threading.Thread]:
+    """The gRPC server pool threads alive now (other tests' servers' included: compare sets)."""
+    return {t for t in threading.enumerate() if t.name.startswith("grpc-server")}
 
 
 def test_a_server_pool_has_all_its_threads_running_before_the_first_call() -> None:
     """A burst of calls must not wait for thread start-ups in the server's polling thread:
     every thread runs before the first call, and a burst as large as the pool runs at once
     on those threads without starting more."""
-    before = len(_pool_threads())
+    before = _pool_threads()
     pool = started_thread_pool(6)
     try:
-        assert len(_pool_threads()) - before == 6
+        started = _pool_threads() - before
+        assert len(started) == 6
         all_in = threading.Barrier(6, timeout=10)  # broken unless the 6 tasks run at once
         tasks = [pool.submit(all_in.wait) for _ in range(6)]
         for task in tasks:
             task.result(timeout=10)
-        assert len(_pool_threads()) - before == 6
+        assert _pool_threads() - before == started
     finally:
         pool.shutdown(wait=True)
-    assert len(_pool_threads()) == before
+    assert not any(t.is_alive() for t in started)
 
 
 def test_a_stopped_server_leaves_no_pool_thread_behind() -> None:
     """Its threads run from start-up, so a process that starts and stops servers (a test
     session, a service restarted in place) must get them back once a server is gone."""
-    before = len(_pool_threads())
+    before = _pool_threads()
     server, _, _ = create_server(lambda s: [], port=0, max_workers=5)
     server.start()
-    assert len(_pool_threads()) - before == 5
+    started = _pool_threads() - before
+    assert len(started) == 5
     server.stop(None).wait(10)
     del server
     gc.collect()
     deadline = time.monotonic() + 10
-    while len(_pool_threads()) > before:
-        assert time.monotonic() < deadline, [t.name for t in _pool_threads()]
+    while alive := [t.name for t in started if t.is_alive()]:
+        assert time.monotonic() < deadline, alive
         time.sleep(0.05)
 
 
